@@ -1,0 +1,102 @@
+"""The attention backend interface: a ragged batch of new query tokens over a paged KV cache.
+
+Every request `b` in a batch brings `q_lens[b]` new tokens (a prefill chunk, one decode token, a
+draft tree, a drafter block). They attend to the request's committed prefix — `ctx_lens[b]` tokens
+in the paged pool, always fully visible — plus to the new tokens themselves under a per-request
+mask: causal (`tree_mask is None`) or an ancestor bitmask (bit j of row i: new token j is visible
+to new token i). The new tokens' K/V are written to `slot_mapping` first, so the new tokens sit in
+the pool right after the prefix (positions ctx_len .. ctx_len + q_len − 1 of the page table).
+
+Per-step metadata is built once (`AttnBatch.build`) and passed to every layer explicitly — no module
+globals (FlashInfer's plan/run split). Backends: `torch_ref` (CPU, the reference) and the Triton
+kernel in `kernels/tree_attention` (GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class AttnBatch:
+    q_lens: tuple[int, ...]  # host copy: new tokens per request
+    ctx_lens: tuple[int, ...]  # host copy: committed prefix per request
+    cu_q: torch.Tensor  # [B+1] int32 offsets of each request's rows in the flat batch
+    ctx_lens_t: torch.Tensor  # [B] int32
+    block_table: torch.Tensor  # [B, max_pages] int32, rows padded with 0
+    slot_mapping: torch.Tensor  # [T] int64 pool slot of each new token
+    positions: torch.Tensor  # [T] int64 absolute position of each new token (RoPE, windows)
+    tree_mask: torch.Tensor | None  # [T, W] int32 ancestor bits over the request's new tokens
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_q.shape[0] and sum(self.q_lens))
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens)
+
+    @staticmethod
+    def build(
+        q_lens: Sequence[int],
+        ctx_lens: Sequence[int],
+        page_tables: Sequence[Sequence[int]],
+        positions: Sequence[int] | np.ndarray,
+        page_size: int,
+        tree_masks: Sequence[np.ndarray] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> AttnBatch:
+        """Assemble the metadata of one forward from host lists.
+
+        `tree_masks[b]` is `[q_lens[b], W_b]` uint32 (from `spec.tree.verify_layout`); rows are
+        padded to the widest W. None means causal for every request.
+        """
+        b = len(q_lens)
+        cu = np.zeros(b + 1, dtype=np.int32)
+        cu[1:] = np.cumsum(q_lens)
+        max_pages = max((len(t) for t in page_tables), default=0) or 1
+        table = np.zeros((b, max_pages), dtype=np.int32)
+        slots = np.empty(int(cu[-1]), dtype=np.int64)
+        for i, pages in enumerate(page_tables):
+            table[i, : len(pages)] = pages
+            pos = np.arange(ctx_lens[i], ctx_lens[i] + q_lens[i])
+            slots[cu[i] : cu[i + 1]] = table[i, pos // page_size] * page_size + pos % page_size
+        mask = None
+        if tree_masks is not None:
+            width = max(m.shape[1] for m in tree_masks)
+            mask = np.zeros((int(cu[-1]), width), dtype=np.uint32)
+            for i, m in enumerate(tree_masks):
+                mask[cu[i] : cu[i + 1], : m.shape[1]] = m
+            mask = torch.from_numpy(mask.view(np.int32)).to(device)
+        return AttnBatch(
+            q_lens=tuple(int(x) for x in q_lens),
+            ctx_lens=tuple(int(x) for x in ctx_lens),
+            cu_q=torch.from_numpy(cu).to(device),
+            ctx_lens_t=torch.tensor(list(ctx_lens), dtype=torch.int32, device=device),
+            block_table=torch.from_numpy(table).to(device),
+            slot_mapping=torch.from_numpy(slots).to(device),
+            positions=torch.as_tensor(np.asarray(positions, dtype=np.int64)).to(device),
+            tree_mask=mask,
+            page_size=page_size,
+        )
+
+
+class AttentionBackend(Protocol):
+    """Computes attention of the new tokens of an `AttnBatch` over a paged K/V pool."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k_pool: torch.Tensor,  # [P, S, Hkv, D] (new tokens' K already written)
+        v_pool: torch.Tensor,  # [P, S, Hkv, D]
+        batch: AttnBatch,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...

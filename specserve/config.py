@@ -1,0 +1,48 @@
+"""Engine configuration: one frozen, validated dataclass.
+
+Network settings live in the services' own configs, which *contain* an `EngineConfig`; nothing
+here knows about ports or gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+DEFAULT_KV_BYTES_CPU = 256 << 20
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "cpu"
+    page_size: int = 16
+    num_pages: int | None = None  # explicit pool size; else derived from kv_memory_bytes
+    kv_memory_bytes: int | None = None  # KV pool byte budget (default 256 MiB)
+    max_num_seqs: int = 64  # running requests at once
+    max_num_batched_tokens: int = 2048  # tokens per forward: decodes first, then prefill chunks
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    tap_layers: tuple[int, ...] = ()  # target layers whose outputs feed the drafter
+    max_draft_tokens: int = 0  # largest tree budget; reserved as scratch per request
+    poison_kv: bool = False  # fill the pool with NaN (tests)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {self.num_pages}")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
+            raise ValueError(f"kv_memory_bytes must be positive, got {self.kv_memory_bytes}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if not 0 <= self.max_draft_tokens <= 1024:
+            raise ValueError(f"max_draft_tokens must be in [0, 1024], got {self.max_draft_tokens}")
+
+    def with_(self, **changes) -> EngineConfig:
+        return replace(self, **changes)

@@ -1,0 +1,85 @@
+"""The model runner: owns the target model, the KV pool and the attention backend.
+
+Turns a scheduled batch (host lists) into one forward: builds the `AttnBatch`, runs the model and
+returns logits only for the rows that need a token, plus the tapped features when asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.attention.base import AttnBatch
+from specserve.config import EngineConfig
+from specserve.kvcache.block_manager import BlockManager
+from specserve.kvcache.pool import KVPool, KVShape, num_pages_for_budget
+from specserve.models.decoder import DecoderModel
+from specserve.models.loader import load_model, resolve_dtype
+
+DEFAULT_KV_BYTES = 256 << 20
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardInput:
+    """One request's part of a forward."""
+
+    request_id: str
+    token_ids: Seq[int]  # new tokens
+    positions: Seq[int] | np.ndarray  # absolute position of each new token
+    ctx_len: int  # committed tokens before them (the paged prefix)
+    tree_mask: np.ndarray | None = None  # [n, W] uint32 ancestor bits; None = causal
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: DecoderModel | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype)
+        self.model = model or load_model(config.model_dir, self.dtype, config.device)
+        mc = self.model.config
+        for layer in config.tap_layers:
+            if not 0 <= layer < mc.num_layers:
+                raise ValueError(f"tap layer {layer} outside the model's {mc.num_layers} layers")
+        shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        num_pages = config.num_pages or num_pages_for_budget(
+            shape, config.page_size, config.kv_memory_bytes or DEFAULT_KV_BYTES
+        )
+        self.kv = KVPool(shape, num_pages, config.page_size, self.device, config.poison_kv)
+        self.blocks = BlockManager(num_pages, config.page_size)
+
+    @torch.inference_mode()
+    def forward(
+        self, inputs: Seq[ForwardInput], logit_rows: Seq[int], taps: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run all inputs in one batch.
+
+        Returns logits `[len(logit_rows), V]` float32 for the flat rows asked for, and the tapped
+        features `[T, n_taps * hidden]` of every row when `taps` (else None).
+        """
+        masks = [x.tree_mask for x in inputs]
+        any_tree = any(m is not None for m in masks)
+        batch = AttnBatch.build(
+            q_lens=[len(x.token_ids) for x in inputs],
+            ctx_lens=[x.ctx_len for x in inputs],
+            page_tables=[self.blocks.page_table(x.request_id) for x in inputs],
+            positions=np.concatenate([np.asarray(x.positions, dtype=np.int64) for x in inputs]),
+            page_size=self.config.page_size,
+            tree_masks=[m if m is not None else _causal_bits(len(x.token_ids))
+                        for m, x in zip(masks, inputs, strict=True)] if any_tree else None,
+            device=self.device,
+        )
+        ids = torch.tensor([t for x in inputs for t in x.token_ids], device=self.device)
+        hidden, features = self.model(ids, batch, self.kv, self.config.tap_layers if taps else ())
+        rows = torch.as_tensor(list(logit_rows), dtype=torch.long, device=self.device)
+        return self.model.logits(hidden.index_select(0, rows)), features
+
+
+def _causal_bits(n: int) -> np.ndarray:  # [n, W] uint32 lower-triangular bitmask
+    width = (n + 31) // 32
+    dense = np.tril(np.ones((n, width * 32), dtype=bool))
+    return np.packbits(dense.reshape(n, width, 32)[:, :, ::-1], axis=-1).view(">u4").astype(
+        np.uint32
+    ).reshape(n, width)

@@ -1,0 +1,73 @@
+"""Request-level value types shared by the engine, the drafters and the services.
+
+These are plain frozen dataclasses: the services convert protobuf messages to and from them
+(services/*/convert.py), so nothing here knows about the wire.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+from specserve.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request turns target logits into tokens.
+
+    temperature 0 means greedy (argmax). top_k None means no top-k cut; top_p 1.0 means no nucleus
+    cut. seed None means a fresh random seed. Stop token ids end the generation and are emitted;
+    stop strings end it and are not emitted.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k <= 0):
+            raise InvalidRequest(f"top_k must be a positive integer or None, got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if any(not s for s in self.stop):
+            raise InvalidRequest("stop strings must be non-empty")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be non-negative ints: {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens or the model's context limit
+    ABORT = "abort"  # cancelled
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one engine step produced for one request: the newly committed tokens and text."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str = ""
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
