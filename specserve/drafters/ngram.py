@@ -89,18 +89,33 @@ def ngram_tree(
     ends = _longest_match(tokens, max_ngram, min_ngram)
     if ends is None or budget == 0:
         return DraftTree.empty()
-    node_tokens: list[int] = []
-    parents: list[int] = []
-    depths: list[int] = []
+    return _tree_from_chains(_branch_chains(tokens, ends, budget, max_depth))
+
+
+def _branch_chains(
+    tokens: np.ndarray, ends: np.ndarray, budget: int, max_depth: int
+) -> list[list[int]]:
+    """Continuations of the matches at `ends`, most recent first, one per distinct first token."""
+    chains: list[list[int]] = []
     first_tokens: set[int] = set()
+    remaining = budget
     for end in ends[::-1].tolist():
-        remaining = budget - len(node_tokens)
         if remaining == 0:
             break
         chain = tokens[end : end + min(max_depth, remaining)].tolist()
-        if chain[0] in first_tokens:
-            continue
-        first_tokens.add(chain[0])
+        if chain[0] not in first_tokens:
+            first_tokens.add(chain[0])
+            chains.append(chain)
+            remaining -= len(chain)
+    return chains
+
+
+def _tree_from_chains(chains: list[list[int]]) -> DraftTree:
+    """Depth-1 siblings (one per chain) each with its chain below it, in chain order."""
+    node_tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    for chain in chains:
         for depth, token in enumerate(chain, start=1):
             # The chain's head hangs off the root; every later token off the row just added.
             parents.append(0 if depth == 1 else len(node_tokens))
