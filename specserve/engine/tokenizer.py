@@ -130,7 +130,8 @@ class IncrementalDetokenizer:
     before the previous emission point) plus the tokens not yet fully emitted, and emits what the
     window's text gained. Text ending in U+FFFD (a multi-byte character split across byte-level
     tokens) is held back until the character completes; `flush` releases it. For byte-level BPE,
-    the deltas plus `flush()` concatenate to `tokenizer.decode(all generated ids)`.
+    the deltas plus `flush()` concatenate to `tokenizer.decode(all generated ids)`. Each push costs
+    O(window), where the window is the tokens since the last-but-one emission point.
     """
 
     def __init__(
@@ -174,8 +175,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _slide(self, text: str) -> None:
-        """All of `text` (the window's) is emitted: keep the tokens since the previous clean point
-        as the next window's context."""
+        """`text` (the whole window's) is emitted; the tokens since the last clean point stay."""
         if self._read:
             del self._ids[: self._read]
             text = self._decode(self._ids)
