@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from specserve.errors import InvalidRequest
 
@@ -43,14 +43,16 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequest(f"stop_token_ids must be non-negative ints: {self.stop_token_ids!r}")
+            raise InvalidRequest(
+                f"stop_token_ids must be non-negative ints: {self.stop_token_ids!r}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"  # a stop token or stop string
     LENGTH = "length"  # max_tokens or the model's context limit
     ABORT = "abort"  # cancelled

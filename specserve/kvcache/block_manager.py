@@ -37,7 +37,8 @@ class BlockManager:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free: list[int] = list(range(num_pages))  # min-heap: low ids first keeps runs contiguous
+        # a min-heap: handing out low ids first keeps runs of pages contiguous
+        self._free: list[int] = list(range(num_pages))
         self._entries: dict[str, _Entry] = {}
         self._num_reserved = 0
 

@@ -45,7 +45,9 @@ class RopeConfig:
         if self.rope_type not in ROPE_TYPES:
             raise ModelError(f"unsupported rope_type {self.rope_type!r}; supported: {ROPE_TYPES}")
         if self.theta <= 0 or self.factor <= 0:
-            raise ModelError(f"rope theta and factor must be positive ({self.theta}, {self.factor})")
+            raise ModelError(
+                f"rope theta and factor must be positive ({self.theta}, {self.factor})"
+            )
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.window = cfg.window(layer)
         d, bias = cfg.hidden_size, cfg.attention_bias

@@ -1,0 +1,61 @@
+"""Tiny random checkpoints for the tests, written by transformers (the oracle) itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# name -> (transformers config class name, kwargs). GQA ratios 1, 4, 7; head_dim 64 and 128;
+# tied and untied embeddings; default, YaRN, linear and llama3 RoPE.
+CONFIGS: dict[str, tuple[str, dict]] = {
+    "qwen3-gqa1-tied": ("Qwen3", dict(num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                                      tie_word_embeddings=True)),
+    "qwen3-gqa4-yarn": ("Qwen3", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                      rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 64})),
+    "qwen3-gqa7-hd128": ("Qwen3", dict(num_attention_heads=7, num_key_value_heads=1,
+                                       head_dim=128)),
+    "llama-gqa4-llama3": ("Llama", dict(num_attention_heads=4, num_key_value_heads=1,
+                                        head_dim=32, rope_scaling={
+                                            "rope_type": "llama3", "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 32})),
+    "llama-linear-tied": ("Llama", dict(num_attention_heads=4, num_key_value_heads=4,
+                                        head_dim=16, tie_word_embeddings=True,
+                                        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+}
+BASE = dict(vocab_size=211, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+            max_position_embeddings=512, initializer_range=0.08, rms_norm_eps=1e-6)
+
+
+def hf_config(name: str, **overrides):
+    import transformers
+
+    family, kwargs = CONFIGS[name]
+    cls = getattr(transformers, f"{family}Config")
+    return cls(**{**BASE, **kwargs, **overrides})
+
+
+def make_checkpoint(path: Path, name: str, seed: int = 0, **overrides):
+    """Save a random HF model; returns (path, the transformers model in fp32 eval mode)."""
+    import transformers
+
+    cfg = hf_config(name, **overrides)
+    torch.manual_seed(seed)
+    family = CONFIGS[name][0]
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
+    model.save_pretrained(path)
+    return Path(path), model
+
+
+def random_prompts(n: int, vocab: int, lengths, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (lengths[i % len(lengths)],), generator=g).tolist()
+            for i in range(n)]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -1,0 +1,161 @@
+"""The engine: continuous batching with chunked prefill gives what each request gives alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.errors import CapacityExhausted, InvalidRequest
+from specserve.types import FinishReason, SamplingParams
+from tests.helpers import random_prompts
+
+LENGTHS = [37, 5, 61, 18, 44, 2, 29, 53]
+
+
+def _run_alone(engine, prompts, params_list):
+    return [engine.generate([p], params)[0] for p, params in zip(prompts, params_list, strict=True)]
+
+
+def _run_together(engine, prompts, params_list):
+    for i, (p, params) in enumerate(zip(prompts, params_list, strict=True)):
+        engine.add_request(f"r{i}", p, params)
+    got = {f"r{i}": [] for i in range(len(prompts))}
+    steps = 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+        steps += 1
+    return [got[f"r{i}"] for i in range(len(prompts))], steps
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_batched_chunked_prefill_equals_alone(checkpoint_cache, make_engine, page_size):
+    path, hf = checkpoint_cache("qwen3-gqa4-yarn")
+    prompts = random_prompts(8, hf.config.vocab_size, LENGTHS, seed=21)
+    params = [SamplingParams(max_tokens=24 + 3 * i, ignore_eos=True) if i % 2 else
+              SamplingParams(max_tokens=30, temperature=0.8, top_k=50, top_p=0.9, seed=100 + i,
+                             ignore_eos=True) for i in range(8)]
+    alone = _run_alone(make_engine(path, page_size=page_size, max_num_batched_tokens=4096),
+                       prompts, params)
+    # chunk (token budget) 13 < every long prompt: prefill is spread over many steps
+    engine = make_engine(path, page_size=page_size, max_num_batched_tokens=13, max_num_seqs=5)
+    together, steps = _run_together(engine, prompts, params)
+    assert together == alone
+    assert [len(t) for t in together] == [p.max_tokens for p in params]
+    assert steps > sum(LENGTHS) // 13  # prefill really was chunked
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(checkpoint_cache, make_engine):
+    path, hf = checkpoint_cache("llama-gqa4-llama3")
+    engine = make_engine(path)
+    prompt = random_prompts(1, hf.config.vocab_size, [11], seed=2)[0]
+    p = SamplingParams(max_tokens=40, temperature=1.0, seed=7, ignore_eos=True)
+    a, b = engine.generate([prompt, prompt], p)
+    c = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=1.0, seed=8,
+                                                  ignore_eos=True))[0]
+    assert a == b and a != c
+
+
+def test_stop_token_and_max_tokens(checkpoint_cache, make_engine):
+    path, hf = checkpoint_cache("qwen3-gqa1-tied")
+    engine = make_engine(path)
+    prompt = random_prompts(1, hf.config.vocab_size, [9], seed=4)[0]
+    full = engine.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    stop = full[12]
+    first = full.index(stop)
+    engine.add_request("s", prompt, SamplingParams(max_tokens=30, stop_token_ids=(stop,)))
+    outs = []
+    while engine.has_unfinished:
+        outs += engine.step()
+    assert [t for o in outs for t in o.new_token_ids] == full[: first + 1]
+    assert outs[-1].finish_reason is FinishReason.STOP
+    assert outs[-1].num_output_tokens == first + 1
+
+
+def test_context_limit_ends_with_length(checkpoint_cache, make_engine):
+    path, hf = checkpoint_cache("qwen3-gqa1-tied")
+    engine = make_engine(path, max_model_len=40)
+    prompt = random_prompts(1, hf.config.vocab_size, [33], seed=4)[0]
+    engine.add_request("c", prompt, SamplingParams(max_tokens=100, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished:
+        outs += engine.step()
+    assert sum(len(o.new_token_ids) for o in outs) == 7
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+
+
+BAD_INPUTS = [
+    ([], {}, "prompt is empty"),
+    ([i % 200 for i in range(600)], {}, "prompt has 600 tokens"),
+    ([1, 2, 211], {}, r"out of vocabulary \[0, 211\): \[211\]"),
+    ([1, -3], {}, "out of vocabulary"),
+]
+BAD_PARAMS = [
+    (dict(max_tokens=0), "max_tokens must be a positive integer"),
+    (dict(max_tokens=-4), "max_tokens"),
+    (dict(temperature=-0.1), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k must be a positive integer"),
+]
+
+
+def test_bad_input_rejected_others_unaffected(checkpoint_cache, make_engine):
+    path, hf = checkpoint_cache("qwen3-gqa4-yarn")
+    engine = make_engine(path, max_num_batched_tokens=16)
+    good = random_prompts(3, hf.config.vocab_size, [20, 7, 31], seed=8)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = [engine.generate([p], params)[0] for p in good]
+    for i, p in enumerate(good):
+        engine.add_request(f"g{i}", p, params)
+    engine.step()  # the good requests are mid-prefill when the bad ones arrive
+    for prompt, _, msg in BAD_INPUTS:
+        with pytest.raises(InvalidRequest, match=msg):
+            engine.add_request(f"bad{len(prompt)}", prompt, params)
+    for kwargs, msg in BAD_PARAMS:
+        with pytest.raises(InvalidRequest, match=msg):
+            SamplingParams(**kwargs)
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.add_request("g0", good[0], params)
+    with pytest.raises(InvalidRequest, match="needs a tokenizer"):
+        engine.add_request("t", "hello", params)
+    got = {f"g{i}": [] for i in range(3)}
+    while engine.has_unfinished:
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+    assert [got[f"g{i}"] for i in range(3)] == expected
+
+
+def test_out_of_pages_queues_or_rejects(checkpoint_cache, make_engine):
+    path, hf = checkpoint_cache("qwen3-gqa1-tied")
+    # 6 pages of 16 slots: each request below needs 3 pages (30 prompt + 12 new tokens)
+    engine = make_engine(path, page_size=16, num_pages=6)
+    prompts = random_prompts(5, hf.config.vocab_size, [30], seed=9)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    alone = [engine.generate([p], params)[0] for p in prompts]
+    with pytest.raises(CapacityExhausted, match="needs 7 KV pages"):
+        engine.add_request("huge", list(range(100)), params)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"q{i}", p, params)
+    first = engine.step()
+    assert len(engine.scheduler.running) == 2 and len(engine.scheduler.waiting) == 3
+    assert engine.blocks.num_reserved_pages == 6
+    got = {f"q{i}": [] for i in range(5)}
+    for out in first:
+        got[out.request_id].extend(out.new_token_ids)
+    while engine.has_unfinished:
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+            assert engine.blocks.num_used_pages <= 6
+    assert [got[f"q{i}"] for i in range(5)] == alone
+
+
+def test_abort_frees_pages_at_once(checkpoint_cache, make_engine):
+    path, hf = checkpoint_cache("qwen3-gqa1-tied")
+    engine = make_engine(path, page_size=4)
+    engine.add_request("a", random_prompts(1, hf.config.vocab_size, [23])[0],
+                       SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.blocks.num_used_pages == 6
+    assert engine.abort("a") and not engine.abort("a")
+    assert engine.blocks.num_used_pages == 0 and not engine.has_unfinished
