@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export GRPC_VERBOSITY=ERROR TRITON_INTERPRET=1 PYTHONHASHSEED=0
-.venv/bin/ruff check specserve tests kernels bench scripts
+.venv/bin/ruff check .
 .venv/bin/python -m pytest -q "$@"
