@@ -10,7 +10,8 @@ import torch
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Tiny models: intra-op threads only add hand-off latency (ms per op on a busy 2-core box).
+torch.set_num_threads(1)
 
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine.engine import Engine  # noqa: E402

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specserve.drafters.base import DraftRequest
 from specserve.spec.tree import DraftTree, check_budget
 
 
@@ -144,3 +145,19 @@ class NgramDrafter:
     def propose(self, history: Sequence[int] | np.ndarray, budget: int) -> DraftTree:
         """Draft tree of at most `budget` nodes for the next step after `history`."""
         return ngram_tree(history, budget, self.max_ngram, self.min_ngram, self.max_depth)
+
+    # -- the Drafter protocol (specserve.drafters.base) --
+    needs_context = False  # works from token history alone
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
+        """One prompt-lookup tree per request, within its budget and max_depth."""
+        out = []
+        for r in requests:
+            depth = min(self.max_depth, r.max_depth)
+            ok = r.history is not None and depth > 0 and r.budget > 0
+            out.append(ngram_tree(r.history, r.budget, self.max_ngram, self.min_ngram, depth)
+                       if ok else DraftTree.empty())
+        return out
+
+    def release(self, request_id: str) -> None:
+        """Stateless: nothing to forget."""

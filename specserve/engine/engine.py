@@ -8,25 +8,40 @@ strings, max_tokens, incremental text). Scheduling is `engine.scheduler`'s, the 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+import torch
+
 from specserve.config import EngineConfig
+from specserve.drafters.base import Drafter
+from specserve.engine import speculative
 from specserve.engine.runner import ForwardInput, ModelRunner
 from specserve.engine.sampling import make_generator, sample_rows
 from specserve.engine.scheduler import Scheduled, Scheduler
 from specserve.engine.sequence import Sequence, Status
 from specserve.errors import InvalidRequest
 from specserve.models.decoder import DecoderModel
+from specserve.spec.accept import accept
+from specserve.spec.metrics import RequestSpecStats, StepRecord
 from specserve.types import FinishReason, RequestOutput, SamplingParams
 
 
 class Engine:
     def __init__(
-        self, config: EngineConfig, model: DecoderModel | None = None, tokenizer=None
+        self,
+        config: EngineConfig,
+        model: DecoderModel | None = None,
+        tokenizer=None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.config = config
+        self.drafter = drafter
+        # the drafter's context features are the target's tap-layer outputs, when it wants them
+        self._needs_context = bool(getattr(drafter, "needs_context", False))
+        self.on_step = None  # optional callback(request_id, StepRecord) — tests check invariants
         self.runner = ModelRunner(config, model)
         self.model_config = self.runner.model.config
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -44,13 +59,22 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        budget: int = 0,
     ) -> None:
-        """Validate and queue a request. Raises InvalidRequest / CapacityExhausted; on error
-        nothing is queued and other requests are unaffected."""
+        """Validate and queue a request; `budget` draft nodes per step (0 = no speculation).
+
+        Raises InvalidRequest / CapacityExhausted; on error nothing is queued and other requests
+        are unaffected."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if not 0 <= budget <= self.config.max_draft_tokens:
+            raise InvalidRequest(f"budget must be in [0, {self.config.max_draft_tokens}] "
+                                 f"(the engine's max_draft_tokens), got {budget}")
         prompt_ids = self._prompt_ids(prompt)
         seq = Sequence(
             request_id=request_id,
@@ -60,6 +84,8 @@ class Engine:
             max_len=self.max_model_len,
             generator=make_generator(params, self.runner.device),
             arrival=next(self._arrivals),
+            budget=budget,
+            spec_stats=RequestSpecStats(),
         )
         if self.tokenizer is not None:
             from specserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -106,7 +132,12 @@ class Engine:
             return False
         seq.finish_reason = FinishReason.ABORT
         self.scheduler.finish(seq)
+        self._release(request_id)
         return True
+
+    def _release(self, request_id: str) -> None:
+        if self.drafter is not None:
+            self.drafter.release(request_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -114,28 +145,88 @@ class Engine:
 
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one forward over the scheduled batch; return outputs of requests that advanced."""
+        """One round: draft for decoding requests, one forward over every tree and prefill
+        chunk (verify), then commit. Returns outputs of requests that produced tokens."""
         work = self.scheduler.schedule()
         if not work:
             return []
-        inputs = [self._input(w) for w in work]
-        ends = list(itertools.accumulate(w.num_tokens for w in work))
-        sampling = [i for i, w in enumerate(work) if w.start + w.num_tokens == w.seq.num_tokens]
-        logits, _ = self.runner.forward(inputs, [ends[i] - 1 for i in sampling])
-        for w in work:
+        decoding = [w.seq for w in work if not w.seq.in_prefill]
+        chunks = [w for w in work if w.seq.in_prefill]
+        plans, draft_s = speculative.plan(
+            decoding, self.drafter, self.max_model_len, self.model_config.vocab_size)
+        for p in plans:  # scratch rows for the tree, within the request's reservation
+            self.blocks.ensure(p.seq.request_id, p.start + p.layout.num_rows)
+        inputs = [p.forward_input() for p in plans] + [self._chunk_input(w) for w in chunks]
+        ends = list(itertools.accumulate(len(x.token_ids) for x in inputs))
+        rows = [r for p, e in zip(plans, ends, strict=False)
+                for r in range(e - p.layout.num_rows, e)]
+        done = [i for i, w in enumerate(chunks) if w.start + w.num_tokens == w.seq.num_tokens]
+        rows += [ends[len(plans) + i] - 1 for i in done]
+        t0 = time.perf_counter()
+        logits, feats = self.runner.forward(inputs, rows, taps=self._needs_context)
+        verify_s = time.perf_counter() - t0
+        outputs = self._commit_trees(plans, logits, feats, ends, draft_s, verify_s)
+        offset = sum(p.layout.num_rows for p in plans)
+        for w, e in zip(chunks, ends[len(plans):], strict=True):
             w.seq.num_computed += w.num_tokens
-        outputs = []
-        for row, i in enumerate(sampling):
-            seq = work[i].seq
-            token = sample_rows(logits[row : row + 1], seq.params, seq.generator)[0]
-            outputs.append(self._commit(seq, [token]))
+            if feats is not None:
+                w.seq.pending_context.append(feats[e - w.num_tokens : e])
+        for j, i in enumerate(done):
+            seq = chunks[i].seq
+            token = sample_rows(logits[offset + j : offset + j + 1], seq.params, seq.generator)
+            outputs.append(self._commit(seq, token))
         return outputs
 
-    def _input(self, w: Scheduled) -> ForwardInput:
+    def _chunk_input(self, w: Scheduled) -> ForwardInput:
         ids = w.seq.all_ids[w.start : w.start + w.num_tokens]
         return ForwardInput(
             w.seq.request_id, ids, range(w.start, w.start + w.num_tokens), ctx_len=w.start
         )
+
+    def _commit_trees(self, plans, logits, feats, ends, draft_s, verify_s) -> list[RequestOutput]:
+        """Accept, compact KV and commit every tree of the step."""
+        t0 = time.perf_counter()
+        outputs, src, dst, row0, done = [], [], [], 0, []
+        for p, end in zip(plans, ends, strict=False):
+            seq, n = p.seq, p.layout.num_rows
+            acc = accept(logits[row0 : row0 + n], p.tree, seq.params, seq.generator)
+            s, d = speculative.compaction(p, acc)
+            s, d = [self._slot(seq, x) for x in s], [self._slot(seq, x) for x in d]
+            if feats is not None:
+                keep = torch.tensor([0, *acc.rows], device=feats.device) + (end - n)
+                seq.pending_context.append(feats.index_select(0, keep))
+            seq.num_computed = p.start + 1 + acc.accepted_depth
+            out = self._commit(seq, acc.token_ids)
+            if not out.finished:  # a finished request's pages are already free
+                src, dst = src + s, dst + d
+            cut = len(out.new_token_ids) < len(acc.token_ids)
+            done.append((p, acc, out, cut))
+            outputs.append(out)
+            row0 += n
+        dev = self.runner.device
+        self.runner.kv.copy_slots(torch.tensor(src, dtype=torch.long, device=dev),
+                                  torch.tensor(dst, dtype=torch.long, device=dev))
+        commit_s = time.perf_counter() - t0
+        for p, acc, out, cut in done:
+            if p.seq.request_id in self.blocks:
+                self.blocks.truncate(p.seq.request_id, p.seq.num_computed)
+            self._record(p, acc, out, cut, (draft_s, verify_s, commit_s))
+        return outputs
+
+    def _slot(self, seq: Sequence, position: int) -> int:
+        return self.blocks.slots(seq.request_id, position, position + 1)[0]
+
+    def _record(self, p, acc, out, cut, times) -> None:
+        step = StepRecord(p.budget, p.tree.n, acc.accepted_depth, len(out.new_token_ids), cut,
+                          p.fallback)
+        stats = p.seq.spec_stats
+        stats.record(step)
+        stats.draft_s, stats.verify_s, stats.commit_s = (
+            a + b for a, b in zip((stats.draft_s, stats.verify_s, stats.commit_s), times,
+                                  strict=True))
+        out.stats = {"step": step, "request": stats}
+        if self.on_step is not None:
+            self.on_step(p.seq.request_id, step)
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append generated tokens (stopping at the first that ends the request)."""
@@ -153,6 +244,7 @@ class Engine:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)
+            self._release(seq.request_id)
         return out
 
     def _text(self, seq: Sequence, taken: list[int], reason: FinishReason | None):
@@ -171,13 +263,16 @@ class Engine:
 
     # ---- convenience -------------------------------------------------------------------------
     def generate(
-        self, prompts: Iterable[str | Seq[int]], params: SamplingParams | None = None
+        self,
+        prompts: Iterable[str | Seq[int]],
+        params: SamplingParams | None = None,
+        budget: int = 0,
     ) -> list[list[int]]:
         """Run prompts to completion; returns each request's generated token ids."""
         ids = []
         for i, p in enumerate(prompts):
             rid = f"gen-{next(self._arrivals)}-{i}"
-            self.add_request(rid, p, params)
+            self.add_request(rid, p, params, budget)
             ids.append(rid)
         got: dict[str, list[int]] = {r: [] for r in ids}
         while self.has_unfinished:

@@ -31,6 +31,9 @@ class Sequence:
     detok: object | None = None  # IncrementalDetokenizer when the engine has a tokenizer
     stopper: object | None = None  # StopStringMatcher when stop strings were given
     arrival: int = 0
+    budget: int = 0  # draft nodes per step (0 = plain autoregressive decoding)
+    pending_context: list = field(default_factory=list)  # tapped features not yet drafted on
+    spec_stats: object | None = None  # RequestSpecStats
 
     @property
     def all_ids(self) -> list[int]:

@@ -1,0 +1,101 @@
+"""One speculative round for the decoding requests of a step: draft → (verify) → commit.
+
+The engine owns the batch forward (verify happens in the same forward as the prefill chunks);
+this module owns what surrounds it: asking the drafter for one tree per request (one batched
+call; a failing or misbehaving drafter degrades to root-only trees, never to an error), laying
+the trees out for verification, and committing the accepted path — KV compaction from the
+scratch rows into the request's next slots, the drafter's next context features, metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from specserve.drafters.base import Drafter, DraftRequest
+from specserve.engine.runner import ForwardInput
+from specserve.engine.sequence import Sequence
+from specserve.spec.accept import Acceptance
+from specserve.spec.tree import DraftTree, VerifyLayout, verify_layout
+
+
+@dataclass(eq=False)
+class Planned:
+    """A decoding request's tree for this step."""
+
+    seq: Sequence
+    tree: DraftTree
+    layout: VerifyLayout
+    budget: int
+    fallback: str | None = None
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed
+
+    def forward_input(self) -> ForwardInput:
+        return ForwardInput(self.seq.request_id, self.layout.token_ids, self.layout.positions,
+                            ctx_len=self.start, tree_mask=self.layout.mask)
+
+
+def draft_requests(seqs: Seq[Sequence], max_len: int) -> list[DraftRequest]:
+    out = []
+    for seq in seqs:
+        start = seq.num_computed
+        room = min(seq.params.max_tokens - len(seq.output_ids), max_len - 1 - start)
+        ctx = torch.cat(seq.pending_context) if seq.pending_context else None
+        out.append(DraftRequest(seq.request_id, seq.all_ids[-1], start, seq.budget,
+                                max(room, 0), ctx, seq.all_ids))
+    return out
+
+
+def _check_tree(tree: DraftTree, req: DraftRequest, vocab: int) -> str | None:
+    if tree.n > req.budget:
+        return "invalid_tree: over budget"
+    if tree.n and tree.max_depth > req.max_depth:
+        return "invalid_tree: too deep"
+    if tree.n and not (int(tree.token_ids.min()) >= 0 and int(tree.token_ids.max()) < vocab):
+        return "invalid_tree: token out of vocabulary"
+    return None
+
+
+def plan(
+    seqs: Seq[Sequence], drafter: Drafter | None, max_len: int, vocab: int
+) -> tuple[list[Planned], float]:
+    """Draft one tree per decoding request; returns the plans and the drafting time (s)."""
+    t0 = time.perf_counter()
+    reqs = draft_requests(seqs, max_len)
+    wanted = [r for r in reqs if r.budget > 0]
+    trees: dict[str, DraftTree] = {}
+    fallback: dict[str, str] = {}
+    if drafter is not None and wanted:
+        try:
+            got = drafter.draft(wanted)
+            if len(got) != len(wanted):
+                raise ValueError(f"drafter returned {len(got)} trees for {len(wanted)} requests")
+            for req, tree in zip(wanted, got, strict=True):
+                reason = _check_tree(tree, req, vocab)
+                trees[req.request_id] = DraftTree.empty() if reason else tree
+                if reason:
+                    fallback[req.request_id] = reason
+        except Exception as e:  # a drafter failure costs speed, never correctness
+            fallback = {r.request_id: f"drafter_error: {type(e).__name__}: {e}" for r in wanted}
+    for seq in seqs:  # the context went to the drafter (or is moot without one)
+        if drafter is not None and seq.request_id not in fallback:
+            seq.pending_context.clear()
+    out = []
+    for seq, req in zip(seqs, reqs, strict=True):
+        tree = trees.get(seq.request_id, DraftTree.empty())
+        out.append(Planned(seq, tree, verify_layout(tree, req.bonus_token, req.start),
+                           req.budget, fallback.get(seq.request_id)))
+    return out, time.perf_counter() - t0
+
+
+def compaction(p: Planned, acc: Acceptance) -> tuple[list[int], list[int]]:
+    """Positions to copy so the accepted path sits right after the root: (src, dst)."""
+    src = [p.start + row for d, row in enumerate(acc.rows, 1) if row != d]
+    dst = [p.start + d for d, row in enumerate(acc.rows, 1) if row != d]
+    return src, dst

@@ -1,0 +1,76 @@
+"""Speculation metrics in the shared vocabulary, per step and per request.
+
+commit_len = accepted_depth + 1 (the bonus) unless the step was cut by a stop token or
+max_tokens — then `cut` is set and commit_len counts what was really committed. The invariant
+is checked when a step is recorded, so the numbers cannot contradict each other.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    budget: int  # draft nodes asked for
+    tree_size: int  # draft nodes received (root excluded)
+    accepted_depth: int
+    commit_len: int
+    cut: bool  # commit_len < accepted_depth + 1 because a stop / max_tokens ended the request
+    fallback: str | None = None  # why the step verified a root-only tree, if it did
+
+    def __post_init__(self) -> None:
+        if self.cut:
+            if not 1 <= self.commit_len <= self.accepted_depth + 1:
+                raise AssertionError(f"cut step commits {self.commit_len} of "
+                                     f"{self.accepted_depth + 1}")
+        elif self.commit_len != self.accepted_depth + 1:
+            raise AssertionError(f"commit_len {self.commit_len} != accepted_depth "
+                                 f"{self.accepted_depth} + 1")
+        if self.accepted_depth > self.tree_size:
+            raise AssertionError("accepted more nodes than the tree has")
+
+
+@dataclass
+class RequestSpecStats:
+    """Accumulated over a request's speculative steps."""
+
+    steps: int = 0
+    draft_tokens: int = 0  # Σ tree_size
+    accepted_tokens: int = 0  # Σ accepted_depth
+    committed_tokens: int = 0  # Σ commit_len
+    commit_len_hist: Counter = field(default_factory=Counter)
+    accepted_per_position: Counter = field(default_factory=Counter)  # depth -> times accepted
+    fallbacks: Counter = field(default_factory=Counter)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    commit_s: float = 0.0
+
+    def record(self, step: StepRecord) -> None:
+        self.steps += 1
+        self.draft_tokens += step.tree_size
+        self.accepted_tokens += step.accepted_depth
+        self.committed_tokens += step.commit_len
+        self.commit_len_hist[step.commit_len] += 1
+        for depth in range(1, step.accepted_depth + 1):
+            self.accepted_per_position[depth] += 1
+        if step.fallback:
+            self.fallbacks[step.fallback] += 1
+
+    @property
+    def mean_commit_len(self) -> float:
+        return self.committed_tokens / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps, "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens, "committed_tokens": self.committed_tokens,
+            "mean_commit_len": self.mean_commit_len,
+            "commit_len_hist": dict(sorted(self.commit_len_hist.items())),
+            "accepted_per_position": dict(sorted(self.accepted_per_position.items())),
+            "fallbacks": dict(self.fallbacks),
+            "phase_s": {"prefill": self.prefill_s, "draft": self.draft_s,
+                        "verify": self.verify_s, "commit": self.commit_s},
+        }
