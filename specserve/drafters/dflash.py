@@ -1,0 +1,147 @@
+"""The DFlash drafter: one batched block forward per step, then a DDTree (or a chain) per request.
+
+Owns the per-step flow behind the `Drafter` protocol: check that each request's new context
+features continue what its context cache holds, append them (context K/V of every layer), run
+every request's block `[bonus, mask × (n−1)]` in one forward over the paged context
+(drafters/dflash_cache.py), and turn each request's `[n−1, V]` draft logits into a tree. The
+block length is `1 + min(block_size − 1, max_depth)`, so near max_tokens it shrinks exactly like
+the reference's `verify_size`. Model math: models/dflash.py; tree building: spec/ddtree.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specserve.drafters.base import DraftRequest
+from specserve.drafters.dflash_cache import CacheStep, DFlashContextCache, StepItem
+from specserve.models.dflash import DFlashDraftModel
+from specserve.spec.ddtree import build_ddtree, topk_logprobs
+from specserve.spec.tree import DraftTree, chain_tree, check_budget
+
+
+@dataclass(frozen=True)
+class DraftStats:
+    """Timings and sizes of the last draft call."""
+
+    num_requests: int
+    context_rows: int  # new context rows appended
+    block_rows: int  # block query rows run
+    forward_s: float  # context K/V + block forward + logits
+    tree_s: float  # top-k + tree build
+
+
+class DFlashDrafter:
+    """`Drafter` over a `DFlashDraftModel`; `tree=False` proposes the argmax chain instead."""
+
+    def __init__(self, model: DFlashDraftModel, num_pages: int, page_size: int = 16, *,
+                 sliding_num_pages: int | None = None, tree: bool = True,
+                 poison: bool = False) -> None:
+        weight = model.fc.weight
+        self.model, self.tree = model.eval(), tree
+        self.cache = DFlashContextCache(model.config, num_pages, page_size,
+                                        sliding_num_pages=sliding_num_pages, dtype=weight.dtype,
+                                        device=weight.device, poison=poison)
+        self.last_stats: DraftStats | None = None
+
+    def block_len(self, request: DraftRequest) -> int:
+        """Block tokens run for `request`: the bonus plus up to block_size − 1 masks (0: none)."""
+        depth = min(self.model.config.block_size - 1, request.max_depth)
+        return 1 + depth if depth > 0 else 0
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
+        """One tree per request; budget 0 or max_depth 0: an empty tree (context still kept)."""
+        for r in requests:
+            check_budget(r.budget)
+        t0 = self._now()
+        logits = self._run(requests, [self.block_len(r) if r.budget else 0 for r in requests])
+        t1 = self._now()
+        trees = [self._tree(r, lg) for r, lg in zip(requests, logits, strict=True)]
+        self.last_stats = DraftStats(
+            num_requests=len(requests),
+            context_rows=sum(self._num_new(r) for r in requests),
+            block_rows=sum(lg.shape[0] + 1 for lg in logits if lg.shape[0]),
+            forward_s=t1 - t0, tree_s=self._now() - t1)
+        return trees
+
+    def draft_logits(self, requests: Sequence[DraftRequest]) -> list[torch.Tensor]:
+        """Raw draft logits `[n − 1, V]` float32 per request (block slots 1..n−1; any budget)."""
+        return self._run(requests, [self.block_len(r) for r in requests])
+
+    def release(self, request_id: str) -> None:
+        self.cache.release(request_id)
+
+    def _now(self) -> float:
+        if self.model.fc.weight.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    @staticmethod
+    def _num_new(request: DraftRequest) -> int:
+        return 0 if request.context is None else int(request.context.shape[0])
+
+    def _check(self, request: DraftRequest) -> None:
+        cfg, rid = self.model.config, request.request_id
+        if request.max_depth < 0:
+            raise ValueError(f"request {rid!r}: max_depth must be non-negative, "
+                             f"got {request.max_depth}")
+        if not 0 <= request.bonus_token < cfg.vocab_size:
+            raise ValueError(f"request {rid!r}: bonus token {request.bonus_token} outside the "
+                             f"vocabulary ({cfg.vocab_size})")
+        width = cfg.num_taps * cfg.hidden_size
+        ctx = request.context
+        if ctx is not None and (ctx.ndim != 2 or ctx.shape[1] != width):
+            raise ValueError(f"request {rid!r}: context must be [n_new, {width}], "
+                             f"got {tuple(ctx.shape)}")
+        held, new = self.cache.length(rid), self._num_new(request)
+        if request.start - new != held:
+            raise ValueError(
+                f"request {rid!r}: context covers positions [{request.start - new}, "
+                f"{request.start}) but the drafter holds [0, {held}); it must continue at {held}")
+
+    @torch.inference_mode()
+    def _run(
+        self, requests: Sequence[DraftRequest], block_lens: Sequence[int]
+    ) -> list[torch.Tensor]:  # [n - 1, V] float32 per request
+        for r in requests:
+            self._check(r)
+        step = self.cache.begin([StepItem(r.request_id, self._num_new(r), n)
+                                 for r, n in zip(requests, block_lens, strict=True)])
+        self._write_context(step, [r.context for r in requests if self._num_new(r)])
+        vocab, device = self.model.config.vocab_size, self.cache.device
+        empty = torch.empty(0, vocab, dtype=torch.float32, device=device)
+        if not any(block_lens):
+            return [empty for _ in requests]
+        mask = self.model.config.mask_token_id
+        ids = torch.tensor([t for r, n in zip(requests, block_lens, strict=True) if n
+                            for t in [r.bonus_token] + [mask] * (n - 1)], device=device)
+        hidden = self.model(ids, step.block_positions(), step.attend)  # [T, hidden]
+        out, row = [], 0
+        for n in block_lens:
+            out.append(self.model.logits(hidden[row + 1 : row + n]) if n else empty)  # [n-1, V]
+            row += n
+        return out
+
+    def _write_context(self, step: CacheStep, contexts: list[torch.Tensor]) -> None:
+        """Context K/V of every layer for the call's new rows (one fc for all requests)."""
+        if not contexts:
+            return
+        weight = self.model.fc.weight
+        features = torch.cat([c.to(device=weight.device, dtype=weight.dtype) for c in contexts])
+        fused = self.model.fuse_context(features)  # [N, hidden]
+        for layer in range(self.model.config.num_layers):
+            rows, positions = step.context_rows(layer)
+            k, v = self.model.context_kv(layer, fused[rows], positions)  # [R, Hkv, D]
+            step.write_context(layer, k, v)
+
+    def _tree(self, request: DraftRequest, logits: torch.Tensor) -> DraftTree:
+        depth = logits.shape[0]
+        if request.budget == 0 or depth == 0:
+            return DraftTree.empty()
+        if not self.tree:
+            return chain_tree(logits[: request.budget].argmax(dim=-1).cpu().numpy())
+        logprobs, token_ids = topk_logprobs(logits, min(request.budget, logits.shape[1]))
+        return build_ddtree(logprobs, token_ids, request.budget, depth)

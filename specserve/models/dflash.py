@@ -1,0 +1,313 @@
+"""The DFlash block drafter in the z-lab checkpoint format (`DFlashDraftModel`).
+
+Owns the drafter's config (`DFlashConfig`, parsed from its config.json with the reference's
+defaults), its modules with checkpoint parameter names, and strict loading (`load_dflash`): the
+drafter's own tensors from its directory, the embedding and LM head from the TARGET checkpoint.
+The math mirrors `dflash.model.DFlashDraftModel`: context features → `hidden_norm(fc(x))`, whose
+per-layer K/V (k_norm + RoPE at the context rows' absolute positions) every block query attends
+to; block queries are the target embeddings of `[bonus, mask × (n−1)]`. The model does not own a
+cache: context K/V come out of `context_kv`, and block attention goes through an `attend`
+callback (drafters/dflash_cache.py keeps the pages).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specserve.errors import ModelError
+from specserve.models.config import RopeConfig, parse_rope
+from specserve.models.decoder import MLP, RMSNorm
+from specserve.models.loader import read_tensors, resolve_dtype, tensor_files
+from specserve.models.rope import Rotary, apply_rotary
+
+ARCHITECTURE = "DFlashDraftModel"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+TARGET_EMBED = "model.embed_tokens.weight"
+TARGET_HEAD = "lm_head.weight"
+NOT_IN_CHECKPOINT = ("embed.weight", "lm_head.weight")  # taken from the target
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The reference's default taps: spread from layer 1 to layer N−3 (N//2 for one tap)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    block_size: int
+    target_layer_ids: tuple[int, ...]  # target decoder layers whose outputs are the features
+    mask_token_id: int
+    layer_types: tuple[str, ...]  # "full_attention" | "sliding_attention" per layer
+    causal: tuple[bool, ...]  # per layer: causal among the block (else bidirectional)
+    num_target_layers: int | None = None
+    sliding_window: int | None = None  # None: sliding layers have no window (reference rule)
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    attention_bias: bool = False
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ModelError(f"drafter {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_kv_heads}")
+        if not self.target_layer_ids:
+            raise ModelError("drafter config has no target_layer_ids")
+        limit = self.num_target_layers
+        if min(self.target_layer_ids) < 0 or (limit and max(self.target_layer_ids) >= limit):
+            raise ModelError(f"target_layer_ids {list(self.target_layer_ids)} out of range for "
+                             f"{limit} target layers")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ModelError(f"mask_token_id {self.mask_token_id} outside the vocabulary "
+                             f"({self.vocab_size})")
+        if len(self.layer_types) != self.num_layers or len(self.causal) != self.num_layers:
+            raise ModelError(f"layer_types / causal need {self.num_layers} entries, got "
+                             f"{len(self.layer_types)} / {len(self.causal)}")
+        if set(self.layer_types) - set(LAYER_TYPES):
+            raise ModelError(f"unsupported layer_types {sorted(set(self.layer_types))}; "
+                             f"supported: {LAYER_TYPES}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ModelError(f"sliding_window must be positive, got {self.sliding_window}")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer` on absolute positions, or None (full attention)."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+
+def _attention_layout(raw: dict[str, Any], layers: int) -> tuple[tuple[str, ...], ...]:
+    """Layer types, per-layer causality and the window in force, by the reference's rules."""
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+    first_sliding = int(raw.get("max_window_layers", 28))  # transformers' Qwen3Config default
+    types = tuple(raw.get("layer_types") or (
+        "sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+        for i in range(layers)))
+    is_causal = raw.get("is_causal")
+    causal = tuple(t == "sliding_attention" if is_causal is None else bool(is_causal)
+                   for t in types)
+    return types, causal, window
+
+
+def _check_raw(raw: dict[str, Any]) -> dict[str, Any]:
+    """Reject other architectures; returns the `dflash_config` object (may be empty)."""
+    archs = raw.get("architectures") or []
+    if ARCHITECTURE not in archs:
+        raise ModelError(f"unsupported drafter architecture {archs or raw.get('model_type')!r}; "
+                         f"expected {ARCHITECTURE!r}")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelError(f"unsupported hidden_act {raw['hidden_act']!r}; expected 'silu'")
+    draft = raw.get("dflash_config") or {}
+    if not isinstance(draft, dict):
+        raise ModelError(f"dflash_config must be an object, got {type(draft).__name__}")
+    return draft
+
+
+def parse_dflash_config(raw: dict[str, Any]) -> DFlashConfig:
+    """Parse a drafter config.json. `dflash_config.*` wins over the same top-level key.
+
+    As in the reference (transformers' Qwen3Config), `sliding_window` is only in force when
+    `use_sliding_window` is true; a layer is causal iff it is a sliding layer, unless a top-level
+    `is_causal` sets every layer.
+    """
+    draft = _check_raw(raw)
+
+    def value(name: str, default: Any = None) -> Any:
+        return draft.get(name, raw.get(name, default))
+
+    try:
+        layers, heads, hidden = (int(raw[k]) for k in (
+            "num_hidden_layers", "num_attention_heads", "hidden_size"))
+        targets, taps, softcap = (raw.get("num_target_layers"), value("target_layer_ids"),
+                                  value("final_logit_softcapping"))
+        if taps is None:
+            taps = build_target_layer_ids(int(raw["num_target_layers"]), layers)
+        if value("mask_token_id") is None:
+            raise ModelError("drafter config.json is missing required key 'mask_token_id'")
+        types, causal, window = _attention_layout(raw, layers)
+        return DFlashConfig(
+            vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]), num_layers=layers, num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            block_size=int(value("block_size", 16)), target_layer_ids=tuple(int(t) for t in taps),
+            mask_token_id=int(value("mask_token_id")), layer_types=types, causal=causal,
+            num_target_layers=int(targets) if targets is not None else None,
+            sliding_window=int(window) if window is not None else None, rope=parse_rope(raw),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+            output_multiplier=float(value("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None)
+    except KeyError as e:
+        raise ModelError(f"drafter config.json is missing required key {e.args[0]!r}") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"no config.json in {path.parent}") from None
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path} is not valid JSON: {e}") from None
+
+
+def load_dflash_config(draft_dir: str | Path) -> DFlashConfig:
+    return parse_dflash_config(_read_json(Path(draft_dir) / "config.json"))
+
+
+# attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], scale) -> [T, Hq, D]: one layer's
+# block queries over [their request's context K/V | block K/V] (q/k normed and RoPE'd).
+BlockAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        d, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(d, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """K (k_norm, RoPE) and V `[T, Hkv, D]` of rows `x [T, hidden]` (context or block)."""
+        t = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        return apply_rotary(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                attend: BlockAttention) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
+        k, v = self.kv(x, *rope)
+        o = attend(self.layer, apply_rotary(q, *rope), k, v, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg, layer)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, rope, attend: BlockAttention) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(nn.Module):
+    """The drafter; parameter names match the checkpoint (`embed`, `lm_head`: the target's)."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+
+    def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
+        """`[T, taps * hidden]` target features → `[T, hidden]` fused context rows."""
+        return self.hidden_norm(self.fc(features))
+
+    def context_kv(
+        self, layer: int, fused: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # K, V [T, Hkv, D]
+        """Layer `layer`'s K/V of fused context rows `[T, hidden]` at absolute `positions [T]`."""
+        cos, sin = self.rotary(positions, fused.dtype)
+        return self.layers[layer].self_attn.kv(fused, cos, sin)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: BlockAttention
+    ) -> torch.Tensor:  # [T] block ids, [T] positions -> [T, hidden] after the final norm
+        x = self.embed(input_ids) * self.config.input_embedding_scale  # [T, hidden]
+        rope = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, attend)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
+        logits = self.lm_head(hidden).float() * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def _target_head(target_dir: Path) -> dict[str, str]:
+    """Our name -> the target checkpoint's tensor name (the LM head is absent when tied)."""
+    raw = _read_json(target_dir / "config.json")
+    names = {"embed.weight": TARGET_EMBED}
+    if not raw.get("tie_word_embeddings", False):
+        names["lm_head.weight"] = TARGET_HEAD
+    return names
+
+
+def load_dflash(
+    draft_dir: str | Path,
+    target_dir: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> DFlashDraftModel:
+    """Load a drafter strictly: every checkpoint tensor present, of the right shape, no extras."""
+    draft_dir, target_dir = Path(draft_dir), Path(target_dir)
+    cfg = load_dflash_config(draft_dir)
+    dtype = resolve_dtype(dtype)
+    with torch.device("meta"):
+        model = DFlashDraftModel(cfg)
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    own = [n for n in expected if n not in NOT_IN_CHECKPOINT]
+    extra = sorted(set(tensor_files(draft_dir)) - set(own))
+    if extra:
+        raise ModelError(f"drafter checkpoint {draft_dir} has unexpected tensors: {extra[:8]}")
+    tensors = read_tensors(draft_dir, own, dtype)
+    head = _target_head(target_dir)
+    target = read_tensors(target_dir, head.values(), dtype)
+    tensors.update({ours: target[theirs] for ours, theirs in head.items()})
+    for name, shape in expected.items():
+        if name in tensors and tuple(tensors[name].shape) != shape:
+            raise ModelError(f"tensor {head.get(name, name)} has shape "
+                             f"{tuple(tensors[name].shape)}, expected {shape}")
+    tensors.setdefault("lm_head.weight", tensors["embed.weight"])
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.rotary = Rotary(cfg.rope, cfg.head_dim)  # rebuild the buffer off meta
+    model = model.to(device).eval()
+    if "lm_head.weight" not in head:
+        model.lm_head.weight = model.embed.weight  # tied target: one tensor
+    return model
+
