@@ -56,6 +56,8 @@ def random_prompts(n: int, vocab: int, lengths, seed: int = 1) -> list[list[int]
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
+    ids = torch.tensor([prompt])
+    # an explicit mask: generate() would otherwise mask prompt tokens equal to pad_token_id
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()

@@ -47,6 +47,13 @@ class DFlashDrafter:
                                         device=weight.device, poison=poison)
         self.last_stats: DraftStats | None = None
 
+    needs_context = True  # drafts from the target's tap-layer features
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        """Target layers whose outputs are this drafter's context features."""
+        return tuple(self.model.config.target_layer_ids)
+
     def block_len(self, request: DraftRequest) -> int:
         """Block tokens run for `request`: the bonus plus up to block_size − 1 masks (0: none)."""
         depth = min(self.model.config.block_size - 1, request.max_depth)

@@ -38,11 +38,9 @@ class Engine:
         drafter: Drafter | None = None,
     ) -> None:
         self.config = config
-        self.drafter = drafter
-        # the drafter's context features are the target's tap-layer outputs, when it wants them
-        self._needs_context = bool(getattr(drafter, "needs_context", False))
         self.on_step = None  # optional callback(request_id, StepRecord) — tests check invariants
         self.runner = ModelRunner(config, model)
+        self.set_drafter(drafter)
         self.model_config = self.runner.model.config
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.tokenizer = tokenizer if tokenizer is not None else _maybe_tokenizer(config)
@@ -52,6 +50,14 @@ class Engine:
         )
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+
+    def set_drafter(self, drafter: Drafter | None) -> None:
+        """Use `drafter` from the next step on. A drafter that wants context features names the
+        target layers to tap (`target_layer_ids`); the runner then returns their outputs."""
+        self.drafter = drafter
+        self._needs_context = bool(getattr(drafter, "needs_context", False))
+        taps = tuple(getattr(drafter, "target_layer_ids", ())) if self._needs_context else ()
+        self.runner.set_taps(taps or self.config.tap_layers)
 
     @property
     def blocks(self):

@@ -40,15 +40,21 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype)
         self.model = model or load_model(config.model_dir, self.dtype, config.device)
         mc = self.model.config
-        for layer in config.tap_layers:
-            if not 0 <= layer < mc.num_layers:
-                raise ValueError(f"tap layer {layer} outside the model's {mc.num_layers} layers")
+        self.set_taps(config.tap_layers)
         shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
         num_pages = config.num_pages or num_pages_for_budget(
             shape, config.page_size, config.kv_memory_bytes or DEFAULT_KV_BYTES
         )
         self.kv = KVPool(shape, num_pages, config.page_size, self.device, config.poison_kv)
         self.blocks = BlockManager(num_pages, config.page_size)
+
+    def set_taps(self, layers: Seq[int]) -> None:
+        """Target layers whose outputs `forward(..., taps=True)` returns (DFlash context)."""
+        n = self.model.config.num_layers
+        for layer in layers:
+            if not 0 <= layer < n:
+                raise ValueError(f"tap layer {layer} outside the model's {n} layers")
+        self.tap_layers = tuple(layers)
 
     @torch.inference_mode()
     def forward(
@@ -72,7 +78,7 @@ class ModelRunner:
             device=self.device,
         )
         ids = torch.tensor([t for x in inputs for t in x.token_ids], device=self.device)
-        hidden, features = self.model(ids, batch, self.kv, self.config.tap_layers if taps else ())
+        hidden, features = self.model(ids, batch, self.kv, self.tap_layers if taps else ())
         rows = torch.as_tensor(list(logit_rows), dtype=torch.long, device=self.device)
         return self.model.logits(hidden.index_select(0, rows)), features
 

@@ -75,7 +75,7 @@ def test_speculative_sampling_matches_exact_distribution(tiny_vocab_model, make_
     path, hf = tiny_vocab_model
     engine = make_engine(path, page_size=16, max_draft_tokens=8, max_num_seqs=1024,
                          max_num_batched_tokens=8192, num_pages=4096)
-    engine.drafter = RandomDDTreeDrafter(VOCAB, depth=3, seed=9)
+    engine.set_drafter(RandomDDTreeDrafter(VOCAB, depth=3, seed=9))
     depths: list[int] = []
     engine.on_step = lambda rid, step: depths.append(step.accepted_depth)
     params = [SamplingParams(max_tokens=3, seed=i, ignore_eos=True, **rule)

@@ -67,7 +67,7 @@ def test_greedy_lossless(greedy_case, make_engine, drafter, page_size):
     make, budget = DRAFTERS[drafter]
     engine = make_engine(path, page_size=page_size, max_draft_tokens=64,
                          max_num_batched_tokens=64)
-    engine.drafter = make(hf.config.vocab_size)
+    engine.set_drafter(make(hf.config.vocab_size))
     outputs, steps, stats = _run(engine, prompts, SamplingParams(max_tokens=NEW,
                                                                  ignore_eos=True), budget)
     assert outputs == expected
@@ -85,7 +85,7 @@ def test_autoregressive_engine_equals_hf(greedy_case, make_engine):
 def test_stop_token_cuts_a_step(greedy_case, make_engine):
     path, hf, prompts, expected = greedy_case
     engine = make_engine(path, page_size=16, max_draft_tokens=16)
-    engine.drafter = NgramDrafter()
+    engine.set_drafter(NgramDrafter())
     stop = expected[0][40]
     cut_at = expected[0].index(stop, 1) if stop in expected[0][1:] else 0
     outputs, steps, stats = _run(engine, prompts[:1], SamplingParams(
@@ -101,7 +101,7 @@ def test_max_tokens_cut_and_seeded_sampling_matches_ar(greedy_case, make_engine)
     ar = make_engine(path)
     ar_out = [ar.generate([p], q)[0] for p, q in zip(prompts, params, strict=False)]
     engine = make_engine(path, max_draft_tokens=16)
-    engine.drafter = NgramDrafter()
+    engine.set_drafter(NgramDrafter())
     spec_out = [engine.generate([p], q, budget=16)[0]
                 for p, q in zip(prompts, params, strict=False)]
     # one draw per committed token: the same generator gives the same samples
@@ -112,7 +112,7 @@ def test_max_tokens_cut_and_seeded_sampling_matches_ar(greedy_case, make_engine)
 def test_failing_drafter_degrades_to_autoregressive(greedy_case, make_engine):
     path, _, prompts, expected = greedy_case
     engine = make_engine(path, max_draft_tokens=8)
-    engine.drafter = FailingDrafter()
+    engine.set_drafter(FailingDrafter())
     outputs, steps, _ = _run(engine, prompts[:3], SamplingParams(max_tokens=20,
                                                                  ignore_eos=True), 8)
     assert outputs == [e[:20] for e in expected[:3]]
@@ -122,7 +122,8 @@ def test_failing_drafter_degrades_to_autoregressive(greedy_case, make_engine):
 def test_drafter_is_released_and_budget_validated(greedy_case, make_engine):
     path, hf, prompts, _ = greedy_case
     engine = make_engine(path, max_draft_tokens=8)
-    engine.drafter = drafter = RandomTreeDrafter(hf.config.vocab_size)
+    drafter = RandomTreeDrafter(hf.config.vocab_size)
+    engine.set_drafter(drafter)
     engine.generate(prompts[:2], SamplingParams(max_tokens=5, ignore_eos=True), budget=8)
     engine.add_request("x", prompts[0], SamplingParams(max_tokens=50), budget=8)
     engine.step()
