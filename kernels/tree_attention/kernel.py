@@ -1,0 +1,334 @@
+"""Triton tree-verify attention over a paged KV pool: split-KV prefix + tree tail/combine.
+
+Owns the two kernels and their launcher (kernels.md §6). Kernel A (`_tree_prefix_kernel`), grid
+(split s, request b · kv head h, row-block r): rows are GQA-packed (new token, q head in group),
+head fastest, so each prefix K/V tile is read once per kv head for all rows; the split range is
+computed on device from ctx_lens (chunk = round_up(cdiv(span, S), BLOCK_N)); full prefix tiles
+carry no mask ops; empty splits write lse = −inf. Kernel B (`_tree_tail_combine_kernel`), grid
+(b · h, r): the request's new tokens as keys under the ancestor bitmask (causal without one), then
+the log-sum-exp merge of the S prefix partials; writes O in the input dtype. Scores live in the
+log2 domain (q pre-scaled by scale·log2 e), accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.tree_attention import check_inputs
+from kernels.tree_attention.configs import (
+    INTERPRET_CONFIG,
+    Config,
+    arch_key,
+    default_num_splits,
+    pick_config,
+    sm_count,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, DOT_PREC: tl.constexpr):
+    if DOT_PREC == "interpret":  # CPU interpreter: its bf16 dot multiplies raw bits; go fp32
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _online_update(s, m_i, l_i, acc, v, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:  # noqa: SIM108 — a row may have no visible key in this tile (yet): keep exp2 finite
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefix_tile(
+    q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, lo_key, hi_key, q_pos, window, kv_head_off,
+    stride_kp, stride_ks,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    offs_n = n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions (BLOCK_N-aligned tile)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kmask = (offs_n >= lo_key) & (offs_n < hi_key)
+    if PAGE_SIZE >= BLOCK_N:  # one page per tile: a single block-table lookup
+        page = tl.load(BlockTable + bt_row + n // PAGE_SIZE).to(tl.int64)
+        tok_off = page * stride_kp + ((n % PAGE_SIZE) + tl.arange(0, BLOCK_N)) * stride_ks
+    else:  # small pages: gather one page id per key
+        if MASKED:
+            page = tl.load(BlockTable + bt_row + offs_n // PAGE_SIZE, mask=kmask, other=0)
+        else:
+            page = tl.load(BlockTable + bt_row + offs_n // PAGE_SIZE)
+        tok_off = page.to(tl.int64) * stride_kp + (offs_n % PAGE_SIZE) * stride_ks
+    tok_off += kv_head_off
+    if MASKED:
+        k = tl.load(K + tok_off[None, :] + offs_d[:, None], mask=kmask[None, :], other=0.0)
+        v = tl.load(V + tok_off[:, None] + offs_d[None, :], mask=kmask[:, None], other=0.0)
+    else:
+        k = tl.load(K + tok_off[None, :] + offs_d[:, None])  # [HEAD_DIM, BLOCK_N]
+        v = tl.load(V + tok_off[:, None] + offs_d[None, :])  # [BLOCK_N, HEAD_DIM]
+    s = _dot(q, k, DOT_PREC)  # [BLOCK_M, BLOCK_N] log2-domain scores
+    if MASKED:
+        vis = kmask[None, :]
+        if SLIDING:
+            vis = vis & ((q_pos[:, None] - offs_n[None, :]) < window)
+        s = tl.where(vis, s, float("-inf"))
+    return _online_update(s, m_i, l_i, acc, v, MASKED, DOT_PREC)
+
+
+@triton.jit
+def _load_q(Q, q0, tok, head, valid, sm_scale_log2, stride_qt, stride_qh, HEAD_DIM: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = Q + (q0 + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh
+    q = tl.load(ptrs + offs_d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    return (q.to(tl.float32) * sm_scale_log2).to(Q.dtype.element_ty)
+
+
+@triton.jit
+def _tree_prefix_kernel(
+    Q, K, V, BlockTable, CuQ, CtxLens, Positions, OPart, LsePart,
+    sm_scale_log2, window, h_kv,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    split = tl.program_id(0)
+    num_splits = tl.num_programs(0)
+    b = tl.program_id(1) // h_kv
+    h = tl.program_id(1) % h_kv
+    q0 = tl.load(CuQ + b)
+    q_len = tl.load(CuQ + b + 1) - q0
+    if tl.program_id(2) * BLOCK_M < q_len * GROUP:
+        rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (token, head) rows
+        tok = rows // GROUP
+        head = h * GROUP + rows % GROUP
+        valid = tok < q_len
+        q = _load_q(Q, q0, tok, head, valid, sm_scale_log2, stride_qt, stride_qh, HEAD_DIM)
+        ctx = tl.load(CtxLens + b)
+        if SLIDING:  # keys below every row's window are never read
+            q_pos = tl.load(Positions + q0 + tok, mask=valid, other=2**31 - 1).to(tl.int32)
+            start = tl.minimum(tl.maximum(tl.min(q_pos, 0) - window + 1, 0), ctx)
+        else:
+            q_pos = tok
+            start = 0
+        base = start // BLOCK_N * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(ctx - base, num_splits), BLOCK_N) * BLOCK_N
+        lo = base + split * chunk
+        hi = tl.minimum(lo + chunk, ctx)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        bt_row = b.to(tl.int64) * stride_bt
+        kv_head_off = h * stride_kh
+        if SLIDING:
+            for n in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc = _prefix_tile(
+                    q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, start, hi, q_pos, window,
+                    kv_head_off, stride_kp, stride_ks,
+                    HEAD_DIM, PAGE_SIZE, BLOCK_N, True, True, DOT_PREC)
+        else:
+            full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+            for n in range(lo, full, BLOCK_N):  # the hot loop: no mask ops
+                m_i, l_i, acc = _prefix_tile(
+                    q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, lo, hi, q_pos, window,
+                    kv_head_off, stride_kp, stride_ks,
+                    HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, DOT_PREC)
+            if full < hi:
+                m_i, l_i, acc = _prefix_tile(
+                    q, m_i, l_i, acc, K, V, BlockTable, bt_row, full, lo, hi, q_pos, window,
+                    kv_head_off, stride_kp, stride_ks,
+                    HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, DOT_PREC)
+        has = l_i > 0.0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        flat = (q0 + tok).to(tl.int64)
+        offs_d = tl.arange(0, HEAD_DIM)
+        o_ptrs = OPart + split * stride_os + flat[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(o_ptrs + offs_d[None, :], o, mask=valid[:, None])
+        tl.store(LsePart + split * stride_ls + flat * stride_lt + head, lse, mask=valid)
+
+
+@triton.jit
+def _tree_tail_combine_kernel(
+    Q, K, V, Out, BlockTable, CuQ, CtxLens, Positions, TreeMask, OPart, LsePart,
+    sm_scale_log2, window, h_kv, num_splits,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, HAS_TREE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0) // h_kv
+    h = tl.program_id(0) % h_kv
+    q0 = tl.load(CuQ + b)
+    q_len = tl.load(CuQ + b + 1) - q0
+    if tl.program_id(1) * BLOCK_M < q_len * GROUP:
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = rows // GROUP
+        head = h * GROUP + rows % GROUP
+        valid = tok < q_len
+        q = _load_q(Q, q0, tok, head, valid, sm_scale_log2, stride_qt, stride_qh, HEAD_DIM)
+        ctx = tl.load(CtxLens + b)
+        offs_d = tl.arange(0, HEAD_DIM)
+        flat = (q0 + tok).to(tl.int64)
+        if SLIDING:
+            q_pos = tl.load(Positions + flat, mask=valid, other=0)
+        if HAS_TREE:
+            n_keys = q_len
+        else:  # causal: no key beyond the block's last token
+            n_keys = tl.minimum(q_len, (tl.program_id(1) * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for j0 in range(0, n_keys, BLOCK_N):  # the new tokens sit at ctx + j in the pool
+            offs_j = j0 + tl.arange(0, BLOCK_N)
+            jmask = offs_j < n_keys
+            kpos = ctx + offs_j
+            bt = BlockTable + b.to(tl.int64) * stride_bt + kpos // PAGE_SIZE
+            page = tl.load(bt, mask=jmask, other=0).to(tl.int64)
+            tok_off = page * stride_kp + (kpos % PAGE_SIZE) * stride_ks + h * stride_kh
+            k = tl.load(K + tok_off[None, :] + offs_d[:, None], mask=jmask[None, :], other=0.0)
+            v = tl.load(V + tok_off[:, None] + offs_d[None, :], mask=jmask[:, None], other=0.0)
+            s = _dot(q, k, DOT_PREC)  # [BLOCK_M, BLOCK_N]
+            if HAS_TREE:
+                w_ptrs = TreeMask + flat[:, None] * stride_mt + (offs_j >> 5)[None, :]
+                words = tl.load(w_ptrs, mask=valid[:, None] & jmask[None, :], other=0)
+                vis = ((words >> (offs_j & 31)[None, :]) & 1) != 0
+            else:
+                vis = offs_j[None, :] <= tok[:, None]
+            vis = vis & jmask[None, :]
+            if SLIDING:
+                k_pos = tl.load(Positions + q0 + offs_j, mask=jmask, other=0)
+                vis = vis & ((q_pos[:, None] - k_pos[None, :]) < window)
+            s = tl.where(vis, s, float("-inf"))
+            m_i, l_i, acc = _online_update(s, m_i, l_i, acc, v, True, DOT_PREC)
+        for sp in range(0, num_splits):  # merge the prefix partials by log-sum-exp
+            lse = tl.load(LsePart + sp * stride_ls + flat * stride_lt + head, mask=valid,
+                          other=float("-inf"))
+            o_ptrs = OPart + sp * stride_os + flat[:, None] * stride_ot + head[:, None] * stride_oh
+            o = tl.load(o_ptrs + offs_d[None, :], mask=valid[:, None], other=0.0)
+            m_new = tl.maximum(m_i, lse)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            beta = tl.exp2(lse - m_use)
+            acc = acc * alpha[:, None] + o * beta[:, None]
+            l_i = l_i * alpha + beta
+            m_i = m_new
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptrs = Out + flat[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=valid[:, None])
+
+
+_INTERPRETER_FIXED = False
+
+
+def _fix_interpreter_index() -> None:
+    """Triton 3.6's CPU interpreter holds scalars as 1-element arrays and turns them into loop
+    bounds with `int(array)`, which numpy ≥ 2.3 rejects; take the element instead (idempotent)."""
+    global _INTERPRETER_FIXED
+    if _INTERPRETER_FIXED:
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    _INTERPRETER_FIXED = True
+
+
+def tree_attention_triton(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_pool: torch.Tensor,  # [P, page_size, Hkv, D] (new tokens' K already written)
+    v_pool: torch.Tensor,  # [P, page_size, Hkv, D]
+    batch,  # specserve.attention.base.AttnBatch
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    max_ctx_len: int | None = None,
+    config: Config | None = None,
+    out: torch.Tensor | None = None,  # [T, Hq, D] written in place when given
+) -> torch.Tensor:  # [T, Hq, D]
+    """Tree-verify attention; see the module docstring.
+
+    No host sync: sizes come from the host tuples `batch.q_lens` / `batch.ctx_lens`. The grid is
+    (S, B·Hkv, cdiv(max q_len·G, BLOCK_M)); split ranges are derived on device, so any ctx_lens
+    give correct results for any S. For CUDA graphs pass `max_ctx_len` (the longest context the
+    graph will replay at) or an explicit `num_splits`: S then does not depend on the capture-time
+    contexts, and a graph captured short replays long with the same S.
+    """
+    check_inputs(q, k_pool, v_pool, batch, sliding_window, num_splits)
+    t, hq, d = q.shape
+    hkv, page_size = k_pool.shape[2], k_pool.shape[1]
+    group = hq // hkv
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {q.dtype} {tuple(q.shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if t == 0:
+        return out
+    if not q.is_cuda:
+        _fix_interpreter_index()
+    if config is None:
+        if q.device.type == "cuda":
+            arch = arch_key(torch.cuda.get_device_capability(q.device))
+        else:
+            arch = None
+        rows = max(batch.q_lens) * group
+        config = INTERPRET_CONFIG if arch is None else pick_config(arch, d, rows, q.element_size())
+    bm, bn = config.block_m, config.block_n
+    nb = batch.batch_size
+    row_blocks = triton.cdiv(max(batch.q_lens) * group, bm)
+    if num_splits is None:
+        longest = max(batch.ctx_lens) if max_ctx_len is None else max_ctx_len
+        num_splits = default_num_splits(longest, max(batch.q_lens) * group,
+                                        nb * hkv * row_blocks, sm_count(q.device))
+    o_part = torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((num_splits, t, hq), dtype=torch.float32, device=q.device)
+    sliding = sliding_window is not None
+    window = int(sliding_window) if sliding else 0
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    if not q.is_cuda:
+        dot_prec = "interpret"
+    tree = batch.tree_mask if batch.tree_mask is not None else batch.cu_q  # dummy when causal
+    common = dict(GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=bm, BLOCK_N=bn,
+                  SLIDING=sliding, DOT_PREC=dot_prec, num_warps=config.num_warps)
+    sm_scale_log2 = scale * LOG2E
+    _tree_prefix_kernel[(num_splits, nb * hkv, row_blocks)](
+        q, k_pool, v_pool, batch.block_table, batch.cu_q, batch.ctx_lens_t, batch.positions,
+        o_part, lse_part,
+        sm_scale_log2, window, hkv,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        batch.block_table.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
+        lse_part.stride(1),
+        num_stages=config.num_stages, **common,
+    )
+    _tree_tail_combine_kernel[(nb * hkv, row_blocks)](
+        q, k_pool, v_pool, out, batch.block_table, batch.cu_q, batch.ctx_lens_t, batch.positions,
+        tree, o_part, lse_part,
+        sm_scale_log2, window, hkv, num_splits,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        batch.block_table.stride(0), tree.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
+        lse_part.stride(1),
+        HAS_TREE=batch.tree_mask is not None, num_stages=1, **common,
+    )
+    return out
+
+
