@@ -31,6 +31,8 @@ def check_inputs(q, k_pool, v_pool, batch, sliding_window, num_splits) -> None:
     if dk != d or hq % hkv != 0:
         raise ValueError(f"head mismatch: q has {hq} heads of {d}, pools {hkv} heads of {dk} "
                          "(need Hq % Hkv == 0 and equal head_dim)")
+    if k_pool.numel() >= 2**31 or q.numel() >= 2**31:
+        raise ValueError("k_pool / q must hold < 2**31 elements (the kernels use int32 offsets)")
     if d < 16 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
     if page_size != batch.page_size or page_size & (page_size - 1):

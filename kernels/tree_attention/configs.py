@@ -48,6 +48,11 @@ TABLES = {90: _SM90, 120: _SM120}
 INTERPRET_CONFIG = Config(16, 16, 4, 1)  # CPU interpreter: tiny tiles, tiny test shapes
 
 
+def tail_block_n(cfg: Config) -> int:
+    """Key tile of the tree-tail/combine kernel: ≤ 32 (few keys; mask words cost registers)."""
+    return min(cfg.block_n, 32)
+
+
 def rows_bucket(rows: int) -> int:
     """The table bucket of `rows` packed query rows."""
     for bucket in ROW_BUCKETS:

@@ -24,6 +24,7 @@ from kernels.tree_attention.configs import (
     default_num_splits,
     pick_config,
     sm_count,
+    tail_block_n,
 )
 
 LOG2E = 1.4426950408889634
@@ -61,22 +62,25 @@ def _prefix_tile(
     offs_n = n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions (BLOCK_N-aligned tile)
     offs_d = tl.arange(0, HEAD_DIM)
     kmask = (offs_n >= lo_key) & (offs_n < hi_key)
-    if PAGE_SIZE >= BLOCK_N:  # one page per tile: a single block-table lookup
+    if PAGE_SIZE >= BLOCK_N:  # one page per tile: a single block-table lookup, scalar base
         page = tl.load(BlockTable + bt_row + n // PAGE_SIZE).to(tl.int64)
-        tok_off = page * stride_kp + ((n % PAGE_SIZE) + tl.arange(0, BLOCK_N)) * stride_ks
-    else:  # small pages: gather one page id per key
+        base = page * stride_kp + (n % PAGE_SIZE) * stride_ks + kv_head_off
+        tok_off = tl.arange(0, BLOCK_N) * stride_ks  # int32 offsets keep addresses cheap
+    else:  # small pages: gather one page id per key (pool < 2**31 elements: int32 offsets)
         if MASKED:
             page = tl.load(BlockTable + bt_row + offs_n // PAGE_SIZE, mask=kmask, other=0)
         else:
             page = tl.load(BlockTable + bt_row + offs_n // PAGE_SIZE)
-        tok_off = page.to(tl.int64) * stride_kp + (offs_n % PAGE_SIZE) * stride_ks
-    tok_off += kv_head_off
+        base = kv_head_off
+        tok_off = page * stride_kp + (offs_n % PAGE_SIZE) * stride_ks
+    Kb = K + base
+    Vb = V + base
     if MASKED:
-        k = tl.load(K + tok_off[None, :] + offs_d[:, None], mask=kmask[None, :], other=0.0)
-        v = tl.load(V + tok_off[:, None] + offs_d[None, :], mask=kmask[:, None], other=0.0)
+        k = tl.load(Kb + tok_off[None, :] + offs_d[:, None], mask=kmask[None, :], other=0.0)
+        v = tl.load(Vb + tok_off[:, None] + offs_d[None, :], mask=kmask[:, None], other=0.0)
     else:
-        k = tl.load(K + tok_off[None, :] + offs_d[:, None])  # [HEAD_DIM, BLOCK_N]
-        v = tl.load(V + tok_off[:, None] + offs_d[None, :])  # [BLOCK_N, HEAD_DIM]
+        k = tl.load(Kb + tok_off[None, :] + offs_d[:, None])  # [HEAD_DIM, BLOCK_N]
+        v = tl.load(Vb + tok_off[:, None] + offs_d[None, :])  # [BLOCK_N, HEAD_DIM]
     s = _dot(q, k, DOT_PREC)  # [BLOCK_M, BLOCK_N] log2-domain scores
     if MASKED:
         vis = kmask[None, :]
@@ -89,7 +93,7 @@ def _prefix_tile(
 @triton.jit
 def _load_q(Q, q0, tok, head, valid, sm_scale_log2, stride_qt, stride_qh, HEAD_DIM: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = Q + (q0 + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh
+    ptrs = Q + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh
     q = tl.load(ptrs + offs_d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
     return (q.to(tl.float32) * sm_scale_log2).to(Q.dtype.element_ty)
 
@@ -129,7 +133,7 @@ def _tree_prefix_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        bt_row = b.to(tl.int64) * stride_bt
+        bt_row = b * stride_bt
         kv_head_off = h * stride_kh
         if SLIDING:
             for n in range(lo, hi, BLOCK_N):
@@ -152,7 +156,7 @@ def _tree_prefix_kernel(
         has = l_i > 0.0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        flat = (q0 + tok).to(tl.int64)
+        flat = q0 + tok
         offs_d = tl.arange(0, HEAD_DIM)
         o_ptrs = OPart + split * stride_os + flat[:, None] * stride_ot + head[:, None] * stride_oh
         tl.store(o_ptrs + offs_d[None, :], o, mask=valid[:, None])
@@ -181,7 +185,7 @@ def _tree_tail_combine_kernel(
         q = _load_q(Q, q0, tok, head, valid, sm_scale_log2, stride_qt, stride_qh, HEAD_DIM)
         ctx = tl.load(CtxLens + b)
         offs_d = tl.arange(0, HEAD_DIM)
-        flat = (q0 + tok).to(tl.int64)
+        flat = q0 + tok
         if SLIDING:
             q_pos = tl.load(Positions + flat, mask=valid, other=0)
         if HAS_TREE:
@@ -195,8 +199,8 @@ def _tree_tail_combine_kernel(
             offs_j = j0 + tl.arange(0, BLOCK_N)
             jmask = offs_j < n_keys
             kpos = ctx + offs_j
-            bt = BlockTable + b.to(tl.int64) * stride_bt + kpos // PAGE_SIZE
-            page = tl.load(bt, mask=jmask, other=0).to(tl.int64)
+            bt = BlockTable + b * stride_bt + kpos // PAGE_SIZE
+            page = tl.load(bt, mask=jmask, other=0)
             tok_off = page * stride_kp + (kpos % PAGE_SIZE) * stride_ks + h * stride_kh
             k = tl.load(K + tok_off[None, :] + offs_d[:, None], mask=jmask[None, :], other=0.0)
             v = tl.load(V + tok_off[:, None] + offs_d[None, :], mask=jmask[:, None], other=0.0)
@@ -308,6 +312,7 @@ def tree_attention_triton(
     tree = batch.tree_mask if batch.tree_mask is not None else batch.cu_q  # dummy when causal
     common = dict(GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=bm, BLOCK_N=bn,
                   SLIDING=sliding, DOT_PREC=dot_prec, num_warps=config.num_warps)
+    tail = dict(common, BLOCK_N=tail_block_n(config))
     sm_scale_log2 = scale * LOG2E
     _tree_prefix_kernel[(num_splits, nb * hkv, row_blocks)](
         q, k_pool, v_pool, batch.block_table, batch.cu_q, batch.ctx_lens_t, batch.positions,
@@ -327,7 +332,7 @@ def tree_attention_triton(
         batch.block_table.stride(0), tree.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
         lse_part.stride(1),
-        HAS_TREE=batch.tree_mask is not None, num_stages=1, **common,
+        HAS_TREE=batch.tree_mask is not None, num_stages=1, **tail,
     )
     return out
 

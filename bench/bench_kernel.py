@@ -1,0 +1,289 @@
+"""Tree-verify attention benchmark (H200 / any CUDA GPU) and the sm_120 cross-compile check.
+
+Owns the kernels.md §7 measurement in one run: copy bandwidth (D2D, bytes read + written) and
+bf16 matmul rate, then per point (ctx L, tree rows N, (Hq, Hkv), page size, page order) the
+µs of: ours (auto splits), ours with S=1, the naive Triton baseline (naive.py), gather + SDPA
+with a bool mask, SDPA over pre-gathered contiguous KV, and the KV-read floor (bytes / copy BW).
+Each point is checked against the fp32 reference first; KV pools (≥ 3, each K and V ≥ 64 MB) are
+rotated so L2 (60 MB on H200) does not flatter. Timings: `triton.testing.do_bench` median over a
+CUDA graph replaying one call per pool (eager fallback), divided by the number of pools.
+
+    python bench/bench_kernel.py [--out PATH] [--quick]     # markdown table + JSON
+    python bench/bench_kernel.py --sm120-check [--quick]    # cross-compile every sm_120 config
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+D = 128
+POOL_BYTES = 64 << 20  # each K and each V pool is at least this large
+
+
+def sm120_check(quick: bool = False) -> list[dict]:
+    """Compile every kernel config the launcher can pick on sm_120 (GPUTarget("cuda", 120, 32)),
+    assert shared memory ≤ 101,376 B and 0 spill bytes (ptxas -v). Needs no GPU; RuntimeError
+    when triton's CUDA backend or its Blackwell ptxas is missing."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.tree_attention import kernel as K
+    from kernels.tree_attention.configs import SM120_SMEM_LIMIT, all_configs, tail_block_n
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(120).path
+    except Exception as e:  # noqa: BLE001 — any failure means: no CUDA backend here
+        raise RuntimeError(f"no triton CUDA backend / ptxas-blackwell: {e}") from e
+    ptr_types = {"BlockTable": "*i32", "CuQ": "*i32", "CtxLens": "*i32", "Positions": "*i64",
+                 "TreeMask": "*i32", "OPart": "*fp32", "LsePart": "*fp32"}
+    report = []
+    for head_dim, cfg, elem in all_configs(120):
+        if quick and elem == 4:
+            continue
+        dt = "bf16" if elem == 2 else "fp32"
+        prec = "tf32" if elem == 2 else "ieee"
+        variants = [(K._tree_prefix_kernel, dict(PAGE_SIZE=64, SLIDING=False)),
+                    (K._tree_tail_combine_kernel, dict(PAGE_SIZE=16, SLIDING=True, HAS_TREE=True))]
+        if not quick:
+            variants.append((K._tree_prefix_kernel, dict(PAGE_SIZE=1, SLIDING=True)))
+        for fn, extra in variants:
+            block_n = cfg.block_n if fn is K._tree_prefix_kernel else tail_block_n(cfg)
+            cons = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
+                        DOT_PREC=prec, **extra)
+            sig = {}
+            for name in fn.arg_names:
+                if name in cons:
+                    sig[name] = "constexpr"
+                elif name in ("Q", "K", "V", "Out"):
+                    sig[name] = "*" + dt
+                elif name in ptr_types:
+                    sig[name] = ptr_types[name]
+                else:
+                    sig[name] = "fp32" if name == "sm_scale_log2" else "i32"
+            attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                     for n, t in sig.items() if t.startswith("*")}
+            stages = cfg.num_stages if fn is K._tree_prefix_kernel else 1
+            compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs),
+                                      target=GPUTarget("cuda", 120, 32),
+                                      options=dict(num_warps=cfg.num_warps, num_stages=stages))
+            with tempfile.TemporaryDirectory() as tmp:
+                ptx = Path(tmp) / "k.ptx"
+                ptx.write_text(compiled.asm["ptx"])
+                log = subprocess.run([ptxas, "-v", "--gpu-name=sm_120a", str(ptx), "-o",
+                                      str(Path(tmp) / "k.o")], capture_output=True, text=True,
+                                     check=True).stderr
+            spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+            regs = int(re.search(r"Used (\d+) registers", log).group(1))
+            row = dict(kernel=fn.__name__, head_dim=head_dim, dtype=dt, block_m=cfg.block_m,
+                       block_n=block_n, num_warps=cfg.num_warps, num_stages=stages,
+                       variant=str(extra), shared=compiled.metadata.shared, regs=regs,
+                       spills=spills)
+            report.append(row)
+            print(row, flush=True)
+    bad = [r for r in report if r["shared"] > SM120_SMEM_LIMIT or r["spills"]]
+    assert not bad, f"sm_120 configs over the shared-memory limit or spilling: {bad}"
+    return report
+
+
+def _bench(calls, torch, triton) -> tuple[float, str]:
+    """µs per call: median of a CUDA graph replaying `calls` (one per pool), else eager."""
+    for c in calls:
+        c()  # compile / warm up
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for c in calls:
+                c()
+        ms = triton.testing.do_bench(graph.replay, return_mode="median")
+        return ms * 1e3 / len(calls), "graph"
+    except Exception:  # noqa: BLE001 — not capturable: eager, rotating pools
+        torch.cuda.synchronize()
+        it = iter(range(1 << 62))
+        ms = triton.testing.do_bench(lambda: calls[next(it) % len(calls)](),
+                                     return_mode="median")
+        return ms * 1e3, "eager"
+
+
+def _copy_bw(torch, triton) -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (bytes read + written)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / (triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
+                            * 1e-3)
+
+
+def _matmul_rate(torch, triton) -> float:
+    """FLOP/s of an 8192³ bf16 matmul."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / (triton.testing.do_bench(lambda: a @ a, return_mode="median") * 1e-3)
+
+
+def _point(ctx, n_rows, hq, hkv, page, shuffled, seed, torch, np):
+    """≥ 3 (k_pool, v_pool, batch) sets for one request of `n_rows` tree rows over `ctx`."""
+    from specserve.attention.base import AttnBatch
+    from specserve.spec.tree import DraftTree, verify_layout
+
+    rng = np.random.default_rng(seed)
+    n = n_rows - 1
+    parents = np.array([rng.integers(max(0, i - 3), i + 1) for i in range(n)], dtype=np.int32)
+    depths = np.zeros(n, dtype=np.int32)
+    for i, p in enumerate(parents):
+        depths[i] = 1 if p == 0 else depths[p - 1] + 1
+    lay = verify_layout(DraftTree(np.arange(n, dtype=np.int64), parents, depths), 1, ctx)
+    need = -(-(ctx + n_rows) // page)
+    page_bytes = page * hkv * D * 2
+    num_pages = max(need, -(-POOL_BYTES // page_bytes))
+    sets = []
+    for _ in range(3):
+        if shuffled:
+            table = rng.permutation(num_pages)[:need]
+        else:
+            start = int(rng.integers(0, num_pages - need + 1))
+            table = np.arange(start, start + need)
+        batch = AttnBatch.build([n_rows], [ctx], [table.tolist()], lay.positions, page,
+                                [lay.mask], device="cuda")
+        k = torch.randn(num_pages, page, hkv, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(num_pages, page, hkv, D, device="cuda", dtype=torch.bfloat16)
+        sets.append((k, v, batch))
+    return sets
+
+
+def _measure(i, ctx, n_rows, hq, hkv, page, shuffled, copy_bw, mm) -> dict:
+    """Check, then time every implementation at one point; prints one table row."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    import triton
+
+    from kernels.tree_attention.configs import (
+        arch_key,
+        default_num_splits,
+        pick_config,
+        sm_count,
+    )
+    from kernels.tree_attention.kernel import tree_attention_triton
+    from kernels.tree_attention.naive import tree_attention_naive
+    from kernels.tree_attention.ref import tree_attention_ref
+    from specserve.attention.torch_ref import visible_mask
+
+    sets = _point(ctx, n_rows, hq, hkv, page, shuffled, i, torch, np)
+    scale = D**-0.5
+    qs = [torch.randn(n_rows, hq, D, device="cuda", dtype=torch.bfloat16) for _ in sets]
+    k0, v0, b0 = sets[0]
+    ref = tree_attention_ref(qs[0], k0, v0, b0, scale).float()  # fp32 math on GPU
+    err = {}
+    for name, fn in (("ours", tree_attention_triton), ("naive", tree_attention_naive)):
+        out = fn(qs[0], k0, v0, b0, scale)
+        err[name] = float((out.float() - ref).abs().max() / ref.abs().max())
+    del ref
+    groups = hq // hkv
+
+    def gathered(k, v, b):  # [1, Hkv, L+N, D] contiguous K, V of request 0
+        pos = torch.arange(ctx + n_rows, device="cuda")
+        pages = b.block_table[0, pos // page].long()
+        return (k[pages, pos % page].transpose(0, 1)[None].contiguous(),
+                v[pages, pos % page].transpose(0, 1)[None].contiguous())
+
+    mask = visible_mask(b0, 0, None)  # [N, L+N] bool (the same tree in every set)
+    contig = [gathered(k, v, b) for k, v, b in sets]
+    qt = [q.transpose(0, 1)[None] for q in qs]  # [1, Hq, N, D]
+
+    def sdpa(q, kc, vc):
+        return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=scale,
+                                              enable_gqa=groups > 1)
+
+    res = {}
+    res["ours"], mode = _bench([lambda q=q, s=s: tree_attention_triton(q, *s, scale)
+                                for q, s in zip(qs, sets, strict=True)], torch, triton)
+    res["s1"], _ = _bench([lambda q=q, s=s: tree_attention_triton(q, *s, scale, num_splits=1)
+                           for q, s in zip(qs, sets, strict=True)], torch, triton)
+    res["naive"], _ = _bench([lambda q=q, s=s: tree_attention_naive(q, *s, scale)
+                              for q, s in zip(qs, sets, strict=True)], torch, triton)
+    res["gather_sdpa"], _ = _bench([lambda q=q, s=s: sdpa(q, *gathered(*s))
+                                    for q, s in zip(qt, sets, strict=True)], torch, triton)
+    res["sdpa"], _ = _bench([lambda q=q, c=c: sdpa(q, *c)
+                             for q, c in zip(qt, contig, strict=True)], torch, triton)
+    kv_bytes = 2 * (ctx + n_rows) * hkv * D * 2
+    floor_mem = kv_bytes / copy_bw * 1e6
+    floor_fl = 4 * n_rows * hq * (ctx + n_rows) * D / mm * 1e6
+    floor = max(floor_mem, floor_fl)
+    cfg = pick_config(arch_key(torch.cuda.get_device_capability()), D, n_rows * groups, 2)
+    s_auto = default_num_splits(ctx, n_rows * groups, hkv * -(-n_rows * groups // cfg.block_m),
+                                sm_count(torch.device("cuda")))
+    row = dict(ctx=ctx, n=n_rows, hq=hq, hkv=hkv, page=page, shuffled=shuffled,
+               splits_auto_est=s_auto, timing=mode, floor_mem_us=floor_mem,
+               floor_flop_us=floor_fl, kv_bytes=kv_bytes, err=err,
+               **{f"{k}_us": v for k, v in res.items()})
+    print(f"| {ctx} | {n_rows} | {hq}/{hkv} | {page} | {'shuf' if shuffled else 'contig'} "
+          f"| {s_auto} | {res['ours']:.1f} | {res['s1']:.1f} | {res['naive']:.1f} "
+          f"| {res['gather_sdpa']:.1f} | {res['sdpa']:.1f} | {floor:.1f} "
+          f"| {100 * floor / res['ours']:.0f}% | {res['naive'] / res['ours']:.1f} "
+          f"| {max(err.values()):.1e} |", flush=True)
+    del sets, contig, qs, qt
+    torch.cuda.empty_cache()
+    return row
+
+
+def run(args) -> dict:
+    import torch
+    import triton
+
+    dev = torch.cuda.get_device_properties(0)
+    copy_bw, mm = _copy_bw(torch, triton), _matmul_rate(torch, triton)
+    env = dict(gpu=dev.name, sms=dev.multi_processor_count, torch=torch.__version__,
+               triton=triton.__version__, copy_GBps=copy_bw / 1e9, bf16_TFLOPs=mm / 1e12)
+    print(f"# {dev.name}: copy {copy_bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s\n")
+    ctxs = (4096, 32768) if args.quick else (4096, 32768, 131072)
+    points = [(c, n, 32, 8, 16, s) for c in ctxs for n in (1, 16, 64, 256) for s in (False, True)]
+    points += [(32768, n, hq, hkv, 16, True) for hq, hkv in ((64, 8), (28, 4)) for n in (1, 16, 64)]
+    points += [(32768, n, 32, 8, p, True) for p in (1, 64) for n in (16, 64)]
+    if not args.quick:
+        points += [(131072, 64, hq, hkv, 16, True) for hq, hkv in ((64, 8), (28, 4))]
+    rows = []
+    hdr = ("| ctx | N | Hq/Hkv | page | order | S | ours µs | S=1 µs | naive µs | gather+SDPA µs "
+           "| SDPA µs | floor µs | % floor | × naive | max err |")
+    print(hdr)
+    print("|" + "---|" * (hdr.count("|") - 1))
+    t_start = time.time()
+    for i, point in enumerate(points):
+        rows.append(_measure(i, *point, copy_bw, mm))
+    print(f"\n{len(rows)} points in {time.time() - t_start:.0f} s; errors vs fp32 ref must be "
+          "≤ 2e-2 (bf16)")
+    return dict(env=env, rows=rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/kernel_bench.json)")
+    ap.add_argument("--quick", action="store_true", help="fewer points / configs")
+    ap.add_argument("--sm120-check", action="store_true", help="only cross-compile for sm_120")
+    args = ap.parse_args()
+    if args.sm120_check:
+        result = {"sm120": sm120_check(args.quick)}
+        default = "sm120_check.json"
+    else:
+        result = run(args)
+        default = "kernel_bench.json"
+    out = Path(args.out or Path(os.environ.get("OUT", ".")) / default)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Triton tree-verify attention vs a float64 reference (CPU interpreter; GPU classes when present).
+
+Small irregular shapes: ragged batches (random trees, a causal chunk, empty contexts), page sizes
+1/16 with shuffled page tables, GQA 1 and 4, sliding windows, split counts 1/2/5. Pool pages no
+request owns — and, under a window, prefix slots below it — hold NaN: any stray read shows up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU runs)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels.tree_attention import tree_attention  # noqa: E402
+from kernels.tree_attention.configs import Config  # noqa: E402
+from kernels.tree_attention.kernel import tree_attention_triton  # noqa: E402
+from kernels.tree_attention.ref import tree_attention_ref  # noqa: E402
+from specserve.attention.base import AttnBatch  # noqa: E402
+from specserve.attention.torch_ref import first_key  # noqa: E402
+from specserve.spec.tree import DraftTree, num_mask_words, verify_layout  # noqa: E402
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEV = "cuda" if ON_GPU else "cpu"
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+
+def random_tree(rng: np.random.Generator, n: int) -> DraftTree:
+    """n draft nodes, parent of node i drawn uniformly from the rows before it."""
+    parents = np.array([rng.integers(0, i + 1) for i in range(n)], dtype=np.int32)
+    depths = np.zeros(n, dtype=np.int32)
+    for i, p in enumerate(parents):
+        depths[i] = 1 if p == 0 else depths[p - 1] + 1
+    return DraftTree(np.arange(n, dtype=np.int64), parents, depths)
+
+
+def causal_bits(n: int) -> np.ndarray:  # [n, W] uint32 lower-triangular ancestor bits
+    mask = np.zeros((n, num_mask_words(n)), dtype=np.uint32)
+    for i in range(n):
+        for j in range(i + 1):
+            mask[i, j // 32] |= np.uint32(1 << (j % 32))
+    return mask
+
+
+def make_case(seed, ctx_lens, nodes, page_size, hq, hkv, d, dtype, window=None, trees=True,
+              device=DEV):
+    """Batch + tensors. nodes[b] > 0: random tree of that many nodes; < 0: causal chunk of −n."""
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    q_lens, positions, masks = [], [], []
+    for ctx, n in zip(ctx_lens, nodes, strict=True):
+        if n > 0 and trees:
+            lay = verify_layout(random_tree(rng, n), 1, ctx)
+            q_lens.append(lay.num_rows)
+            positions.append(lay.positions)
+            masks.append(lay.mask)
+        else:
+            q_lens.append(abs(n))
+            positions.append(np.arange(ctx, ctx + abs(n)))
+            masks.append(causal_bits(abs(n)))
+    need = [-(-(c + n) // page_size) for c, n in zip(ctx_lens, q_lens, strict=True)]
+    num_pages = sum(need) + 3
+    perm = rng.permutation(num_pages).tolist()
+    tables = [[perm.pop() for _ in range(k)] for k in need]
+    batch = AttnBatch.build(q_lens, ctx_lens, tables, np.concatenate(positions), page_size,
+                            masks if trees else None, device=device)
+    shape = (num_pages, page_size, hkv, d)
+    k_pool = torch.full(shape, float("nan"))
+    v_pool = torch.full(shape, float("nan"))
+    for b, table in enumerate(tables):
+        k0 = first_key(batch, b, window)
+        for pos in range(k0, ctx_lens[b] + q_lens[b]):
+            page, slot = table[pos // page_size], pos % page_size
+            k_pool[page, slot] = torch.randn(hkv, d, generator=g)
+            v_pool[page, slot] = torch.randn(hkv, d, generator=g)
+    q = torch.randn(sum(q_lens), hq, d, generator=g)
+    cast = [x.to(dtype).to(device) for x in (q, k_pool, v_pool)]
+    return (*cast, batch)
+
+
+def check(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
+
+
+CASES = [  # page_size, hq, hkv, d, dtype, window, config
+    (16, 4, 1, 16, torch.bfloat16, None, None),
+    (1, 2, 2, 16, torch.float32, None, None),
+    (16, 8, 2, 32, torch.float32, 24, None),
+    (1, 4, 1, 16, torch.bfloat16, 24, None),
+    (16, 4, 1, 16, torch.float32, None, Config(32, 32, 4, 1)),  # BLOCK_N > page: gather path
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"p{c[0]}-g{c[1] // c[2]}-d{c[3]}-"
+                         f"{str(c[4])[6:]}-w{c[5]}-{'cfg' if c[6] else 'auto'}")
+def test_ragged_trees_match_fp64_for_every_split_count(case):
+    page, hq, hkv, d, dtype, window, config = case
+    q, k, v, batch = make_case(7, [37, 0, 150], [6, -5, 9], page, hq, hkv, d, dtype, window)
+    ref = tree_attention_ref(q, k, v, batch, 0.25, window, fp64=True)
+    for splits in (1, 2, 5):
+        out = torch.full_like(q, float("nan"))
+        tree_attention_triton(q, k, v, batch, 0.25, window, num_splits=splits, config=config,
+                              out=out)
+        check(out, ref, dtype)
+
+
+def test_wide_tree_two_mask_words_and_causal_none_mask():
+    q, k, v, batch = make_case(3, [20, 45], [40, 3], 16, 2, 1, 16, torch.float32)
+    ref = tree_attention_ref(q, k, v, batch, 0.3, None, fp64=True)
+    assert batch.tree_mask.shape[1] == 2
+    check(tree_attention_triton(q, k, v, batch, 0.3, num_splits=2), ref, torch.float32)
+    q, k, v, batch = make_case(4, [33, 0], [-7, -18], 1, 4, 2, 16, torch.bfloat16, 9,
+                               trees=False)
+    assert batch.tree_mask is None
+    ref = tree_attention_ref(q, k, v, batch, 0.3, 9, fp64=True)
+    check(tree_attention(q, k, v, batch, 0.3, 9, impl="triton", num_splits=5), ref,
+          torch.bfloat16)
+
+
+def test_naive_baseline_matches():
+    from kernels.tree_attention.naive import tree_attention_naive
+
+    q, k, v, batch = make_case(5, [37, 0, 70], [6, -5, 9], 16, 4, 2, 16, torch.float32)
+    ref = tree_attention_ref(q, k, v, batch, 0.25, None, fp64=True)
+    check(tree_attention_naive(q, k, v, batch, 0.25), ref, torch.float32)
+
+
+def test_dispatch_ref_and_bad_impl():
+    q, k, v, batch = make_case(1, [5], [3], 16, 2, 1, 16, torch.float32)
+    ref = tree_attention_ref(q, k, v, batch, 0.5, None, fp64=True)
+    check(tree_attention(q, k, v, batch, 0.5, impl="ref"), ref, torch.float32)
+    with pytest.raises(ValueError, match="impl"):
+        tree_attention(q, k, v, batch, 0.5, impl="cuda")
+
+
+def test_launcher_validation():
+    q, k, v, batch = make_case(2, [10], [4], 16, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        tree_attention_triton(q.double(), k, v, batch, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        tree_attention_triton(q, k.half(), v, batch, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        tree_attention_triton(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, batch, 1.0)
+    with pytest.raises(ValueError, match="head"):
+        tree_attention_triton(q[:, :3].contiguous(), k, v, batch, 1.0)
+    with pytest.raises(ValueError, match="rows"):
+        tree_attention_triton(q[:-1].contiguous(), k, v, batch, 1.0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        tree_attention_triton(q, k, v, batch, 1.0, sliding_window=0)
+    with pytest.raises(ValueError, match="num_splits"):
+        tree_attention_triton(q, k, v, batch, 1.0, num_splits=0)
+
+
+def test_sm120_configs_compile_and_fit(tmp_path):
+    """Cross-compiles the bf16 sm_120 configs (no GPU needed) in a process without the
+    interpreter: shared memory ≤ 101,376 B and no spills (the full set: bench --sm120-check)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_kernel.py"
+    out = tmp_path / "sm120.json"
+    proc = subprocess.run([sys.executable, str(script), "--sm120-check", "--quick", "--out",
+                           str(out)], env=env, capture_output=True, text=True, timeout=600)
+    if "no triton CUDA backend" in proc.stderr:
+        pytest.skip("triton has no CUDA backend / Blackwell ptxas here")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())["sm120"]
+    assert report and all(r["shared"] <= 101_376 and r["spills"] == 0 for r in report)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (and TRITON_INTERPRET unset)")
+class TestGPU:
+    @pytest.mark.parametrize("page", [1, 16, 64])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (28, 4, 128), (16, 2, 256), (8, 8, 64)])
+    def test_large(self, page, dtype, hq, hkv, d):
+        q, k, v, batch = make_case(11, [4000, 0, 1500, 777], [63, -17, 15, 120], page, hq, hkv,
+                                   d, dtype)
+        ref = tree_attention_ref(q, k, v, batch, d**-0.5, None, fp64=True)
+        for splits in (None, 1, 7, 32):
+            check(tree_attention_triton(q, k, v, batch, d**-0.5, num_splits=splits), ref, dtype)
+        ref = tree_attention_ref(q, k, v, batch, d**-0.5, 300, fp64=True)
+        check(tree_attention_triton(q, k, v, batch, d**-0.5, 300), ref, dtype)
+
+    def test_cuda_graph_captured_short_replays_long(self):
+        long_ctx = [5000, 300]
+        q, k, v, batch = make_case(12, long_ctx, [31, 9], 16, 32, 8, 128, torch.bfloat16)
+        ref = tree_attention_ref(q, k, v, batch, 0.1, None, fp64=True)
+        short_ctx = torch.tensor([40, 3], dtype=torch.int32, device=DEV)
+        ctx_long = batch.ctx_lens_t.clone()
+        batch.ctx_lens_t.copy_(short_ctx)  # capture at short contexts (same static buffers)
+        kw = dict(max_ctx_len=max(long_ctx))
+        tree_attention_triton(q, k, v, batch, 0.1, **kw)  # warm-up / compile
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = tree_attention_triton(q, k, v, batch, 0.1, **kw)
+        batch.ctx_lens_t.copy_(ctx_long)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, ref, torch.bfloat16)
