@@ -22,8 +22,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from specserve.attention import backend_for
 from specserve.attention.base import AttentionBackend, AttnBatch
-from specserve.attention.torch_ref import torch_ref_attention
 from specserve.errors import CapacityExhausted
 from specserve.kvcache.block_manager import pages_for
 from specserve.kvcache.pool import KVPool, KVShape
@@ -134,7 +134,7 @@ class DFlashContextCache:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.config, self.page_size, self.device = cfg, page_size, torch.device(device)
-        self.attn_backend: AttentionBackend = torch_ref_attention
+        self.attn_backend: AttentionBackend = backend_for(device)
         self.groups: dict[str, _Group] = {}
         for name in (FULL, SLIDING):
             layers = [i for i in range(cfg.num_layers) if (cfg.window(i) is None) == (name == FULL)]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specserve.attention import backend_for
 from specserve.attention.base import AttnBatch
 from specserve.config import EngineConfig
 from specserve.kvcache.block_manager import BlockManager
@@ -39,6 +40,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype)
         self.model = model or load_model(config.model_dir, self.dtype, config.device)
+        self.model.attn_backend = backend_for(self.device)
         mc = self.model.config
         self.set_taps(config.tap_layers)
         shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)

@@ -13,11 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU runs)
+import numpy as np
+import pytest
+import torch
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():  # CPU: the Triton interpreter (set before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels.tree_attention import tree_attention  # noqa: E402
 from kernels.tree_attention.configs import Config  # noqa: E402
