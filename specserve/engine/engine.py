@@ -175,6 +175,7 @@ class Engine:
         offset = sum(p.layout.num_rows for p in plans)
         for w, e in zip(chunks, ends[len(plans):], strict=True):
             w.seq.num_computed += w.num_tokens
+            w.seq.spec_stats.prefill_s += verify_s  # the forward this chunk rode in
             if feats is not None:
                 w.seq.pending_context.append(feats[e - w.num_tokens : e])
         for j, i in enumerate(done):

@@ -1,0 +1,1 @@
+"""What the three services share: server bootstrap, settings, error mapping, common conversions."""

@@ -1,0 +1,89 @@
+"""Conversions of the shared wire types (common.proto) to and from core types.
+
+The only place (with each service's own convert.py) that touches pb2 messages.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specserve.errors import InvalidRequest
+from specserve.spec.metrics import RequestSpecStats
+from specserve.types import FinishReason, SamplingParams
+from specserve.v1 import common_pb2 as pb
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+DRAFTER_NAMES = {pb.DRAFTER_KIND_DFLASH: "dflash", pb.DRAFTER_KIND_NGRAM: "ngram",
+                 pb.DRAFTER_KIND_NONE: "none", pb.DRAFTER_KIND_UNSPECIFIED: None}
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    """Raises InvalidRequest for out-of-range values (SamplingParams validates)."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens,
+        temperature=msg.temperature,
+        top_k=msg.top_k if msg.HasField("top_k") else None,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+        stop=tuple(msg.stop),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
+                            stop_token_ids=list(p.stop_token_ids), stop=list(p.stop),
+                            ignore_eos=p.ignore_eos)
+    if p.top_k is not None:
+        msg.top_k = p.top_k
+    if p.top_p != 1.0:
+        msg.top_p = p.top_p
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def finish_to_pb(reason: FinishReason | None) -> int:
+    return _FINISH.get(reason, pb.FINISH_REASON_UNSPECIFIED)
+
+
+def finish_from_pb(value: int) -> FinishReason | None:
+    return next((r for r, v in _FINISH.items() if v == value), None)
+
+
+def tensor_to_pb(t: torch.Tensor) -> pb.Tensor:
+    t = t.detach().contiguous().cpu()
+    dtype = next(k for k, v in _DTYPES.items() if v == t.dtype)
+    raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+    return pb.Tensor(data=raw.numpy().tobytes(), dtype=dtype, shape=list(t.shape))
+
+
+def tensor_from_pb(msg: pb.Tensor) -> torch.Tensor:
+    if msg.dtype not in _DTYPES:
+        raise InvalidRequest(f"unsupported tensor dtype {msg.dtype!r}")
+    dtype = _DTYPES[msg.dtype]
+    np_dtype = np.float32 if dtype == torch.float32 else np.int16
+    arr = np.frombuffer(msg.data, dtype=np_dtype)
+    if arr.size != int(np.prod(msg.shape)):
+        raise InvalidRequest(f"tensor of shape {list(msg.shape)} has {arr.size} elements")
+    t = torch.from_numpy(arr.copy()).view(*msg.shape)
+    return t if dtype == torch.float32 else t.view(dtype)
+
+
+def spec_stats_to_pb(s: RequestSpecStats, other_s: float = 0.0) -> pb.SpecStats:
+    return pb.SpecStats(
+        steps=s.steps, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
+        committed_tokens=s.committed_tokens, mean_commit_len=s.mean_commit_len,
+        commit_len_hist=dict(s.commit_len_hist),
+        accepted_per_position=dict(s.accepted_per_position),
+        fallbacks=dict(s.fallbacks),
+        phases=pb.PhaseTimes(prefill_s=s.prefill_s, draft_s=s.draft_s, verify_s=s.verify_s,
+                             commit_s=s.commit_s, other_s=other_s),
+    )

@@ -1,0 +1,28 @@
+"""The core's error hierarchy → gRPC status codes. Each servicer maps through `status_for`."""
+
+from __future__ import annotations
+
+import grpc
+
+from specserve.errors import (
+    CapacityExhausted,
+    InvalidRequest,
+    ModelError,
+    RequestAborted,
+    SpecServeError,
+)
+
+STATUS_FOR: dict[type[SpecServeError], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    CapacityExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RequestAborted: grpc.StatusCode.CANCELLED,
+    ModelError: grpc.StatusCode.INTERNAL,
+}
+
+
+def status_for(error: BaseException) -> grpc.StatusCode:
+    """The status code of a core error (INTERNAL for anything unexpected)."""
+    for cls in type(error).__mro__:
+        if cls in STATUS_FOR:
+            return STATUS_FOR[cls]
+    return grpc.StatusCode.INTERNAL

@@ -1,0 +1,1 @@
+"""Generated protobuf / gRPC modules (scripts/gen_proto.sh). Do not edit."""
