@@ -1,0 +1,61 @@
+"""`python -m services.drafter` / `specserve serve drafter`: flags (with SPECSERVE_* env) → run.
+
+`main(argv)` is what the `specserve` CLI delegates to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from services.common.settings import COMMON, DRAFTER_PORT, Flag, add_flags
+from services.drafter.server import DTYPES, DrafterConfig, run
+
+FLAGS = [
+    *COMMON,
+    Flag("--port", "SPECSERVE_DRAFTER_PORT", DRAFTER_PORT, int, "port to bind (0: any free)"),
+    Flag("--model", "SPECSERVE_MODEL", None, str,
+         "target checkpoint dir (DFlash uses its embedding and LM head)"),
+    Flag("--draft-model", "SPECSERVE_DRAFT_MODEL", None, str,
+         "DFlash drafter checkpoint dir (absent: n-gram drafting only)"),
+    Flag("--device", "SPECSERVE_DEVICE", "auto", str, "auto | cpu | cuda | cuda:N"),
+    Flag("--dtype", "SPECSERVE_DTYPE", "auto", str, " | ".join(DTYPES)),
+    Flag("--page-size", "SPECSERVE_PAGE_SIZE", 16, int, "context-cache page size (tokens)"),
+    Flag("--drafter-pages", "SPECSERVE_DRAFTER_PAGES", 4096, int,
+         "context-cache pages per layer group"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specserve serve drafter",
+        description="Serve the drafter (DFlash + DDTree, n-gram) over gRPC.")
+    add_flags(parser, FLAGS)
+    parser.add_argument("--port-file", default=None,
+                        help="write the bound port to this file once SERVING (for --port 0)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> DrafterConfig:
+    return DrafterConfig(host=args.host, port=args.port, model=args.model,
+                         draft_model=args.draft_model, device=args.device, dtype=args.dtype,
+                         page_size=args.page_size, num_pages=args.drafter_pages)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(run(config, args.port_file))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,201 @@
+"""The drafter service's core (no grpc): which drafters exist and one batched draft per step.
+
+Owns the drafters by name ("ngram" always, "dflash" when a draft model is loaded), each
+request's committed-token history (entries carry only the tokens committed since the last one;
+the n-gram drafter needs the whole history), the per-entry checks that keep one bad entry from
+failing its batch, one `draft` call per drafter per batch, and error isolation: a drafter that
+raises fails only its own entries. Every result is a `DraftTree` or an error string (the
+verifier then verifies a root-only tree). Calls are serialised by a lock, so worker threads of
+several streams may call in at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from specserve.drafters.base import Drafter, DraftRequest
+from specserve.drafters.dflash import DFlashDrafter
+from specserve.drafters.ngram import NgramDrafter
+from specserve.models.dflash import load_dflash
+from specserve.spec.tree import DraftTree, check_budget
+
+log = logging.getLogger(__name__)
+
+DFLASH, NGRAM, NONE = "dflash", "ngram", "none"
+Result = DraftTree | str  # a tree, or why this entry got none
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One request's part of a draft batch."""
+
+    request: DraftRequest  # without history: the core supplies it
+    kind: str | None = None  # "dflash" | "ngram" | "none"; None = the server's default
+    new_history: tuple[int, ...] = ()  # committed tokens since the last entry, ending with the root
+
+
+@dataclass(frozen=True)
+class DraftTimes:
+    """Where a batch's drafting time went (0 for parts that did not run)."""
+
+    forward_s: float = 0.0  # DFlash context K/V + block forward + logits
+    tree_build_s: float = 0.0  # DDTree building, plus the n-gram drafter's whole call
+
+
+def _entry_problem(entry: Entry, seen: set[str]) -> str | None:
+    """What makes an entry undraftable whatever its drafter, or None."""
+    r = entry.request
+    if not r.request_id:
+        return "request_id is empty"
+    if r.request_id in seen:
+        return f"request {r.request_id!r} appears twice in one batch"
+    try:
+        check_budget(r.budget)
+    except ValueError as e:
+        return f"request {r.request_id!r}: {e}"
+    if r.max_depth < 0 or r.start < 0 or r.bonus_token < 0:
+        return (f"request {r.request_id!r}: max_depth, start and bonus_token must be "
+                f"non-negative, got {r.max_depth}, {r.start}, {r.bonus_token}")
+    if entry.new_history and entry.new_history[-1] != r.bonus_token:
+        return (f"request {r.request_id!r}: new_history must end with the root "
+                f"{r.bonus_token}, ends with {entry.new_history[-1]}")
+    return None
+
+
+def _dflash_problem(drafter: DFlashDrafter, r: DraftRequest) -> str | None:
+    """Why the DFlash drafter would reject `r` (checked up front, so only `r` fails)."""
+    cfg = drafter.model.config
+    if r.bonus_token >= cfg.vocab_size:
+        return (f"request {r.request_id!r}: bonus token {r.bonus_token} outside the "
+                f"vocabulary ({cfg.vocab_size})")
+    width, ctx = cfg.num_taps * cfg.hidden_size, r.context
+    if ctx is not None and (ctx.ndim != 2 or ctx.shape[1] != width):
+        return f"request {r.request_id!r}: context must be [n_new, {width}], got {list(ctx.shape)}"
+    held, new = drafter.cache.length(r.request_id), 0 if ctx is None else int(ctx.shape[0])
+    if r.start - new != held:
+        return (f"request {r.request_id!r}: context covers positions [{r.start - new}, "
+                f"{r.start}) but the drafter holds [0, {held}); it must continue at {held}")
+    return None
+
+
+class DrafterCore:
+    """The drafters of one drafter server and the per-request state they need."""
+
+    def __init__(self, dflash: DFlashDrafter | None = None,
+                 ngram: NgramDrafter | None = None) -> None:
+        self.dflash = dflash
+        self.drafters: dict[str, Drafter] = {NGRAM: ngram or NgramDrafter()}
+        if dflash is not None:
+            self.drafters[DFLASH] = dflash
+        self._history: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, draft_dir: str | Path | None, target_dir: str | Path | None, *,
+             dtype: str = "float32", device: str = "cpu", num_pages: int = 4096,
+             page_size: int = 16) -> DrafterCore:
+        """N-gram always; DFlash too when `draft_dir` (and the target's `target_dir`) are given."""
+        if draft_dir is None:
+            return cls()
+        if target_dir is None:
+            raise ValueError("the DFlash drafter needs the target checkpoint (embedding, LM head)")
+        model = load_dflash(draft_dir, target_dir, dtype, device)
+        return cls(DFlashDrafter(model, num_pages=num_pages, page_size=page_size))
+
+    @property
+    def default_kind(self) -> str:
+        """What DRAFTER_KIND_UNSPECIFIED means here."""
+        return DFLASH if self.dflash is not None else NGRAM
+
+    @property
+    def context_device(self) -> torch.device:
+        """Where context features should be put for the drafter that uses them."""
+        return self.dflash.model.fc.weight.device if self.dflash else torch.device("cpu")
+
+    @property
+    def context_dtype(self) -> torch.dtype:
+        return self.dflash.model.fc.weight.dtype if self.dflash else torch.float32
+
+    def draft(self, entries: Sequence[Entry | str]) -> list[Result]:
+        """One result per entry, in order (a str entry is an error passed through)."""
+        return self.draft_timed(entries)[0]
+
+    def draft_timed(self, entries: Sequence[Entry | str]) -> tuple[list[Result], DraftTimes]:
+        """`draft` plus where the time went."""
+        with self._lock:
+            results: list[Result] = [DraftTree.empty()] * len(entries)
+            groups: dict[str, list[tuple[int, DraftRequest]]] = {}
+            seen: set[str] = set()
+            for i, entry in enumerate(entries):
+                admitted = self._admit(entry, seen)
+                if isinstance(admitted, str):
+                    results[i] = admitted
+                elif admitted[0] != NONE:
+                    groups.setdefault(admitted[0], []).append((i, admitted[1]))
+            times = [self._run(kind, items, results) for kind, items in groups.items()]
+            return results, DraftTimes(sum(t.forward_s for t in times),
+                                       sum(t.tree_build_s for t in times))
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Forget the requests' histories and drafter state (unknown ids are a no-op)."""
+        with self._lock:
+            for rid in request_ids:
+                self._history.pop(rid, None)
+                for drafter in self.drafters.values():
+                    drafter.release(rid)
+
+    def history(self, request_id: str) -> list[int]:
+        """Committed tokens known for `request_id` (a copy)."""
+        with self._lock:
+            return list(self._history.get(request_id, ()))
+
+    def _admit(self, entry: Entry | str, seen: set[str]) -> tuple[str, DraftRequest] | str:
+        """(drafter name, request ready for it), or why the entry cannot be drafted."""
+        if isinstance(entry, str):
+            return entry
+        problem = _entry_problem(entry, seen)
+        if problem:
+            return problem
+        r = entry.request
+        seen.add(r.request_id)
+        history = self._history.setdefault(r.request_id, [])
+        history.extend(entry.new_history)
+        kind = entry.kind or self.default_kind
+        if kind == NONE:
+            return kind, r
+        if kind not in self.drafters:
+            return (f"request {r.request_id!r}: drafter {kind!r} is not loaded here "
+                    f"(available: {', '.join(sorted(self.drafters))}, none)")
+        if kind == DFLASH:
+            problem = _dflash_problem(self.dflash, r)
+            return problem if problem else (kind, r)
+        return kind, replace(r, history=history)
+
+    def _run(self, kind: str, items: list[tuple[int, DraftRequest]],
+             results: list[Result]) -> DraftTimes:
+        """Draft one drafter's entries in one call; if it raises, all of them get the error."""
+        drafter, requests = self.drafters[kind], [r for _, r in items]
+        t0, failed = time.perf_counter(), False
+        try:
+            trees: list[Result] = list(drafter.draft(requests))
+        except Exception as e:
+            log.exception("%s drafter failed for requests %s", kind,
+                          [r.request_id for r in requests])
+            failed, error = True, f"{kind} drafter failed: {type(e).__name__}: {e}"
+            trees = [error] * len(requests)
+        for (i, _), tree in zip(items, trees, strict=True):
+            results[i] = tree
+        elapsed = time.perf_counter() - t0
+        if kind != DFLASH:
+            return DraftTimes(tree_build_s=elapsed)
+        stats = self.dflash.last_stats
+        if failed or stats is None:
+            return DraftTimes(forward_s=elapsed)
+        return DraftTimes(forward_s=stats.forward_s, tree_build_s=stats.tree_s)
