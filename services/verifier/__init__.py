@@ -1,0 +1,1 @@
+"""The verifier service: owns the target model, the paged KV cache and the step loop."""

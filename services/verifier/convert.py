@@ -1,0 +1,136 @@
+"""Verifier wire conversions: VerifyRequest/VerifyEvent/StatsReply and the drafter stream's
+DraftBatch/TreeBatch/Release messages to and from core types.
+
+With services/common/convert.py, the only verifier module that touches pb2 messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.common.convert import (
+    DRAFTER_NAMES,
+    finish_to_pb,
+    sampling_from_pb,
+    spec_stats_to_pb,
+    tensor_to_pb,
+)
+from specserve.drafters.base import DraftRequest
+from specserve.errors import InvalidRequest
+from specserve.spec.tree import DraftTree
+from specserve.types import SamplingParams
+from specserve.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+DRAFTER_KINDS = {name: kind for kind, name in DRAFTER_NAMES.items()}  # "ngram" -> pb enum
+
+
+@dataclass(frozen=True)
+class SpecLimits:
+    """What the server allows: budgets are clamped to `max_draft_tokens`; no drafter → 0."""
+
+    default_budget: int
+    max_draft_tokens: int
+    has_drafter: bool
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    budget: int
+    drafter_kind: str | None  # "dflash" | "ngram" | None (the drafter's default)
+
+
+def generate_args_from_pb(msg: verifier_pb2.VerifyRequest, limits: SpecLimits,
+                          fallback_id: str) -> GenerateArgs:
+    """Raises InvalidRequest for bad sampling parameters, a negative budget or a bad kind."""
+    params = sampling_from_pb(msg.sampling)
+    if msg.spec.drafter not in DRAFTER_NAMES:
+        raise InvalidRequest(f"unknown drafter kind {msg.spec.drafter}")
+    kind = DRAFTER_NAMES[msg.spec.drafter]
+    budget = msg.spec.budget if msg.spec.HasField("budget") else limits.default_budget
+    if budget < 0:
+        raise InvalidRequest(f"budget must be >= 0, got {budget}")
+    if kind == "none" or not limits.has_drafter:
+        budget = 0
+    return GenerateArgs(
+        request_id=msg.request_id or fallback_id,
+        prompt_ids=[int(t) for t in msg.prompt_ids],
+        params=params,
+        budget=min(budget, limits.max_draft_tokens),
+        drafter_kind=None if kind == "none" else kind,
+    )
+
+
+def step_event_to_pb(token_ids, step) -> verifier_pb2.VerifyEvent:
+    """One step's event; `step` is its StepRecord (None for the token sampled by prefill)."""
+    event = verifier_pb2.VerifyEvent(token_ids=list(token_ids), commit_len=len(token_ids))
+    if step is not None:
+        event.commit_len = step.commit_len
+        event.accepted_depth = step.accepted_depth
+        event.tree_size = step.tree_size
+        event.budget = step.budget
+        event.fallback = step.fallback or ""
+    return event
+
+
+def final_to_pb(event: verifier_pb2.VerifyEvent, output, stats, wall_s: float) -> None:
+    """Fill `event.final` from the last RequestOutput and the request's RequestSpecStats."""
+    event.final.finish_reason = finish_to_pb(output.finish_reason)
+    event.final.usage.CopyFrom(common_pb2.Usage(prompt_tokens=output.num_prompt_tokens,
+                                                completion_tokens=output.num_output_tokens))
+    if stats is not None:
+        phases = stats.prefill_s + stats.draft_s + stats.verify_s + stats.commit_s
+        event.final.stats.CopyFrom(spec_stats_to_pb(stats, other_s=max(0.0, wall_s - phases)))
+
+
+def stats_to_pb(stats, drafter_connected: bool) -> verifier_pb2.StatsReply:
+    return verifier_pb2.StatsReply(
+        kv_pages_used=stats.pages_used, kv_pages_free=stats.pages_free,
+        kv_pages_total=stats.pages_total, active_requests=stats.active,
+        waiting_requests=stats.waiting, drafter_connected=drafter_connected,
+        fallbacks=dict(stats.fallbacks), steps=stats.steps)
+
+
+# ---- the drafter stream ----------------------------------------------------------------------
+def draft_entry_to_pb(req: DraftRequest, kind: str | None, context: torch.Tensor | None,
+                      new_history) -> drafter_pb2.DraftEntry:
+    entry = drafter_pb2.DraftEntry(
+        request_id=req.request_id, drafter=DRAFTER_KINDS.get(kind, 0),
+        bonus_token=req.bonus_token, start=req.start, budget=req.budget,
+        max_depth=req.max_depth, new_history=[int(t) for t in new_history])
+    if context is not None and context.shape[0]:
+        entry.context.CopyFrom(tensor_to_pb(context))
+    return entry
+
+
+def draft_batch_to_pb(step_id: int, entries) -> drafter_pb2.DraftBatch:
+    return drafter_pb2.DraftBatch(step_id=step_id, entries=list(entries))
+
+
+def release_to_pb(request_ids) -> drafter_pb2.ReleaseRequest:
+    return drafter_pb2.ReleaseRequest(request_ids=sorted(request_ids))
+
+
+def trees_from_pb(reply: drafter_pb2.TreeBatch) -> dict[str, DraftTree | str]:
+    """request id → its DraftTree, or the reason it has none (the entry's error)."""
+    out: dict[str, DraftTree | str] = {}
+    for tree in reply.trees:
+        if tree.error:
+            out[tree.request_id] = tree.error
+            continue
+        try:
+            out[tree.request_id] = DraftTree(np.asarray(tree.token_ids, dtype=np.int64),
+                                             np.asarray(tree.parents, dtype=np.int32),
+                                             np.asarray(tree.depths, dtype=np.int32))
+        except ValueError as e:
+            out[tree.request_id] = f"malformed tree: {e}"
+    return out
+
+
+def step_id_of(reply: drafter_pb2.TreeBatch) -> int:
+    return reply.step_id

@@ -1,0 +1,305 @@
+"""The verifier's drafter client: a `Drafter` whose `draft` is one round trip on ONE long-lived
+bidi `Draft` stream to the drafter service.
+
+Owns what the verifier knows about the drafter's copy of each request. The engine thread calls
+`draft` synchronously; the stream itself lives on the asyncio loop (grpc.aio objects stay on
+their loop), reached with `run_coroutine_threadsafe` and waited on with a deadline. Only NEW
+context rows and history tokens go out per step, but every context row and the whole history are
+kept here: after a reconnect (a new drafter process has no state), a timeout or an entry error,
+the request is released on the drafter and resent in full from position 0 — the DFlash drafter
+needs its context contiguous from 0. That costs host memory of context rows × taps × hidden per
+request (the price of surviving a drafter restart without losing speculation).
+
+Failure is never the request's: a missing stream, a deadline or a broken stream raises (the
+engine verifies root-only trees and records why); a per-entry error yields an empty tree and is
+reported through `take_entry_errors`. Reconnects run in the background, at most one attempt per
+`reconnect_s`, so steps never wait for one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from services.common.server import CHANNEL_OPTIONS
+from services.verifier import convert
+from specserve.drafters.base import DraftRequest
+from specserve.spec.tree import DraftTree
+from specserve.v1 import drafter_pb2_grpc
+
+log = logging.getLogger(__name__)
+# a restarted drafter is found within about reconnect_s (grpc's own default backoff reaches 120 s)
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
+                     ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 500)]
+MAX_CHUNKS = 64  # context chunks kept per request before they are merged into one tensor
+
+
+class DrafterUnavailable(Exception):
+    """No usable stream to the drafter (down, connecting, or the stream broke)."""
+
+
+class DrafterTimeout(Exception):
+    """The drafter did not answer a step within the deadline."""
+
+
+@dataclass(eq=False)
+class _State:
+    """One request as the verifier knows it (engine thread only)."""
+
+    kind: str | None  # "dflash" | "ngram" | None (the drafter's default)
+    chunks: list[torch.Tensor] = field(default_factory=list)  # CPU context rows [0, num_rows)
+    num_rows: int = 0
+    rows_sent: int = 0  # context rows the drafter holds
+    history_sent: int = 0  # history tokens the drafter holds
+    epoch: int = -1  # the connection the drafter's copy was built on
+    resend: bool = False  # the drafter's copy is unknown: release it, send everything
+    sent_once: bool = False
+
+    def rows_since(self, start: int) -> torch.Tensor | None:
+        out, pos = [], 0
+        for chunk in self.chunks:
+            if pos + chunk.shape[0] > start:
+                out.append(chunk[max(0, start - pos):])
+            pos += chunk.shape[0]
+        return torch.cat(out) if out else None
+
+
+class RemoteDrafter:
+    """`Drafter` over the drafter service at `address`; `start()` it on the asyncio loop."""
+
+    def __init__(self, address: str, target_layer_ids: Sequence[int] = (),
+                 timeout_s: float = 2.0, reconnect_s: float = 0.5) -> None:
+        if not address:
+            raise ValueError("drafter address is empty")
+        if timeout_s <= 0 or reconnect_s <= 0:
+            raise ValueError(f"timeout_s and reconnect_s must be positive, got "
+                             f"{timeout_s}, {reconnect_s}")
+        self.address, self.timeout_s, self.reconnect_s = address, timeout_s, reconnect_s
+        self.target_layer_ids = tuple(int(t) for t in target_layer_ids)
+        self.needs_context = bool(self.target_layer_ids)  # else only n-gram drafting works
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._channel = self._stub = self._call = None
+        self._connecting: asyncio.Future | None = None
+        self._tasks: set[asyncio.Future] = set()
+        self._last_attempt = -float("inf")
+        self._epoch = 0
+        self._pending: dict[int, asyncio.Future] = {}  # step id → its reply
+        self._step_ids = itertools.count(1)
+        self._states: dict[str, _State] = {}
+        self._entry_errors: dict[str, str] = {}
+        self._releases: set[str] = set()
+        self._closed = False
+
+    @property
+    def connected(self) -> bool:
+        return self._call is not None
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def set_kind(self, request_id: str, kind: str | None) -> None:
+        """Which drafter serves `request_id` (before its first draft)."""
+        self._states[request_id] = _State(kind)
+
+    def take_entry_errors(self) -> dict[str, str]:
+        """request id → why its last draft was empty (a per-entry drafter error); then cleared."""
+        errors, self._entry_errors = self._entry_errors, {}
+        return errors
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
+        if self._loop is None or self._closed:
+            raise DrafterUnavailable("the drafter client is not running")
+        epoch, entries, marks, release = self._epoch, [], {}, []
+        for req in requests:
+            st = self._states.setdefault(req.request_id, _State(None))
+            entry = self._entry(req, st, epoch, release)
+            if entry is not None:
+                entries.append(entry)
+                marks[req.request_id] = (st.num_rows, len(req.history or ()))
+        step_id = next(self._step_ids)
+        batch = convert.draft_batch_to_pb(step_id, entries)
+        done = asyncio.run_coroutine_threadsafe(
+            self._exchange(step_id, epoch, batch, release), self._loop)
+        try:
+            reply = done.result(self.timeout_s + 1.0)
+        except BaseException as e:
+            done.cancel()
+            for req in requests:  # the drafter may or may not have applied the batch
+                self._states[req.request_id].resend = True
+            if isinstance(e, concurrent.futures.TimeoutError):
+                raise DrafterTimeout(f"no reply within {self.timeout_s} s") from None
+            raise
+        return self._trees(requests, reply, marks)
+
+    def _entry(self, req: DraftRequest, st: _State, epoch: int, release: list[str]):
+        """The request's DraftEntry (None, with an entry error, if it cannot be drafted)."""
+        if not self._absorb(req, st):
+            self._entry_errors[req.request_id] = "drafter_entry_error: context gap"
+            return None
+        if st.resend or st.epoch != epoch:
+            if st.sent_once:
+                release.append(req.request_id)
+            st.rows_sent = st.history_sent = 0
+            st.epoch, st.resend = epoch, False
+        st.sent_once = True
+        context = st.rows_since(st.rows_sent) if st.rows_sent < st.num_rows else None
+        history = list(req.history or ())[st.history_sent:]
+        return convert.draft_entry_to_pb(req, st.kind, context, history)
+
+    def _absorb(self, req: DraftRequest, st: _State) -> bool:
+        """Keep the context rows not seen before; False if they do not continue what is kept."""
+        ctx = req.context
+        if ctx is None or not self.needs_context or st.kind == "ngram" or not ctx.shape[0]:
+            return True
+        first = req.start - ctx.shape[0]  # the rows cover positions [first, start)
+        if first > st.num_rows:
+            return False
+        rows = ctx[st.num_rows - first:].detach().to("cpu")
+        if rows.shape[0]:
+            st.chunks.append(rows)
+            st.num_rows += rows.shape[0]
+        if len(st.chunks) > MAX_CHUNKS:
+            st.chunks = [torch.cat(st.chunks)]
+        return True
+
+    def _trees(self, requests, reply, marks) -> list[DraftTree]:
+        got = convert.trees_from_pb(reply)
+        trees = []
+        for req in requests:
+            rid, st = req.request_id, self._states[req.request_id]
+            tree = got.get(rid, "no tree in the drafter's reply") if rid in marks else None
+            if isinstance(tree, DraftTree):
+                st.rows_sent, st.history_sent = marks[rid]
+                trees.append(tree)
+                continue
+            if tree is not None:
+                self._entry_errors[rid] = f"drafter_entry_error: {tree}"
+            st.resend = True
+            trees.append(DraftTree.empty())
+        return trees
+
+    def release(self, request_id: str) -> None:
+        """Forget the request here and (fire-and-forget) on the drafter."""
+        st = self._states.pop(request_id, None)
+        if st is not None and st.sent_once and self._loop is not None and not self._closed:
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                self._loop.call_soon_threadsafe(self._queue_release, request_id)
+
+    # ---- asyncio loop ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind to the running loop and try to connect once (failure: retried in background)."""
+        self._loop = asyncio.get_running_loop()
+        await self._connect()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._connecting is not None:
+            self._connecting.cancel()
+        if self._call is not None:
+            self._drop(self._call, "closed")
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _exchange(self, step_id: int, epoch: int, batch, release: list[str]):
+        call = self._call
+        if call is None or epoch != self._epoch:
+            self._maybe_reconnect()
+            raise DrafterUnavailable(f"no stream to the drafter at {self.address}")
+        reply = self._loop.create_future()
+        self._pending[step_id] = reply
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                if release:
+                    await self._stub.Release(convert.release_to_pb(release),
+                                             timeout=self.timeout_s)
+                await call.write(batch)
+                return await reply
+        except TimeoutError:
+            self._drop(call, "deadline exceeded")  # a drafter behind: flush its backlog
+            raise DrafterTimeout(f"no reply within {self.timeout_s} s") from None
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+            self._drop(call, f"stream failed: {e}")
+            raise DrafterUnavailable(f"the drafter stream to {self.address} broke") from None
+        finally:
+            self._pending.pop(step_id, None)
+
+    def _maybe_reconnect(self) -> None:
+        busy = self._connecting is not None and not self._connecting.done()
+        if self._closed or busy or time.monotonic() - self._last_attempt < self.reconnect_s:
+            return
+        self._connecting = self._spawn(self._connect())
+
+    async def _connect(self) -> bool:
+        self._last_attempt = time.monotonic()
+        channel = grpc.aio.insecure_channel(self.address,
+                                            options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        try:
+            await asyncio.wait_for(channel.channel_ready(), max(self.timeout_s, 1.0))
+        except (TimeoutError, grpc.aio.AioRpcError):
+            await channel.close()
+            return False
+        if self._closed:
+            await channel.close()
+            return False
+        stub = drafter_pb2_grpc.DrafterStub(channel)
+        # The stream lives as long as the connection; each step has its own deadline (timeout_s).
+        call = stub.Draft()
+        self._epoch += 1  # every request is resent in full on the new stream
+        self._channel, self._stub, self._call = channel, stub, call
+        self._spawn(self._read(call))
+        log.info("drafter stream to %s open", self.address)
+        return True
+
+    async def _read(self, call) -> None:
+        try:
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                waiter = self._pending.get(reply.step_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(reply)  # a late reply to a timed-out step is dropped
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            log.warning("drafter stream to %s ended: %s", self.address,
+                        getattr(e, "code", lambda: "cancelled")())
+        finally:
+            self._drop(call, "stream ended")
+
+    def _drop(self, call, why: str) -> None:
+        """Forget a dead (or abandoned) stream; waiting steps fail at once."""
+        if self._call is not call:
+            return
+        channel, self._channel, self._stub, self._call = self._channel, None, None, None
+        call.cancel()
+        for waiter in self._pending.values():
+            if not waiter.done():
+                waiter.set_exception(DrafterUnavailable(f"the drafter stream {why}"))
+        self._pending.clear()
+        if channel is not None:
+            self._spawn(channel.close())
+
+    def _queue_release(self, request_id: str) -> None:
+        if not self._releases:
+            self._spawn(self._flush_releases())
+        self._releases.add(request_id)
+
+    async def _flush_releases(self) -> None:
+        await asyncio.sleep(0)  # batch the releases of one step into one call
+        ids, self._releases = self._releases, set()
+        if self._stub is None or not ids:
+            return  # no drafter: its state went with the connection
+        try:
+            await self._stub.Release(convert.release_to_pb(ids), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            log.debug("release of %d requests failed: %s", len(ids), e.code())
+
+    def _spawn(self, coro) -> asyncio.Future:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task

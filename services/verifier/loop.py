@@ -1,0 +1,206 @@
+"""The verifier's step loop: the one thread that owns the `Engine`.
+
+The engine is synchronous and single-threaded, so every call into it (add, abort, step) happens
+on a dedicated thread. The asyncio side talks to it through a thread-safe inbox of commands;
+the thread drains the inbox, runs `engine.step()` while there is work (sleeping on the inbox
+when idle) and hands each request's outputs to that request's asyncio queue with
+`call_soon_threadsafe`. Per-request queues are bounded by the request's max_tokens (the engine
+thread must never block on one slow client). No grpc here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import copy
+import logging
+import queue
+import threading
+from collections import Counter
+from dataclasses import dataclass, replace
+from functools import partial
+
+from specserve.engine.engine import Engine
+from specserve.errors import RequestAborted
+from specserve.spec.metrics import RequestSpecStats, StepRecord
+from specserve.types import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+MAX_FALLBACK_REASONS = 64  # distinct reasons kept in the server-wide counter; the rest: "other"
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one step committed for one request."""
+
+    output: RequestOutput
+    step: StepRecord | None  # None for the token sampled at the end of prefill
+    stats: RequestSpecStats | None = None  # a snapshot, on the request's final event only
+
+
+@dataclass(frozen=True)
+class LoopStats:
+    pages_used: int
+    pages_free: int
+    pages_total: int
+    active: int
+    waiting: int
+    fallbacks: dict[str, int]  # reason -> steps, since start
+    steps: int
+
+
+@dataclass(eq=False)
+class _Request:
+    queue: asyncio.Queue
+    spec_stats: RequestSpecStats
+
+
+class StepLoop:
+    """Runs `engine` on its own thread; `submit`/`abort`/`stats` are called from asyncio."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, _Request] = {}  # engine thread only
+        self._lock = threading.Lock()  # guards the counters below
+        self._fallbacks: Counter = Counter()
+        self._steps = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- asyncio side ------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on `loop` (default: the running one)."""
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     budget: int, drafter_kind: str | None = None) -> asyncio.Queue:
+        """Add a request; returns the queue its `StepEvent`s arrive on (an exception instead if
+        the engine fails). Raises what `engine.add_request` raises (InvalidRequest,
+        CapacityExhausted); nothing is queued then."""
+        if self._stopping or self._thread is None:
+            raise RequestAborted("the verifier is not running (shutting down)")
+        q: asyncio.Queue = asyncio.Queue()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(partial(self._add, request_id, list(prompt_ids), params, budget,
+                                drafter_kind, q, done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self.abort(request_id, owner=q)  # it may have been added meanwhile
+            raise
+        return q
+
+    def abort(self, request_id: str, owner: asyncio.Queue | None = None) -> None:
+        """Cancel a request and free its pages (and drafter state) at the next inbox drain.
+        With `owner`, only if the request is still the one that `submit` returned it for."""
+        self._inbox.put(partial(self._abort, request_id, owner))
+
+    def stats(self) -> LoopStats:
+        blocks, sched = self.engine.blocks, self.engine.scheduler
+        with self._lock:
+            fallbacks, steps = dict(self._fallbacks), self._steps
+        return LoopStats(pages_used=blocks.num_used_pages, pages_free=blocks.num_free_pages,
+                         pages_total=blocks.num_pages, active=len(sched.running),
+                         waiting=len(sched.waiting), fallbacks=fallbacks, steps=steps)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Abort what is left, end the thread (blocking: call via asyncio.to_thread)."""
+        self._stopping = True
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join(timeout_s)
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while self._drain(block=not self.engine.has_unfinished):
+            if self.engine.has_unfinished:
+                self._step()
+        for request_id in list(self._requests):
+            self._fail(request_id, RequestAborted("the verifier shut down"))
+
+    def _drain(self, block: bool) -> bool:
+        """Run queued commands (waiting for one if `block`); False once stop was asked."""
+        while True:
+            try:
+                command = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            if command is None:
+                return False
+            command()
+            block = False
+
+    def _add(self, request_id, prompt_ids, params, budget, kind, q, done) -> None:
+        if not done.set_running_or_notify_cancel():
+            return  # the caller went away first
+        try:
+            self.engine.add_request(request_id, prompt_ids, params, budget)
+        except Exception as e:  # InvalidRequest / CapacityExhausted → the caller
+            done.set_exception(e)
+            return
+        set_kind = getattr(self.engine.drafter, "set_kind", None)
+        if set_kind is not None and budget:
+            set_kind(request_id, kind)
+        self._requests[request_id] = _Request(q, self.engine.requests[request_id].spec_stats)
+        done.set_result(None)
+
+    def _abort(self, request_id: str, owner: asyncio.Queue | None) -> None:
+        req = self._requests.get(request_id)
+        if owner is not None and (req is None or req.queue is not owner):
+            return
+        self._requests.pop(request_id, None)
+        self.engine.abort(request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a broken step fails its requests, never the thread
+            log.exception("engine step failed")
+            for request_id in list(self._requests):
+                self._fail(request_id, e)
+            return
+        take = getattr(self.engine.drafter, "take_entry_errors", None)
+        entry_errors = take() if take is not None else {}
+        with self._lock:
+            self._steps += 1
+        for out in outputs:
+            self._deliver(out, entry_errors)
+
+    def _deliver(self, out: RequestOutput, entry_errors: dict[str, str]) -> None:
+        step = out.stats.get("step")
+        reason = entry_errors.get(out.request_id)
+        if step is not None and reason and step.fallback is None and step.tree_size == 0:
+            step = replace(step, fallback=reason)  # the drafter failed this entry only
+            out.stats["request"].fallbacks[reason] += 1
+        if step is not None and step.fallback:
+            self._count_fallback(step.fallback)
+        req = self._requests.pop(out.request_id) if out.finished else \
+            self._requests.get(out.request_id)
+        if req is None:
+            return
+        snapshot = copy.deepcopy(req.spec_stats) if out.finished else None
+        self._post(req.queue, StepEvent(out, step, snapshot))
+
+    def _count_fallback(self, reason: str) -> None:
+        with self._lock:
+            if reason not in self._fallbacks and len(self._fallbacks) >= MAX_FALLBACK_REASONS:
+                reason = "other"
+            self._fallbacks[reason] += 1
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        req = self._requests.pop(request_id, None)
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            log.exception("abort of %s failed", request_id)
+        if req is not None:
+            self._post(req.queue, error)
+
+    def _post(self, q: asyncio.Queue, item) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens any more
+            self._loop.call_soon_threadsafe(q.put_nowait, item)

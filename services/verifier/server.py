@@ -1,0 +1,154 @@
+"""The verifier process: its config, the engine + step loop + drafter client, the gRPC server.
+
+`serve(config)` binds first (health NOT_SERVING), loads the target model off the event loop,
+connects the drafter client (failure is fine: it keeps retrying), starts the step loop and only
+then reports SERVING. `VerifierServer.stop(grace)` drains in-flight streams for `grace` seconds,
+then stops the step loop and the drafter stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from services.common.server import mark_serving, start_server
+from services.verifier.convert import SpecLimits
+from services.verifier.drafter_client import RemoteDrafter
+from services.verifier.loop import StepLoop
+from services.verifier.servicer import VerifierServicer
+from specserve.config import EngineConfig
+from specserve.engine.engine import Engine
+from specserve.v1 import verifier_pb2, verifier_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name  # specserve.v1.Verifier
+DEFAULT_KV_GB = {"cpu": 1.0, "cuda": 16.0}
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    model: str  # target checkpoint directory (HF format)
+    host: str = "127.0.0.1"
+    port: int = 50052  # 0 = any free port
+    device: str = "auto"  # auto = cuda if available, else cpu
+    dtype: str = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    page_size: int = 16
+    kv_memory_gb: float | None = None  # KV page pool; None = 1.0 on cpu, 16.0 on cuda
+    max_draft_tokens: int = 64  # largest per-request budget (scratch reserved per request)
+    default_budget: int = 16  # budget of requests that do not say
+    drafter: str | None = None  # drafter address host:port; None or "" = no drafter
+    drafter_timeout_s: float = 2.0  # deadline of one draft round trip
+    draft_model: str | None = None  # DFlash checkpoint dir, read only for target_layer_ids
+    tap_layers: tuple[int, ...] | None = None  # overrides the draft model's target_layer_ids
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    grace_s: float = 5.0  # shutdown drains in-flight requests this long
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model (the target checkpoint directory) is required")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got "
+                             f"{self.dtype!r}")
+        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
+            raise ValueError(f"kv_memory_gb must be positive, got {self.kv_memory_gb}")
+        if not 0 <= self.default_budget <= self.max_draft_tokens <= 1024:
+            raise ValueError(f"need 0 <= default_budget <= max_draft_tokens <= 1024, got "
+                             f"{self.default_budget}, {self.max_draft_tokens}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.drafter_timeout_s <= 0 or self.grace_s < 0:
+            raise ValueError("drafter_timeout_s must be positive and grace_s non-negative")
+        if self.tap_layers is not None and any(t < 0 for t in self.tap_layers):
+            raise ValueError(f"tap_layers must be non-negative, got {self.tap_layers}")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def engine_config(self) -> EngineConfig:
+        device = self.resolved_device()
+        kind = device.split(":")[0]
+        dtype = self.dtype if self.dtype != "auto" else \
+            ("bfloat16" if kind == "cuda" else "float32")
+        gb = self.kv_memory_gb if self.kv_memory_gb is not None else DEFAULT_KV_GB[kind]
+        return EngineConfig(
+            model_dir=self.model, dtype=dtype, device=device, page_size=self.page_size,
+            kv_memory_bytes=max(1, int(gb * (1 << 30))), max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_draft_tokens=self.max_draft_tokens)
+
+    def target_layer_ids(self) -> tuple[int, ...]:
+        """Target layers whose outputs feed the drafter ((): no context, n-gram only)."""
+        if self.tap_layers is not None:
+            return tuple(self.tap_layers)
+        if self.draft_model:
+            from specserve.models.dflash import load_dflash_config
+
+            return tuple(load_dflash_config(self.draft_model).target_layer_ids)
+        return ()
+
+
+@dataclass(eq=False)
+class VerifierServer:
+    """A running verifier: the grpc server plus what it drives."""
+
+    grpc_server: object  # grpc.aio.Server
+    port: int
+    health: object
+    step_loop: StepLoop
+    drafter: RemoteDrafter | None
+    config: VerifierConfig
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop taking requests, drain in-flight ones for `grace` s, then stop everything."""
+        await self.health.enter_graceful_shutdown()
+        await self.grpc_server.stop(self.config.grace_s if grace is None else grace)
+        await asyncio.to_thread(self.step_loop.stop)
+        if self.drafter is not None:
+            await self.drafter.close()
+
+    async def wait_for_termination(self) -> None:
+        await self.grpc_server.wait_for_termination()
+
+
+async def _build(config: VerifierConfig) -> tuple[StepLoop, RemoteDrafter | None]:
+    engine = await asyncio.to_thread(Engine, config.engine_config())
+    drafter = None
+    if config.drafter:
+        drafter = RemoteDrafter(config.drafter, config.target_layer_ids(),
+                                timeout_s=config.drafter_timeout_s)
+        if not drafter.needs_context:
+            log.warning("no --draft-model or --tap-layers: no context features, so only "
+                        "n-gram drafting can work")
+        engine.set_drafter(drafter)  # checks the tap layers against the target
+        await drafter.start()
+    loop = StepLoop(engine)
+    loop.start()
+    return loop, drafter
+
+
+async def serve(config: VerifierConfig) -> tuple[VerifierServer, int]:
+    """Start the verifier; returns the running server and its bound port (SERVING)."""
+    limits = SpecLimits(config.default_budget, config.max_draft_tokens, bool(config.drafter))
+    servicer = VerifierServicer(limits)
+    server, port, health = await start_server(
+        [(verifier_pb2_grpc.add_VerifierServicer_to_server, servicer)], [SERVICE],
+        host=config.host, port=config.port)
+    try:
+        loop, drafter = await _build(config)
+    except BaseException:
+        await server.stop(0)
+        raise
+    servicer.attach(loop, drafter)
+    await mark_serving(health, [SERVICE])
+    return VerifierServer(server, port, health, loop, drafter, config), port
