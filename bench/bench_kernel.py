@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import astuple
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,10 +28,11 @@ D = 128
 POOL_BYTES = 64 << 20  # each K and each V pool is at least this large
 
 
-def sm120_check(quick: bool = False) -> list[dict]:
-    """Compile every kernel config the launcher can pick on sm_120 (GPUTarget("cuda", 120, 32)),
-    assert shared memory ≤ 101,376 B and 0 spill bytes (ptxas -v). Needs no GPU; RuntimeError
-    when triton's CUDA backend or its Blackwell ptxas is missing."""
+def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
+    """Cross-compile kernel configs for sm_`arch` (90 or 120; no GPU needed) and read shared
+    memory, registers and spill bytes (ptxas -v). `configs`: [(head_dim, Config, elem_size)],
+    default every config the launcher can pick on `arch`. RuntimeError when triton's CUDA
+    backend or its ptxas is missing."""
     import re
     import subprocess
     import tempfile
@@ -40,30 +42,32 @@ def sm120_check(quick: bool = False) -> list[dict]:
     from triton.compiler import ASTSource
 
     from kernels.tree_attention import kernel as K
-    from kernels.tree_attention.configs import SM120_SMEM_LIMIT, all_configs, tail_block_n
+    from kernels.tree_attention.configs import all_configs, tail_block_n
 
     try:
         from triton.backends.nvidia.compiler import get_ptxas
 
-        ptxas = get_ptxas(120).path
+        ptxas = get_ptxas(arch).path
     except Exception as e:  # noqa: BLE001 — any failure means: no CUDA backend here
-        raise RuntimeError(f"no triton CUDA backend / ptxas-blackwell: {e}") from e
+        raise RuntimeError(f"no triton CUDA backend / ptxas: {e}") from e
+    gpu_name = "sm_120a" if arch == 120 else "sm_90a"
     ptr_types = {"BlockTable": "*i32", "CuQ": "*i32", "CtxLens": "*i32", "Positions": "*i64",
                  "TreeMask": "*i32", "OPart": "*fp32", "LsePart": "*fp32"}
     report = []
-    for head_dim, cfg, elem in all_configs(120):
+    for head_dim, cfg, elem in configs or all_configs(arch):
         if quick and elem == 4:
             continue
         dt = "bf16" if elem == 2 else "fp32"
         prec = "tf32" if elem == 2 else "ieee"
-        variants = [(K._tree_prefix_kernel, dict(PAGE_SIZE=64, SLIDING=False)),
-                    (K._tree_tail_combine_kernel, dict(PAGE_SIZE=16, SLIDING=True, HAS_TREE=True))]
+        variants = [dict(PAGE_SIZE=16, SLIDING=False, HAS_TREE=True)]
         if not quick:
-            variants.append((K._tree_prefix_kernel, dict(PAGE_SIZE=1, SLIDING=True)))
-        for fn, extra in variants:
-            block_n = cfg.block_n if fn is K._tree_prefix_kernel else tail_block_n(cfg)
-            cons = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
-                        DOT_PREC=prec, **extra)
+            variants += [dict(PAGE_SIZE=64, SLIDING=False, HAS_TREE=True),
+                         dict(PAGE_SIZE=1, SLIDING=True, HAS_TREE=True)]
+        for extra in variants:
+            fn = K._tree_attn_kernel
+            cons = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                        TAIL_N=tail_block_n(cfg), DOT_PREC=prec, EVICT="",
+                        USE_PDL=False, **extra)
             sig = {}
             for name in fn.arg_names:
                 if name in cons:
@@ -76,24 +80,37 @@ def sm120_check(quick: bool = False) -> list[dict]:
                     sig[name] = "fp32" if name == "sm_scale_log2" else "i32"
             attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
                      for n, t in sig.items() if t.startswith("*")}
-            stages = cfg.num_stages if fn is K._tree_prefix_kernel else 1
+            for n in ("stride_qt", "stride_kp", "stride_ks", "stride_kh", "stride_os",
+                      "stride_ot", "stride_oh"):
+                attrs[(fn.arg_names.index(n),)] = [["tt.divisibility", 16]]
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs),
-                                      target=GPUTarget("cuda", 120, 32),
-                                      options=dict(num_warps=cfg.num_warps, num_stages=stages))
+                                      target=GPUTarget("cuda", arch, 32),
+                                      options=dict(num_warps=cfg.num_warps,
+                                                   num_stages=cfg.num_stages))
             with tempfile.TemporaryDirectory() as tmp:
                 ptx = Path(tmp) / "k.ptx"
                 ptx.write_text(compiled.asm["ptx"])
-                log = subprocess.run([ptxas, "-v", "--gpu-name=sm_120a", str(ptx), "-o",
+                log = subprocess.run([ptxas, "-v", f"--gpu-name={gpu_name}", str(ptx), "-o",
                                       str(Path(tmp) / "k.o")], capture_output=True, text=True,
                                      check=True).stderr
             spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
             regs = int(re.search(r"Used (\d+) registers", log).group(1))
-            row = dict(kernel=fn.__name__, head_dim=head_dim, dtype=dt, block_m=cfg.block_m,
-                       block_n=block_n, num_warps=cfg.num_warps, num_stages=stages,
-                       variant=str(extra), shared=compiled.metadata.shared, regs=regs,
-                       spills=spills)
+            row = dict(kernel=fn.__name__, arch=arch, head_dim=head_dim, dtype=dt,
+                       block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages, variant=str(extra),
+                       shared=compiled.metadata.shared, regs=regs, spills=spills)
             report.append(row)
             print(row, flush=True)
+    return report
+
+
+def sm120_check(quick: bool = False) -> list[dict]:
+    """Compile every kernel config the launcher can pick on sm_120 (GPUTarget("cuda", 120, 32)),
+    assert shared memory ≤ 101,376 B and 0 spill bytes (ptxas -v). Needs no GPU; RuntimeError
+    when triton's CUDA backend or its Blackwell ptxas is missing."""
+    from kernels.tree_attention.configs import SM120_SMEM_LIMIT
+
+    report = compile_report(120, quick)
     bad = [r for r in report if r["shared"] > SM120_SMEM_LIMIT or r["spills"]]
     assert not bad, f"sm_120 configs over the shared-memory limit or spilling: {bad}"
     return report
@@ -172,6 +189,7 @@ def _measure(i, ctx, n_rows, hq, hkv, page, shuffled, copy_bw, mm) -> dict:
 
     from kernels.tree_attention.configs import (
         arch_key,
+        ctas_per_sm,
         default_num_splits,
         pick_config,
         sm_count,
@@ -224,9 +242,10 @@ def _measure(i, ctx, n_rows, hq, hkv, page, shuffled, copy_bw, mm) -> dict:
     floor = max(floor_mem, floor_fl)
     cfg = pick_config(arch_key(torch.cuda.get_device_capability()), D, n_rows * groups, 2)
     s_auto = default_num_splits(ctx, n_rows * groups, hkv * -(-n_rows * groups // cfg.block_m),
-                                sm_count(torch.device("cuda")))
+                                sm_count(torch.device("cuda")), ctas_per_sm(cfg))
     row = dict(ctx=ctx, n=n_rows, hq=hq, hkv=hkv, page=page, shuffled=shuffled,
-               splits_auto_est=s_auto, timing=mode, floor_mem_us=floor_mem,
+               splits_auto_est=s_auto, config=list(astuple(cfg)), timing=mode,
+               floor_mem_us=floor_mem,
                floor_flop_us=floor_fl, kv_bytes=kv_bytes, err=err,
                **{f"{k}_us": v for k, v in res.items()})
     print(f"| {ctx} | {n_rows} | {hq}/{hkv} | {page} | {'shuf' if shuffled else 'contig'} "

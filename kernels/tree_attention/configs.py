@@ -5,7 +5,8 @@ where rows = max new tokens × GQA group (the packed query rows of one KV head).
 227 KB shared memory, wgmma for BLOCK_M ≥ 64) and sm_120 (RTX PRO 6000 / RTX 50xx: mma.sync only,
 101,376 B of shared memory per block — every entry must fit, `bench/bench_kernel.py --sm120-check`
 cross-compiles them all). Under TRITON_INTERPRET=1 (CPU) small tiles keep the interpreter quick.
-Nothing here has been tuned on hardware yet: the entries follow kernels.md §6.
+The sm_90 D = 128 entries and the split heuristic are tuned on an H200 (bench/sweep_kernel.py);
+the rest follow kernels.md §6 and fit the cross-compile checks.
 """
 
 from __future__ import annotations
@@ -27,31 +28,45 @@ class Config:
 
 
 # {head_dim: {rows bucket: Config}}; a bucket covers rows ≤ its key (the last one: all larger).
+# num_stages and the paged gather: the K/V addresses come from a block-table load, so Triton's
+# pipeliner gives each load (num_stages − 1) // 2 iterations of latency — 3 stages prefetch
+# nothing (wait-all every tile), 5 keep two K/V tiles in flight, 7 three.
 _SM90 = {
-    64: {16: Config(16, 64, 4, 3), 32: Config(32, 64, 4, 3), 64: Config(64, 64, 4, 3),
-         128: Config(128, 64, 8, 3)},
-    128: {16: Config(16, 64, 8, 3), 32: Config(32, 64, 8, 3), 64: Config(64, 64, 8, 3),
-          128: Config(64, 64, 8, 3)},  # (128, 64, 8, 3) spilled 76 B in an sm_90a compile
-    256: {16: Config(16, 32, 8, 2), 32: Config(32, 32, 8, 2), 64: Config(64, 32, 8, 2),
-          128: Config(64, 32, 8, 2)},
+    64: {16: Config(16, 64, 4, 5), 32: Config(32, 64, 4, 5), 64: Config(64, 64, 4, 5),
+         128: Config(128, 64, 8, 5)},
+    # measured (bench/sweep_kernel.py, H200): 64 rows (64, 64, 4, 5) at S = 32 — 49.5 µs at 32k,
+    # 139 µs at 128k; 256/1024 rows (128, 128, 8, 5) 4-7% ahead of (128, 64, 8, 5) (230 KB shared,
+    # 1 CTA/SM, 2 B of spill)
+    128: {16: Config(16, 64, 4, 5), 32: Config(32, 64, 4, 5), 64: Config(64, 64, 4, 5),
+          128: Config(128, 128, 8, 5)},
+    256: {16: Config(16, 32, 8, 5), 32: Config(32, 32, 8, 5), 64: Config(32, 32, 8, 5),
+          128: Config(32, 32, 8, 5)},  # (64, 32, 8, 5) spills 84 B on sm_90a
 }
-# sm_120: ≤ ~48 KB for 2 CTAs/SM where possible; D ≥ 128 uses 8 warps (K/V tiles pass through
+# sm_120: ≤ 101,376 B of shared memory per block; D ≥ 128 uses 8 warps (K/V tiles pass through
 # registers: 4 warps spilled in the cross-compile check).
 _SM120 = {
-    64: {16: Config(16, 64, 4, 2), 32: Config(32, 64, 4, 2), 64: Config(64, 32, 4, 2),
-         128: Config(64, 64, 8, 2)},
-    128: {16: Config(16, 64, 8, 2), 32: Config(32, 32, 8, 2), 64: Config(64, 32, 8, 2),
-          128: Config(64, 32, 8, 2)},
-    256: {16: Config(16, 32, 8, 2), 32: Config(32, 32, 8, 2), 64: Config(32, 32, 8, 2),
-          128: Config(32, 32, 8, 2)},
+    64: {16: Config(16, 64, 4, 5), 32: Config(32, 64, 4, 5), 64: Config(64, 32, 4, 5),
+         128: Config(64, 64, 8, 5)},
+    128: {16: Config(16, 64, 8, 5), 32: Config(32, 32, 8, 5), 64: Config(64, 16, 8, 5),
+          128: Config(64, 16, 8, 5)},  # (64, 32, 8, 5) spills 16 B
+    256: {16: Config(16, 32, 8, 3), 32: Config(32, 32, 8, 3), 64: Config(32, 32, 8, 3),
+          128: Config(32, 32, 8, 3)},
 }
 TABLES = {90: _SM90, 120: _SM120}
 INTERPRET_CONFIG = Config(16, 16, 4, 1)  # CPU interpreter: tiny tiles, tiny test shapes
 
 
 def tail_block_n(cfg: Config) -> int:
-    """Key tile of the tree-tail/combine kernel: ≤ 32 (few keys; mask words cost registers)."""
+    """Key tile of the tree-tail part: ≤ 32 (few keys; mask words cost registers)."""
     return min(cfg.block_n, 32)
+
+
+def combine_block_s(parts: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_S, LSE_BLOCK) of the combine kernel: LSE_BLOCK ≥ `parts` (all LSEs in one load),
+    BLOCK_S parts of [head_dim] fp32 per loop step (≤ 8192 elements, ≤ 64 registers/thread at 4
+    warps: up to 64 parts at D = 128 load in one round trip)."""
+    lse_block = max(2, 1 << (parts - 1).bit_length())
+    return min(lse_block, max(1, 8192 // head_dim)), lse_block
 
 
 def rows_bucket(rows: int) -> int:
@@ -103,13 +118,24 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def default_num_splits(max_ctx_len: int, rows: int, programs: int, sm_count: int) -> int:
-    """Splits S (power of two ≤ 64): ≥ 2 waves of `programs`·S CTAs, chunks ≥ max(256, 20·rows).
+def ctas_per_sm(cfg: Config) -> int:
+    """Resident CTAs per SM the split heuristic plans for: 2 for ≤ 64-row blocks (sm_90:
+    ≤ 115 KB shared, ≤ 246 registers × 128 threads), 1 for the 128-row blocks."""
+    return 2 if cfg.block_m <= 64 else 1
 
-    The chunk floor keeps partial-result traffic (S·rows·(D+1)·8 B per kv head) ≲ 10% of the KV.
+
+def default_num_splits(max_ctx_len: int, rows: int, programs: int, sm_count: int,
+                       ctas: int = 2) -> int:
+    """Splits S (power of two ≤ 64): the most with S·`programs` ≤ one wave (`ctas` CTAs on each
+    of `sm_count` SMs) and chunks ≥ max(256, 16·rows) tokens.
+
+    The chunk floor keeps partial-result traffic (S·rows·(D+1)·8 B per kv head, written and
+    read) ≲ 12% of the KV it replaces. Measured on the H200 (32/8 heads, D = 128): 32k and 128k
+    contexts with 4 or 64 rows are fastest at S = 32 (256 CTAs, 2 per SM), 256 rows at S = 8 and
+    1024 rows at S = 2 (128 CTAs of 128 rows, 1 per SM).
     """
-    min_chunk = max(256, 20 * rows)
+    min_chunk = max(256, 16 * rows)
     s = 1
-    while s < 64 and s * programs < 2 * sm_count and max_ctx_len // (2 * s) >= min_chunk:
+    while s < 64 and 2 * s * programs <= ctas * sm_count and max_ctx_len // (2 * s) >= min_chunk:
         s *= 2
     return s

@@ -1,0 +1,136 @@
+"""Config × split-count sweep of the tree-attention kernel on the key shapes (H200 tuning).
+
+For each shape (ctx, tree rows N, 32/8 heads, head_dim 128, page 16, shuffled pages) and each
+candidate (Config, S): check vs the fp32 reference, then time (CUDA-graph replay over ≥ 3
+rotated KV pools, `triton.testing.do_bench` median, as bench_kernel.py). Prints one line per
+variant and a best-per-shape table; writes JSON (with n_regs / n_spills / shared of each
+compiled kernel) to --out (default $OUT/sweep.json).
+
+    python bench/sweep_kernel.py [--only SHAPE_SUBSTRING] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+E, P, EP = {"evict": "evict_first"}, {"pdl": True}, {"evict": "evict_first", "pdl": True}
+OPTS = [{}, E, P, EP]
+# (ctx, N, [(config, S, kernel.OPTIONS overrides)])
+SHAPES = [
+    (32768, 16, [((64, 64, 4, 5), 32, o) for o in OPTS]
+     + [((32, 64, 4, 5), 16, {}), ((32, 64, 4, 5), 32, {}), ((16, 64, 4, 5), 8, {}),
+        ((16, 64, 4, 5), 16, {}), ((64, 64, 4, 5), 16, E)]),
+    (32768, 1, [((16, 64, 4, 5), 32, o) for o in OPTS] + [((16, 64, 4, 5), 16, EP)]),
+    (131072, 16, [((64, 64, 4, 5), 32, o) for o in OPTS]),
+    (131072, 1, [((16, 64, 4, 5), 32, o) for o in OPTS]),
+    (32768, 64, [((128, 128, 8, 5), 8, o) for o in OPTS] + [((128, 128, 8, 5), 4, E)]),
+    (32768, 256, [((128, 128, 8, 5), 2, o) for o in OPTS]),
+    (4096, 16, [((64, 64, 4, 5), s, o) for s in (4, 8) for o in ({}, EP)]),
+    (4096, 1, [((16, 64, 4, 5), s, o) for s in (8, 16) for o in ({}, EP)]),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default=None, help="substring of 'ctx/N' shapes to run")
+    ap.add_argument("--shapes", default=None, help="python literal replacing SHAPES")
+    args = ap.parse_args()
+
+    import numpy as np
+    import torch
+    import triton
+    from bench_kernel import _bench, _copy_bw, _matmul_rate, _point
+
+    from kernels.tree_attention import kernel as K
+    from kernels.tree_attention.configs import Config
+    from kernels.tree_attention.ref import tree_attention_ref
+
+    hq, hkv, d, page = 32, 8, 128, 16
+    DEFAULT_OPTIONS = dict(K.OPTIONS)
+    copy_bw, mm = _copy_bw(torch, triton), _matmul_rate(torch, triton)
+    print(f"# {torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s, "
+          f"bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
+    shapes = eval(args.shapes) if args.shapes else SHAPES  # noqa: S307 — our own CLI
+    rows_out, best = [], []
+    t0 = time.time()
+    for si, (ctx, n, variants) in enumerate(shapes):
+        tag = f"{ctx}/{n}"
+        if args.only and args.only not in tag:
+            continue
+        sets = _point(ctx, n, hq, hkv, page, True, 100 + si, torch, np)
+        qs = [torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16) for _ in sets]
+        ref = tree_attention_ref(qs[0], *sets[0], d**-0.5).float()
+        kv_bytes = 2 * (ctx + n) * hkv * d * 2
+        floor_mem = kv_bytes / copy_bw * 1e6
+        floor_fl = 4 * n * hq * (ctx + n) * d / mm * 1e6
+        floor = max(floor_mem, floor_fl)
+        results = []
+        for c, s, opts in variants:
+            cfg = Config(*c)
+            K.OPTIONS.clear()
+            K.OPTIONS.update(DEFAULT_OPTIONS, **opts)
+            rec = dict(ctx=ctx, n=n, config=list(c), splits=s, opts=opts,
+                       floor_mem_us=floor_mem, floor_flop_us=floor_fl)
+            try:
+                out = K.tree_attention_triton(qs[0], *sets[0], d**-0.5, num_splits=s,
+                                              config=cfg)
+                err = float((out.float() - ref).abs().max() / ref.abs().max())
+                graph = torch.cuda.CUDAGraph()  # the same call replayed from a graph
+                with torch.cuda.graph(graph):
+                    g_out = K.tree_attention_triton(qs[0], *sets[0], d**-0.5, num_splits=s,
+                                                    config=cfg)
+                g_out.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                err = max(err, float((g_out.float() - ref).abs().max() / ref.abs().max()))
+                del graph, g_out
+                h = K.LAST_LAUNCH.get("attn")
+                if h is not None:
+                    rec.update(n_regs=h.n_regs, n_spills=h.n_spills,
+                               shared=h.metadata.shared)
+                us, mode = _bench([lambda q=q, st=st, s=s, cfg=cfg: K.tree_attention_triton(
+                    q, *st, d**-0.5, num_splits=s, config=cfg)
+                    for q, st in zip(qs, sets, strict=True)], torch, triton)
+                rec.update(us=us, err=err, pct_floor=100 * floor / us, timing=mode)
+                print(f"{tag:>12} cfg={c} S={s:<3} {str(opts):<40} {us:8.1f} µs  "
+                      f"{100 * floor / us:5.1f}% "
+                      f"err={err:.1e} regs={rec.get('n_regs')} spills={rec.get('n_spills')}"
+                      f" smem={rec.get('shared')}", flush=True)
+                results.append(rec)
+            except Exception as e:  # noqa: BLE001 — record and go on
+                rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"{tag:>12} cfg={c} S={s} {opts}: {rec['error']}", flush=True)
+            rows_out.append(rec)
+        ok = [r for r in results if r["err"] <= 2e-2]
+        if ok:
+            b = min(ok, key=lambda r: r["us"])
+            best.append(b)
+        del sets, qs, ref
+        torch.cuda.empty_cache()
+    print(f"\n{len(rows_out)} variants in {time.time() - t0:.0f} s\n")
+    K.OPTIONS.clear()
+    K.OPTIONS.update(DEFAULT_OPTIONS)
+    print("| ctx | N | best config (M, N, warps, stages) | S | options | µs | floor µs | % floor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b in best:
+        print(f"| {b['ctx']} | {b['n']} | {tuple(b['config'])} | {b['splits']} | {b['opts']} "
+              f"| {b['us']:.1f} "
+              f"| {max(b['floor_mem_us'], b['floor_flop_us']):.1f} | {b['pct_floor']:.0f}% |")
+    out = Path(args.out or Path(os.environ.get("OUT", ".")) / "sweep.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(copy_GBps=copy_bw / 1e9, bf16_TFLOPs=mm / 1e12,
+                                   rows=rows_out, best=best), indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
