@@ -1,0 +1,65 @@
+"""`python -m services.gateway` / `specserve serve gateway`: flags (SPECSERVE_* env defaults)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from services.common.server import MiB
+from services.common.settings import (
+    COMMON,
+    DEFAULT_HOST,
+    GATEWAY_PORT,
+    VERIFIER_PORT,
+    Flag,
+    add_flags,
+)
+
+FLAGS = [
+    *COMMON,
+    Flag("--port", "SPECSERVE_GATEWAY_PORT", GATEWAY_PORT, int, "port to bind (0 = any free)"),
+    Flag("--verifier", "SPECSERVE_VERIFIER_ADDR", f"{DEFAULT_HOST}:{VERIFIER_PORT}", str,
+         "verifier address HOST:PORT"),
+    Flag("--model", "SPECSERVE_MODEL", None, str, "target model directory (its tokenizer.json)"),
+    Flag("--max-message-mb", "SPECSERVE_MAX_MESSAGE_MB", 64, int,
+         "largest request message accepted, MiB (larger: RESOURCE_EXHAUSTED)"),
+    Flag("--request-timeout-s", "SPECSERVE_REQUEST_TIMEOUT_S", 600.0, float,
+         "verifier deadline for requests whose client set none"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specserve serve gateway",
+        description="The specserve gateway: text in, streamed text chunks + stats out.")
+    add_flags(parser, FLAGS)
+    parser.add_argument("--port-file", default=None,
+                        help="write the bound port here once SERVING (useful with --port 0)")
+    parser.add_argument("--grace-s", type=float, default=5.0,
+                        help="seconds to drain in-flight requests on SIGTERM")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from services.gateway.server import GatewayConfig, serve
+    from specserve.errors import SpecServeError
+
+    try:
+        config = GatewayConfig(
+            model=args.model, verifier=args.verifier, host=args.host, port=args.port,
+            port_file=args.port_file, max_message_bytes=args.max_message_mb * MiB,
+            request_timeout_s=args.request_timeout_s, grace_s=args.grace_s)
+        asyncio.run(serve(config))
+    except (ValueError, SpecServeError, OSError) as e:
+        print(f"specserve gateway: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Gateway wire ⇄ core types: the only gateway module that touches pb2 messages.
+
+Server side: `GenerateRequest` → `GatewayRequest` (validated), → `VerifyRequest`; `VerifyEvent`
+→ `Step` / `VerifierFinal`; `Chunk` / `Final` out. Client side (the `specserve generate` CLI):
+`generate_request_to_pb` and `response_from_pb`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from services.common.convert import (
+    DRAFTER_NAMES,
+    finish_from_pb,
+    finish_to_pb,
+    sampling_from_pb,
+    sampling_to_pb,
+    spec_stats_to_pb,
+)
+from specserve.errors import InvalidRequest
+from specserve.spec.metrics import RequestSpecStats
+from specserve.types import FinishReason, SamplingParams
+from specserve.v1 import common_pb2, gateway_pb2, verifier_pb2
+
+DRAFTER_KINDS = {name: kind for kind, name in DRAFTER_NAMES.items() if name is not None}
+
+
+@dataclass(frozen=True)
+class GatewayRequest:
+    """A validated client request: exactly one of `text` / `token_ids` is set."""
+
+    request_id: str
+    text: str | None
+    token_ids: tuple[int, ...] | None
+    params: SamplingParams
+    drafter: str | None  # None = the verifier's default
+    budget: int | None  # None = the verifier's default
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one verifier step committed (token_ids may be shorter than commit_len when cut)."""
+
+    token_ids: tuple[int, ...]
+    commit_len: int
+    accepted_depth: int
+    tree_size: int = 0
+    budget: int = 0
+    fallback: str = ""
+
+
+@dataclass(frozen=True)
+class VerifierFinal:
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    stats: RequestSpecStats
+    other_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class GatewayFinal:
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    stats: RequestSpecStats
+    other_s: float
+    request_id: str
+    ttft_s: float
+    wall_s: float
+
+
+# ---- server side ---------------------------------------------------------------------------
+def request_from_pb(msg: gateway_pb2.GenerateRequest) -> GatewayRequest:
+    """Raises InvalidRequest for an empty prompt, bad sampling params or an unknown drafter."""
+    which = msg.WhichOneof("prompt")
+    text = msg.text if which == "text" else None
+    ids = tuple(int(t) for t in msg.token_ids.ids) if which == "token_ids" else None
+    if not text and not ids:
+        raise InvalidRequest("prompt is empty: set a non-empty text or token_ids")
+    if msg.spec.drafter not in DRAFTER_NAMES:
+        raise InvalidRequest(f"unknown drafter kind {msg.spec.drafter}; expected one of "
+                             f"{sorted(DRAFTER_NAMES)} (unspecified, dflash, ngram, none)")
+    budget = msg.spec.budget if msg.spec.HasField("budget") else None
+    if budget is not None and budget < 0:
+        raise InvalidRequest(f"budget must be >= 0, got {budget}")
+    params = sampling_from_pb(msg.sampling) if msg.HasField("sampling") else SamplingParams()
+    return GatewayRequest(msg.request_id or uuid.uuid4().hex, text, ids, params,
+                          DRAFTER_NAMES[msg.spec.drafter], budget)
+
+
+def verify_request_to_pb(req: GatewayRequest, prompt_ids: list[int]) -> verifier_pb2.VerifyRequest:
+    """Stop strings stay at the gateway; everything else goes to the verifier."""
+    spec = common_pb2.SpecOptions(drafter=DRAFTER_KINDS.get(req.drafter, 0))
+    if req.budget is not None:
+        spec.budget = req.budget
+    return verifier_pb2.VerifyRequest(
+        request_id=req.request_id, prompt_ids=prompt_ids,
+        sampling=sampling_to_pb(replace(req.params, stop=())), spec=spec)
+
+
+def event_from_pb(ev: verifier_pb2.VerifyEvent) -> tuple[Step | None, VerifierFinal | None]:
+    """A verifier event → (the step it carries, if any; the final, if it is the last one)."""
+    step = None
+    if ev.token_ids or ev.commit_len:
+        step = Step(tuple(ev.token_ids), ev.commit_len, ev.accepted_depth, ev.tree_size,
+                    ev.budget, ev.fallback)
+    final = None
+    if ev.HasField("final"):
+        f = ev.final
+        stats, other_s = spec_stats_from_pb(f.stats)
+        final = VerifierFinal(finish_from_pb(f.finish_reason), f.usage.prompt_tokens,
+                              f.usage.completion_tokens, stats, other_s)
+    return step, final
+
+
+def chunk_to_pb(text: str, step: Step | None) -> gateway_pb2.GenerateResponse:
+    """A chunk per verifier step; `step` None for trailing text released at the end."""
+    if step is None:
+        return gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(text=text))
+    return gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(
+        text=text, token_ids=step.token_ids, commit_len=step.commit_len,
+        accepted_depth=step.accepted_depth))
+
+
+def final_to_pb(f: GatewayFinal) -> gateway_pb2.GenerateResponse:
+    return gateway_pb2.GenerateResponse(final=gateway_pb2.Final(
+        finish_reason=finish_to_pb(f.finish_reason),
+        usage=common_pb2.Usage(prompt_tokens=f.prompt_tokens,
+                               completion_tokens=f.completion_tokens),
+        stats=spec_stats_to_pb(f.stats, f.other_s), request_id=f.request_id,
+        ttft_s=f.ttft_s, wall_s=f.wall_s))
+
+
+def spec_stats_from_pb(msg: common_pb2.SpecStats) -> tuple[RequestSpecStats, float]:
+    """(the stats, other_s) — the inverse of services.common.convert.spec_stats_to_pb."""
+    stats = RequestSpecStats(
+        steps=msg.steps, draft_tokens=msg.draft_tokens, accepted_tokens=msg.accepted_tokens,
+        committed_tokens=msg.committed_tokens, commit_len_hist=Counter(msg.commit_len_hist),
+        accepted_per_position=Counter(msg.accepted_per_position),
+        fallbacks=Counter(msg.fallbacks), prefill_s=msg.phases.prefill_s,
+        draft_s=msg.phases.draft_s, verify_s=msg.phases.verify_s, commit_s=msg.phases.commit_s)
+    return stats, msg.phases.other_s
+
+
+# ---- client side ---------------------------------------------------------------------------
+def generate_request_to_pb(prompt: str | list[int], params: SamplingParams,
+                           drafter: str | None = None, budget: int | None = None,
+                           request_id: str = "") -> gateway_pb2.GenerateRequest:
+    msg = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling_to_pb(params))
+    if isinstance(prompt, str):
+        msg.text = prompt
+    else:
+        msg.token_ids.ids.extend(prompt)
+    if drafter is not None:
+        if drafter not in DRAFTER_KINDS:
+            raise InvalidRequest(f"unknown drafter {drafter!r}; expected {sorted(DRAFTER_KINDS)}")
+        msg.spec.drafter = DRAFTER_KINDS[drafter]
+    if budget is not None:
+        msg.spec.budget = budget
+    return msg
+
+
+def response_from_pb(msg: gateway_pb2.GenerateResponse) -> tuple[str, Step] | GatewayFinal:
+    """A chunk → (text delta, step); the final → GatewayFinal."""
+    if msg.WhichOneof("event") == "chunk":
+        c = msg.chunk
+        return c.text, Step(tuple(c.token_ids), c.commit_len, c.accepted_depth)
+    f = msg.final
+    stats, other_s = spec_stats_from_pb(f.stats)
+    return GatewayFinal(finish_from_pb(f.finish_reason), f.usage.prompt_tokens,
+                        f.usage.completion_tokens, stats, other_s, f.request_id, f.ttft_s,
+                        f.wall_s)

@@ -1,0 +1,1 @@
+"""End-to-end tests: the three services as real subprocesses."""
