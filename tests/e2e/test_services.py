@@ -420,6 +420,27 @@ async def test_gateway_survives_the_verifier_dying(stack, prompts, expected):
     assert r.ids == expected[1][:8]
 
 
+@aio
+async def test_gateway_sigterm_drains_in_flight_requests(stack, prompts, expected):
+    started, chunks = asyncio.Event(), Counter()
+
+    def on_chunk():
+        chunks["n"] += 1
+        started.set()
+
+    async with channel(stack.addr("gateway")) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        task = asyncio.ensure_future(_generate(stub, prompts[2], on_chunk=on_chunk))
+        await asyncio.wait_for(started.wait(), RPC_S)
+        stack.procs["gateway"].terminate()
+        at_sigterm = chunks["n"]
+        r = await task
+        assert await asyncio.to_thread(stack.procs["gateway"].wait, 10) == 0
+    assert r.ids == expected[2] and r.final.finish_reason is FinishReason.LENGTH
+    assert at_sigterm < len(r.steps)  # chunks kept coming after SIGTERM
+    await asyncio.to_thread(stack.start, "gateway", port=stack.ports["gateway"])
+
+
 # ---- specserve up ---------------------------------------------------------------------------
 def _free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
