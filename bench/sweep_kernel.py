@@ -1,10 +1,10 @@
 """Config × split-count sweep of the tree-attention kernel on the key shapes (H200 tuning).
 
 For each shape (ctx, tree rows N, 32/8 heads, head_dim 128, page 16, shuffled pages) and each
-candidate (Config, S): check vs the fp32 reference, then time (CUDA-graph replay over ≥ 3
-rotated KV pools, `triton.testing.do_bench` median, as bench_kernel.py). Prints one line per
-variant and a best-per-shape table; writes JSON (with n_regs / n_spills / shared of each
-compiled kernel) to --out (default $OUT/sweep.json).
+candidate (Config, S): check vs the fp32 reference (eager and replayed from a CUDA graph), then
+time (CUDA-graph replay over ≥ 3 rotated KV pools, `triton.testing.do_bench` median, as
+bench_kernel.py). Prints one line per variant and a best-per-shape table; writes JSON (with
+n_regs / n_spills / shared of each compiled kernel) to --out (default $OUT/sweep.json).
 
     python bench/sweep_kernel.py [--only SHAPE_SUBSTRING] [--out PATH]
 """
@@ -21,20 +21,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-E, P, EP = {"evict": "evict_first"}, {"pdl": True}, {"evict": "evict_first", "pdl": True}
-OPTS = [{}, E, P, EP]
-# (ctx, N, [(config, S, kernel.OPTIONS overrides)])
+SMALL = [(16, 64, 4, 5), (16, 64, 8, 5), (16, 64, 4, 7), (16, 32, 4, 7), (16, 128, 8, 5)]
+MID = [(64, 64, 4, 5), (64, 64, 8, 5), (64, 64, 4, 7), (64, 32, 4, 7), (64, 32, 4, 5),
+       (64, 128, 8, 5)]
+BIG = [(128, 64, 8, 5), (128, 64, 8, 7), (128, 128, 8, 5), (128, 32, 8, 7), (64, 64, 4, 5),
+       (64, 64, 8, 5)]
+
+
+def _grid(configs, splits):
+    return [(c, s) for c in configs for s in splits]
+
+
+# (ctx, N, [(config, S)]) — the first H200 tuning grid (BENCHMARKS.md, second H200 run)
 SHAPES = [
-    (32768, 16, [((64, 64, 4, 5), 32, o) for o in OPTS]
-     + [((32, 64, 4, 5), 16, {}), ((32, 64, 4, 5), 32, {}), ((16, 64, 4, 5), 8, {}),
-        ((16, 64, 4, 5), 16, {}), ((64, 64, 4, 5), 16, E)]),
-    (32768, 1, [((16, 64, 4, 5), 32, o) for o in OPTS] + [((16, 64, 4, 5), 16, EP)]),
-    (131072, 16, [((64, 64, 4, 5), 32, o) for o in OPTS]),
-    (131072, 1, [((16, 64, 4, 5), 32, o) for o in OPTS]),
-    (32768, 64, [((128, 128, 8, 5), 8, o) for o in OPTS] + [((128, 128, 8, 5), 4, E)]),
-    (32768, 256, [((128, 128, 8, 5), 2, o) for o in OPTS]),
-    (4096, 16, [((64, 64, 4, 5), s, o) for s in (4, 8) for o in ({}, EP)]),
-    (4096, 1, [((16, 64, 4, 5), s, o) for s in (8, 16) for o in ({}, EP)]),
+    (32768, 16, _grid(MID, (16, 32, 64))),
+    (131072, 16, _grid(MID, (32, 64, 128))),
+    (32768, 1, _grid(SMALL, (16, 32, 64))),
+    (131072, 1, _grid(SMALL, (32, 64, 128))),
+    (32768, 64, _grid(BIG, (4, 8, 16))),
+    (32768, 256, _grid(BIG, (1, 2, 4))),
+    (131072, 64, _grid(BIG[:3], (8, 16))),
 ]
 
 
@@ -55,7 +61,6 @@ def main() -> None:
     from kernels.tree_attention.ref import tree_attention_ref
 
     hq, hkv, d, page = 32, 8, 128, 16
-    DEFAULT_OPTIONS = dict(K.OPTIONS)
     copy_bw, mm = _copy_bw(torch, triton), _matmul_rate(torch, triton)
     print(f"# {torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s, "
           f"bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
@@ -74,11 +79,9 @@ def main() -> None:
         floor_fl = 4 * n * hq * (ctx + n) * d / mm * 1e6
         floor = max(floor_mem, floor_fl)
         results = []
-        for c, s, opts in variants:
+        for c, s in variants:
             cfg = Config(*c)
-            K.OPTIONS.clear()
-            K.OPTIONS.update(DEFAULT_OPTIONS, **opts)
-            rec = dict(ctx=ctx, n=n, config=list(c), splits=s, opts=opts,
+            rec = dict(ctx=ctx, n=n, config=list(c), splits=s,
                        floor_mem_us=floor_mem, floor_flop_us=floor_fl)
             try:
                 out = K.tree_attention_triton(qs[0], *sets[0], d**-0.5, num_splits=s,
@@ -101,14 +104,14 @@ def main() -> None:
                     q, *st, d**-0.5, num_splits=s, config=cfg)
                     for q, st in zip(qs, sets, strict=True)], torch, triton)
                 rec.update(us=us, err=err, pct_floor=100 * floor / us, timing=mode)
-                print(f"{tag:>12} cfg={c} S={s:<3} {str(opts):<40} {us:8.1f} µs  "
+                print(f"{tag:>12} cfg={c} S={s:<3} {us:8.1f} µs  "
                       f"{100 * floor / us:5.1f}% "
                       f"err={err:.1e} regs={rec.get('n_regs')} spills={rec.get('n_spills')}"
                       f" smem={rec.get('shared')}", flush=True)
                 results.append(rec)
             except Exception as e:  # noqa: BLE001 — record and go on
                 rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(f"{tag:>12} cfg={c} S={s} {opts}: {rec['error']}", flush=True)
+                print(f"{tag:>12} cfg={c} S={s}: {rec['error']}", flush=True)
             rows_out.append(rec)
         ok = [r for r in results if r["err"] <= 2e-2]
         if ok:
@@ -117,13 +120,10 @@ def main() -> None:
         del sets, qs, ref
         torch.cuda.empty_cache()
     print(f"\n{len(rows_out)} variants in {time.time() - t0:.0f} s\n")
-    K.OPTIONS.clear()
-    K.OPTIONS.update(DEFAULT_OPTIONS)
-    print("| ctx | N | best config (M, N, warps, stages) | S | options | µs | floor µs | % floor |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| ctx | N | best config (M, N, warps, stages) | S | µs | floor µs | % floor |")
+    print("|---|---|---|---|---|---|---|")
     for b in best:
-        print(f"| {b['ctx']} | {b['n']} | {tuple(b['config'])} | {b['splits']} | {b['opts']} "
-              f"| {b['us']:.1f} "
+        print(f"| {b['ctx']} | {b['n']} | {tuple(b['config'])} | {b['splits']} | {b['us']:.1f} "
               f"| {max(b['floor_mem_us'], b['floor_flop_us']):.1f} | {b['pct_floor']:.0f}% |")
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / "sweep.json")
     out.parent.mkdir(parents=True, exist_ok=True)

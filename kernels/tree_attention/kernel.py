@@ -12,6 +12,11 @@ LSE. Kernel B (`_combine_kernel`), grid (token, q head): loads the S + 1 LSEs at
 merges the partials by log-sum-exp in chunks of BLOCK_S parts (independent loads, no serial
 chain) and writes O in the input dtype. Scores live in the log2 domain (q pre-scaled by
 scale·log2 e), accumulation is fp32.
+
+Pipelining: K/V addresses come from a block-table load, and Triton's pipeliner splits num_stages
+over that indirection — each load gets (num_stages − 1) // 2 iterations of latency. At 3 stages
+the hot loop waits for every tile it just issued (no overlap: ~30% of copy bandwidth on the
+H200); the tables use 5 (two K/V tiles in flight). Check `async_wait {num = …}` in the TTGIR.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.tree_attention import check_inputs
 from kernels.tree_attention.configs import (
@@ -36,9 +40,6 @@ from kernels.tree_attention.configs import (
 
 LOG2E = 1.4426950408889634
 LAST_LAUNCH: dict = {}  # the last compiled kernels launched (benchmarks read n_regs / spills)
-# K/V loads' L2 eviction policy ("" or "evict_first": streamed KV leaves the partials in L2) and
-# programmatic dependent launch of the combine kernel (sm_90+; its launch overlaps kernel A's end)
-OPTIONS = {"evict": "", "pdl": False}
 
 
 @triton.jit
@@ -68,11 +69,10 @@ def _prefix_tile(
     q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, lo_key, hi_key, q_pos, window, kv_head_off,
     stride_kp, stride_ks,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr, EVICT: tl.constexpr,
+    MASKED: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     k, v, offs_n, kmask = _kv_tile(K, V, BlockTable, bt_row, n, lo_key, hi_key, kv_head_off,
-                                   stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, MASKED,
-                                   EVICT)
+                                   stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, MASKED)
     s = _dot(q, tl.trans(k), DOT_PREC)  # [BLOCK_M, BLOCK_N] log2-domain scores
     if MASKED:
         vis = kmask[None, :]
@@ -105,22 +105,22 @@ def _kv_offsets(BlockTable, bt_row, n, lo_key, hi_key, kv_head_off, stride_kp, s
 
 
 @triton.jit
-def _load_tile(X, base, offs, kmask, MASKED: tl.constexpr, EVICT: tl.constexpr):
+def _load_tile(X, base, offs, kmask, MASKED: tl.constexpr):
     if MASKED:
-        return tl.load(X + base + offs, mask=kmask[:, None], other=0.0, eviction_policy=EVICT)
+        return tl.load(X + base + offs, mask=kmask[:, None], other=0.0)
     else:
-        return tl.load(X + base + offs, eviction_policy=EVICT)
+        return tl.load(X + base + offs)
 
 
 @triton.jit
 def _kv_tile(K, V, BlockTable, bt_row, n, lo_key, hi_key, kv_head_off, stride_kp, stride_ks,
              HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-             MASKED: tl.constexpr, EVICT: tl.constexpr):
+             MASKED: tl.constexpr):
     base, offs, offs_n, kmask = _kv_offsets(BlockTable, bt_row, n, lo_key, hi_key, kv_head_off,
                                             stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N,
                                             MASKED)
-    k = _load_tile(K, base, offs, kmask, MASKED, EVICT)
-    v = _load_tile(V, base, offs, kmask, MASKED, EVICT)
+    k = _load_tile(K, base, offs, kmask, MASKED)
+    v = _load_tile(V, base, offs, kmask, MASKED)
     return k, v, offs_n, kmask
 
 
@@ -143,10 +143,8 @@ def _tree_attn_kernel(
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
-    HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, EVICT: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    if USE_PDL:  # the combine kernel may launch now; its gdc_wait still waits for this grid
-        gdc_launch_dependents()
     rb = tl.program_id(0)
     part = tl.program_id(1)
     num_splits = tl.num_programs(1) - 1  # the last part is the tree tail
@@ -186,19 +184,19 @@ def _tree_attn_kernel(
                     m_i, l_i, acc = _prefix_tile(
                         q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, start, hi, q_pos, window,
                         kv_head_off, stride_kp, stride_ks,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, True, DOT_PREC, EVICT)
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, True, DOT_PREC)
             else:
                 full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
                 for n in range(lo, full, BLOCK_N):  # the hot loop: no mask ops
                     m_i, l_i, acc = _prefix_tile(
                         q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, lo, hi, q_pos, window,
                         kv_head_off, stride_kp, stride_ks,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, DOT_PREC, EVICT)
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, DOT_PREC)
                 if full < hi:
                     m_i, l_i, acc = _prefix_tile(
                         q, m_i, l_i, acc, K, V, BlockTable, bt_row, full, lo, hi, q_pos, window,
                         kv_head_off, stride_kp, stride_ks,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, DOT_PREC, EVICT)
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, DOT_PREC)
         else:  # ---- the tree tail: new tokens sit at ctx + j in the pool
             if HAS_TREE:
                 n_keys = q_len
@@ -239,10 +237,7 @@ def _combine_kernel(
     OPart, LsePart, Out, num_parts,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_qt, stride_qh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, LSE_BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # launched early (programmatic dependent launch): wait for kernel A's writes
-        gdc_wait()
     t = tl.program_id(0)
     hd = tl.program_id(1)
     lse_base = LsePart + t * stride_lt + hd
@@ -345,8 +340,6 @@ def tree_attention_triton(
         dot_prec = "interpret"
     tree = batch.tree_mask if batch.tree_mask is not None else batch.cu_q  # dummy when causal
     sm_scale_log2 = scale * LOG2E
-    evict = OPTIONS["evict"] if q.is_cuda else ""
-    pdl = bool(OPTIONS["pdl"]) and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
     LAST_LAUNCH["attn"] = _tree_attn_kernel[(row_blocks, parts, nb * hkv)](
         q, k_pool, v_pool, batch.block_table, batch.cu_q, batch.ctx_lens_t, batch.positions,
         tree, o_part, lse_part,
@@ -357,15 +350,13 @@ def tree_attention_triton(
         lse_part.stride(1),
         GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=bm, BLOCK_N=bn,
         TAIL_N=tail_block_n(config), SLIDING=sliding, HAS_TREE=batch.tree_mask is not None,
-        DOT_PREC=dot_prec, EVICT=evict, USE_PDL=pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DOT_PREC=dot_prec, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     block_s, lse_block = combine_block_s(parts, d)
     _combine_kernel[(t, hq)](
         o_part, lse_part, out, parts,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
         lse_part.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_S=block_s, LSE_BLOCK=lse_block, USE_PDL=pdl, num_warps=4,
-        num_stages=1, **({"launch_pdl": True} if pdl else {}),
+        HEAD_DIM=d, BLOCK_S=block_s, LSE_BLOCK=lse_block, num_warps=4, num_stages=1,
     )
     return out

@@ -193,12 +193,7 @@ class TestGPU:
         ref = tree_attention_ref(q, k, v, batch, d**-0.5, 300, fp64=True)
         check(tree_attention_triton(q, k, v, batch, d**-0.5, 300), ref, dtype)
 
-    @pytest.mark.parametrize("options", [{}, {"evict": "evict_first", "pdl": True}])
-    def test_cuda_graph_captured_short_replays_long(self, options, monkeypatch):
-        from kernels.tree_attention import kernel as K
-
-        for key, value in options.items():
-            monkeypatch.setitem(K.OPTIONS, key, value)
+    def test_cuda_graph_captured_short_replays_long(self):
         long_ctx = [5000, 300]
         q, k, v, batch = make_case(12, long_ctx, [31, 9], 16, 32, 8, 128, torch.bfloat16)
         ref = tree_attention_ref(q, k, v, batch, 0.1, None, fp64=True)
