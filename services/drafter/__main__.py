@@ -1,6 +1,7 @@
 """`python -m services.drafter` / `specserve serve drafter`: flags (with SPECSERVE_* env) → run.
 
-`main(argv)` is what the `specserve` CLI delegates to.
+`main(argv)` is what the `specserve` CLI delegates to. Traces go to OTEL_EXPORTER_OTLP_ENDPOINT
+(service.name "drafter" unless OTEL_SERVICE_NAME says otherwise).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from services.common.settings import COMMON, DRAFTER_PORT, Flag, add_flags
+from services.common import telemetry
+from services.common.settings import COMMON, DRAFTER_METRICS_PORT, DRAFTER_PORT, Flag, add_flags
 from services.drafter.server import DTYPES, DrafterConfig, run
 
 FLAGS = [
@@ -25,6 +27,8 @@ FLAGS = [
     Flag("--page-size", "SPECSERVE_PAGE_SIZE", 16, int, "context-cache page size (tokens)"),
     Flag("--drafter-pages", "SPECSERVE_DRAFTER_PAGES", 4096, int,
          "context-cache pages per layer group"),
+    Flag("--metrics-port", "SPECSERVE_DRAFTER_METRICS_PORT", DRAFTER_METRICS_PORT, int,
+         "Prometheus /metrics port (0 = none)"),
 ]
 
 
@@ -41,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> DrafterConfig:
     return DrafterConfig(host=args.host, port=args.port, model=args.model,
                          draft_model=args.draft_model, device=args.device, dtype=args.dtype,
-                         page_size=args.page_size, num_pages=args.drafter_pages)
+                         page_size=args.page_size, num_pages=args.drafter_pages,
+                         metrics_port=args.metrics_port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    telemetry.setup_tracing("drafter")
     asyncio.run(run(config, args.port_file))
     return 0
 

@@ -54,6 +54,11 @@ def error_batch_to_pb(batch: pb.DraftBatch, error: str) -> pb.TreeBatch:
     return tree_batch_to_pb(batch, [error] * len(batch.entries))
 
 
+def trace_contexts(batch: pb.DraftBatch) -> list[dict[str, str]]:
+    """Each entry's W3C trace context ({} where the verifier did not trace that step)."""
+    return [dict(e.trace_context) for e in batch.entries]
+
+
 def request_ids(batch: pb.DraftBatch) -> list[str]:
     return [e.request_id for e in batch.entries]
 

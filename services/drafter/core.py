@@ -42,11 +42,23 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class GroupTimes:
+    """One drafter's call for its entries of a batch (wall clock start, for spans)."""
+
+    kind: str  # "dflash" | "ngram"
+    indices: tuple[int, ...]  # the entries it drafted (positions in the batch)
+    start_ns: int
+    forward_s: float = 0.0
+    tree_build_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class DraftTimes:
     """Where a batch's drafting time went (0 for parts that did not run)."""
 
     forward_s: float = 0.0  # DFlash context K/V + block forward + logits
     tree_build_s: float = 0.0  # DDTree building, plus the n-gram drafter's whole call
+    groups: tuple[GroupTimes, ...] = ()  # per drafter, in the order they ran
 
 
 def _entry_problem(entry: Entry, seen: set[str]) -> str | None:
@@ -141,7 +153,7 @@ class DrafterCore:
                     groups.setdefault(admitted[0], []).append((i, admitted[1]))
             times = [self._run(kind, items, results) for kind, items in groups.items()]
             return results, DraftTimes(sum(t.forward_s for t in times),
-                                       sum(t.tree_build_s for t in times))
+                                       sum(t.tree_build_s for t in times), tuple(times))
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Forget the requests' histories and drafter state (unknown ids are a no-op)."""
@@ -179,9 +191,10 @@ class DrafterCore:
         return kind, replace(r, history=history)
 
     def _run(self, kind: str, items: list[tuple[int, DraftRequest]],
-             results: list[Result]) -> DraftTimes:
+             results: list[Result]) -> GroupTimes:
         """Draft one drafter's entries in one call; if it raises, all of them get the error."""
         drafter, requests = self.drafters[kind], [r for _, r in items]
+        indices, start_ns = tuple(i for i, _ in items), time.time_ns()
         t0, failed = time.perf_counter(), False
         try:
             trees: list[Result] = list(drafter.draft(requests))
@@ -194,8 +207,8 @@ class DrafterCore:
             results[i] = tree
         elapsed = time.perf_counter() - t0
         if kind != DFLASH:
-            return DraftTimes(tree_build_s=elapsed)
+            return GroupTimes(kind, indices, start_ns, tree_build_s=elapsed)
         stats = self.dflash.last_stats
         if failed or stats is None:
-            return DraftTimes(forward_s=elapsed)
-        return DraftTimes(forward_s=stats.forward_s, tree_build_s=stats.tree_s)
+            return GroupTimes(kind, indices, start_ns, forward_s=elapsed)
+        return GroupTimes(kind, indices, start_ns, stats.forward_s, stats.tree_s)

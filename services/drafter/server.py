@@ -2,7 +2,8 @@
 
 Owns `DrafterConfig`, `serve` (bind, load the drafters off the event loop while health says
 NOT_SERVING, then SERVING) and `run` (serve until SIGINT/SIGTERM, then drain in-flight streams
-for `grace_s`). The command line lives in __main__.py.
+for `grace_s`, flush buffered spans). `run` also serves Prometheus metrics on `metrics_port`
+(0: none). The command line lives in __main__.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 import grpc
 import torch
 
+from services.common import telemetry
+from services.common.metrics import DrafterMetrics
 from services.common.server import mark_serving, start_server
 from services.common.settings import DEFAULT_HOST, DRAFTER_PORT
 from services.drafter.core import DrafterCore
@@ -37,10 +40,13 @@ class DrafterConfig:
     page_size: int = 16  # context-cache page size (tokens)
     num_pages: int = 4096  # context-cache pages per layer group
     grace_s: float = 5.0  # in-flight streams get this long to finish on shutdown
+    metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.draft_model and not self.model:
             raise ValueError("a draft model needs the target model too (its embedding and LM "
                              "head): give --model / SPECSERVE_MODEL")
@@ -74,10 +80,11 @@ def load_core(config: DrafterConfig) -> DrafterCore:
                             page_size=config.page_size)
 
 
-async def serve(config: DrafterConfig,
-                core: DrafterCore | None = None) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns once SERVING. A given `core` is used instead of loading one."""
-    servicer = DrafterServicer()
+async def serve(config: DrafterConfig, core: DrafterCore | None = None,
+                metrics: DrafterMetrics | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start serving; returns once SERVING. A given `core` is used instead of loading one;
+    `metrics` (optional) are recorded per draft batch."""
+    servicer = DrafterServicer(metrics=metrics)
     server, port, health = await start_server(
         [(drafter_pb2_grpc.add_DrafterServicer_to_server, servicer)], [SERVICE_NAME],
         host=config.host, port=config.port)
@@ -100,7 +107,10 @@ def write_port_file(path: str | Path, port: int) -> None:
 
 async def run(config: DrafterConfig, port_file: str | None = None) -> None:
     """Serve until SIGINT or SIGTERM, then stop gracefully."""
-    server, port = await serve(config)
+    metrics = DrafterMetrics()
+    server, port = await serve(config, metrics=metrics)
+    metrics_server = telemetry.start_metrics_server(metrics.registry, config.host,
+                                                    config.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGINT, signal.SIGTERM)
@@ -115,3 +125,5 @@ async def run(config: DrafterConfig, port_file: str | None = None) -> None:
         for sig in signals:
             loop.remove_signal_handler(sig)
         await server.stop(config.grace_s)
+        telemetry.stop_metrics_server(metrics_server)
+        await telemetry.shutdown_tracing()

@@ -1,4 +1,7 @@
-"""`python -m services.gateway` / `specserve serve gateway`: flags (SPECSERVE_* env defaults)."""
+"""`python -m services.gateway` / `specserve serve gateway`: flags (SPECSERVE_* env defaults).
+
+Traces go to OTEL_EXPORTER_OTLP_ENDPOINT (service.name "gateway" unless OTEL_SERVICE_NAME says
+otherwise)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from services.common.server import MiB
 from services.common.settings import (
     COMMON,
     DEFAULT_HOST,
+    GATEWAY_METRICS_PORT,
     GATEWAY_PORT,
     VERIFIER_PORT,
     Flag,
@@ -27,6 +31,8 @@ FLAGS = [
          "largest request message accepted, MiB (larger: RESOURCE_EXHAUSTED)"),
     Flag("--request-timeout-s", "SPECSERVE_REQUEST_TIMEOUT_S", 600.0, float,
          "verifier deadline for requests whose client set none"),
+    Flag("--metrics-port", "SPECSERVE_GATEWAY_METRICS_PORT", GATEWAY_METRICS_PORT, int,
+         "Prometheus /metrics port (0 = none)"),
 ]
 
 
@@ -46,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from services.common import telemetry
     from services.gateway.server import GatewayConfig, serve
     from specserve.errors import SpecServeError
 
@@ -53,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         config = GatewayConfig(
             model=args.model, verifier=args.verifier, host=args.host, port=args.port,
             port_file=args.port_file, max_message_bytes=args.max_message_mb * MiB,
-            request_timeout_s=args.request_timeout_s, grace_s=args.grace_s)
+            request_timeout_s=args.request_timeout_s, grace_s=args.grace_s,
+            metrics_port=args.metrics_port)
+        telemetry.setup_tracing("gateway")
         asyncio.run(serve(config))
     except (ValueError, SpecServeError, OSError) as e:
         print(f"specserve gateway: error: {e}", file=sys.stderr)

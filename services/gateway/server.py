@@ -3,6 +3,7 @@
 `serve` loads the target's tokenizer, starts the gRPC server (health + reflection), reports
 SERVING, writes the bound port to `port_file` (for port 0), and on SIGINT/SIGTERM (or `stop`)
 turns health to NOT_SERVING and drains in-flight generations for `grace_s` before cancelling.
+Prometheus metrics are served on `metrics_port` (0: none); buffered spans are flushed at exit.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import grpc
 
+from services.common import telemetry
+from services.common.metrics import GatewayMetrics
 from services.common.server import (
     CHANNEL_OPTIONS,
     MAX_MESSAGE_BYTES,
@@ -46,6 +49,7 @@ class GatewayConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     request_timeout_s: float = 600.0  # verifier deadline when the client sets none
     grace_s: float = 5.0
+    metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -55,6 +59,8 @@ class GatewayConfig:
             raise ValueError(f"verifier must be HOST:PORT, got {self.verifier!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if not 1024 <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
             raise ValueError(f"max_message_bytes must be in [1024, {MAX_MESSAGE_BYTES}], "
                              f"got {self.max_message_bytes}")
@@ -81,11 +87,14 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     """Run the gateway until `stop` is set (default: until SIGINT/SIGTERM)."""
     tokenizer = Tokenizer.from_dir(config.model)
     verifier = grpc.aio.insecure_channel(config.verifier, options=VERIFIER_CHANNEL_OPTIONS)
-    servicer = GatewayServicer(tokenizer, verifier, config.request_timeout_s)
+    metrics = GatewayMetrics()
+    servicer = GatewayServicer(tokenizer, verifier, config.request_timeout_s, metrics)
     server, port, health = await start_server(
         [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer)], [SERVICE_NAME],
         config.host, config.port, config.max_message_bytes)
     stop = stop if stop is not None else _stop_on_signals()
+    metrics_server = telemetry.start_metrics_server(metrics.registry, config.host,
+                                                    config.metrics_port)
     try:
         await mark_serving(health, [SERVICE_NAME])
         if config.port_file:
@@ -99,3 +108,5 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     finally:
         await server.stop(0)
         await verifier.close()
+        telemetry.stop_metrics_server(metrics_server)
+        await telemetry.shutdown_tracing()

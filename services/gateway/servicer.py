@@ -4,6 +4,11 @@ Thin: convert → call the verifier → convert. The gateway owns what needs tex
 prompt, incremental detokenization and stop strings (a completed stop string cancels the
 verifier stream, which frees the request there). Verifier errors keep their status code and
 message; a client cancel cancels the verifier call.
+
+Each call is one `generate` span (SERVER; a child of the client's span if it sent a W3C
+`traceparent`), whose context goes to the verifier in the call metadata: the root of the
+request's trace across the three services. The final message's phase times are the verifier's,
+and `other` = the gateway's wall time − those phases, so they add up to `wall_s`.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ import logging
 import time
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from services.common import telemetry
 from services.common.errors import status_for
 from services.gateway import convert
 from services.gateway.convert import GatewayFinal, GatewayRequest, Step, VerifierFinal
@@ -38,6 +46,7 @@ class _RequestState:
         self.completion_tokens = 0
         self.t0 = time.perf_counter()
         self.ttft_s = 0.0
+        self.final_: GatewayFinal | None = None  # what the client was sent last
 
     def push(self, step: Step) -> tuple[str, bool]:
         """Text for a step's tokens (cut at a stop string) and whether a stop string completed."""
@@ -61,11 +70,12 @@ class _RequestState:
     def final(self, reason: FinishReason | None, v: VerifierFinal | None) -> GatewayFinal:
         """The verifier's usage and stats when it finished the request, ours when we cut it."""
         wall = time.perf_counter() - self.t0
-        if v is None:
-            return GatewayFinal(reason, self.prompt_tokens, self.completion_tokens, self.stats,
-                                0.0, self.req.request_id, self.ttft_s, wall)
-        return GatewayFinal(reason, v.prompt_tokens, v.completion_tokens, v.stats, v.other_s,
-                            self.req.request_id, self.ttft_s, wall)
+        stats, prompt, completion = (self.stats, self.prompt_tokens, self.completion_tokens) \
+            if v is None else (v.stats, v.prompt_tokens, v.completion_tokens)
+        phases = stats.prefill_s + stats.draft_s + stats.verify_s + stats.commit_s
+        self.final_ = GatewayFinal(reason, prompt, completion, stats, max(0.0, wall - phases),
+                                   self.req.request_id, self.ttft_s, wall)
+        return self.final_
 
 
 def _record(stats: RequestSpecStats, step: Step) -> None:
@@ -83,31 +93,70 @@ def _record(stats: RequestSpecStats, step: Step) -> None:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, tokenizer: Tokenizer, verifier: grpc.aio.Channel,
-                 default_timeout_s: float) -> None:
+                 default_timeout_s: float, metrics=None) -> None:
         self._tokenizer = tokenizer
         self._verifier = verifier_pb2_grpc.VerifierStub(verifier)
         self._default_timeout_s = default_timeout_s
+        self.metrics = metrics  # GatewayMetrics | None
+        self._tracer = telemetry.tracer("specserve.gateway")
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+        t0 = time.perf_counter()
+        span = self._tracer.start_span(
+            "generate", telemetry.extract_metadata(context.invocation_metadata()),
+            kind=SpanKind.SERVER)
+        code, state = grpc.StatusCode.CANCELLED, None
         try:
-            req = convert.request_from_pb(request)
-            prompt_ids = await self._prompt_ids(req)
-            state = _RequestState(self._tokenizer, prompt_ids, req)
-        except SpecServeError as e:
-            await context.abort(status_for(e), str(e))
-        call = self._verifier.Generate(convert.verify_request_to_pb(req, prompt_ids),
-                                       timeout=self._timeout(context))
-        context.add_done_callback(lambda _ctx: call.cancel())  # client cancel → verifier cancel
-        try:
-            async for response in self._relay(call, state):
-                yield response
-        except grpc.aio.AioRpcError as e:
-            log.info("request %s: verifier %s: %s", req.request_id, e.code().name, e.details())
-            await context.abort(e.code(), e.details() or e.code().name)
-        except SpecServeError as e:
-            await context.abort(status_for(e), str(e))
+            try:
+                req = convert.request_from_pb(request)
+                span.set_attribute("request.id", req.request_id)
+                prompt_ids = await self._prompt_ids(req)
+                state = _RequestState(self._tokenizer, prompt_ids, req)
+            except SpecServeError as e:
+                code = status_for(e)
+                await context.abort(code, str(e))
+            span.set_attributes({"prompt_tokens": len(prompt_ids),
+                                 "max_tokens": req.params.max_tokens,
+                                 "drafter": req.drafter or "default"})
+            call = self._verifier.Generate(
+                convert.verify_request_to_pb(req, prompt_ids), timeout=self._timeout(context),
+                metadata=telemetry.inject_metadata(trace.set_span_in_context(span)))
+            context.add_done_callback(lambda _ctx: call.cancel())  # client cancel → verifier's
+            try:
+                async for response in self._relay(call, state):
+                    yield response
+            except grpc.aio.AioRpcError as e:
+                log.info("request %s: verifier %s: %s", req.request_id, e.code().name,
+                         e.details())
+                code = e.code()
+                await context.abort(e.code(), e.details() or e.code().name)
+            except SpecServeError as e:
+                code = status_for(e)
+                await context.abort(code, str(e))
+            finally:
+                call.cancel()
+            code = grpc.StatusCode.OK
         finally:
-            call.cancel()
+            self._finish(span, code, state, time.perf_counter() - t0)
+
+    def _finish(self, span, code: grpc.StatusCode, state: _RequestState | None,
+                wall_s: float) -> None:
+        final = state.final_ if state is not None else None
+        if final is not None and span.is_recording():
+            span.set_attributes({
+                "completion_tokens": final.completion_tokens, "ttft_s": final.ttft_s,
+                "finish_reason": str(final.finish_reason), "steps": final.stats.steps,
+                "mean_commit_len": final.stats.mean_commit_len})
+        if code is not grpc.StatusCode.OK:
+            span.set_status(Status(StatusCode.ERROR, code.name))
+        span.end()
+        if self.metrics is not None:
+            self.metrics.requests.labels(code=code.name).inc()
+            self.metrics.duration.observe(wall_s)
+            if state is not None and state.ttft_s:
+                self.metrics.ttft.observe(state.ttft_s)
+            if state is not None:
+                self.metrics.completion_tokens.inc(state.completion_tokens)
 
     async def _relay(self, call, state: _RequestState):
         async for event in call:

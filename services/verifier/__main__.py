@@ -1,7 +1,8 @@
 """`python -m services.verifier` / `specserve serve verifier`: flags → VerifierConfig → serve.
 
 Every flag has a `SPECSERVE_*` environment default (services/common/settings.py). SIGINT and
-SIGTERM drain in-flight requests for --grace-s, then exit.
+SIGTERM drain in-flight requests for --grace-s, then flush buffered spans and exit. Traces go
+to OTEL_EXPORTER_OTLP_ENDPOINT (service.name "verifier" unless OTEL_SERVICE_NAME says otherwise).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import signal
 import sys
 from pathlib import Path
 
-from services.common.settings import COMMON, VERIFIER_PORT, Flag, add_flags
+from services.common import telemetry
+from services.common.settings import COMMON, VERIFIER_METRICS_PORT, VERIFIER_PORT, Flag, add_flags
 from services.verifier.server import VerifierConfig, serve
 from specserve.errors import SpecServeError
 
@@ -41,6 +43,10 @@ FLAGS = [
     Flag("--max-num-batched-tokens", "SPECSERVE_MAX_NUM_BATCHED_TOKENS", 2048, int,
          "tokens per forward"),
     Flag("--grace-s", "SPECSERVE_GRACE_S", 5.0, float, "shutdown drain time"),
+    Flag("--metrics-port", "SPECSERVE_VERIFIER_METRICS_PORT", VERIFIER_METRICS_PORT, int,
+         "Prometheus /metrics port (0 = none)"),
+    Flag("--trace-steps", "SPECSERVE_TRACE_STEPS", 1, int,
+         "a span for every Nth step of a request (1 = all, 0 = none)"),
 ]
 
 
@@ -66,7 +72,8 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         max_draft_tokens=args.max_draft_tokens, default_budget=args.default_budget,
         drafter=args.drafter or None, drafter_timeout_s=args.drafter_timeout_s,
         draft_model=args.draft_model or None, tap_layers=taps, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, grace_s=args.grace_s)
+        max_num_batched_tokens=args.max_num_batched_tokens, grace_s=args.grace_s,
+        trace_steps=args.trace_steps, metrics_port=args.metrics_port)
 
 
 def _write_port(path: str, port: int) -> None:
@@ -87,6 +94,7 @@ async def _run(config: VerifierConfig, port_file: str | None) -> None:
     await stop.wait()
     logging.getLogger(__name__).info("shutting down (grace %.1f s)", config.grace_s)
     await server.stop(config.grace_s)
+    await telemetry.shutdown_tracing()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    telemetry.setup_tracing("verifier")
     try:
         asyncio.run(_run(config, args.port_file))
     except SpecServeError as e:

@@ -98,11 +98,13 @@ def stats_to_pb(stats, drafter_connected: bool) -> verifier_pb2.StatsReply:
 
 # ---- the drafter stream ----------------------------------------------------------------------
 def draft_entry_to_pb(req: DraftRequest, kind: str | None, context: torch.Tensor | None,
-                      new_history) -> drafter_pb2.DraftEntry:
+                      new_history, trace_context: dict[str, str] | None = None
+                      ) -> drafter_pb2.DraftEntry:
     entry = drafter_pb2.DraftEntry(
         request_id=req.request_id, drafter=DRAFTER_KINDS.get(kind, 0),
         bonus_token=req.bonus_token, start=req.start, budget=req.budget,
-        max_depth=req.max_depth, new_history=[int(t) for t in new_history])
+        max_depth=req.max_depth, new_history=[int(t) for t in new_history],
+        trace_context=trace_context or {})
     if context is not None and context.shape[0]:
         entry.context.CopyFrom(tensor_to_pb(context))
     return entry

@@ -14,6 +14,9 @@ Failure is never the request's: a missing stream, a deadline or a broken stream 
 engine verifies root-only trees and records why); a per-entry error yields an empty tree and is
 reported through `take_entry_errors`. Reconnects run in the background, at most one attempt per
 `reconnect_s`, so steps never wait for one.
+
+With a `tracing` StepTracer set, each entry of a traced step carries the W3C context of its
+request's `draft` span (`DraftEntry.trace_context`), so the drafter's spans nest under it.
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ class RemoteDrafter:
         self._entry_errors: dict[str, str] = {}
         self._releases: set[str] = set()
         self._closed = False
+        self.tracing = None  # a StepTracer: each entry carries its request's `draft` span
 
     @property
     def connected(self) -> bool:
@@ -152,7 +156,8 @@ class RemoteDrafter:
         st.sent_once = True
         context = st.rows_since(st.rows_sent) if st.rows_sent < st.num_rows else None
         history = list(req.history or ())[st.history_sent:]
-        return convert.draft_entry_to_pb(req, st.kind, context, history)
+        trace_context = self.tracing.open_draft(req.request_id) if self.tracing else None
+        return convert.draft_entry_to_pb(req, st.kind, context, history, trace_context)
 
     def _absorb(self, req: DraftRequest, st: _State) -> bool:
         """Keep the context rows not seen before; False if they do not continue what is kept."""

@@ -6,6 +6,10 @@ the thread drains the inbox, runs `engine.step()` while there is work (sleeping 
 when idle) and hands each request's outputs to that request's asyncio queue with
 `call_soon_threadsafe`. Per-request queues are bounded by the request's max_tokens (the engine
 thread must never block on one slow client). No grpc here.
+
+After each step, once the outputs are on their way, the thread records the step's spans
+(`StepTracer`, services/verifier/tracing.py) and Prometheus metrics (`VerifierMetrics`):
+both are optional and cost nothing when absent.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import partial
@@ -59,8 +64,10 @@ class _Request:
 class StepLoop:
     """Runs `engine` on its own thread; `submit`/`abort`/`stats` are called from asyncio."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, metrics=None, tracer=None) -> None:
         self.engine = engine
+        self.metrics = metrics  # VerifierMetrics | None
+        self.tracer = tracer  # StepTracer | None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _Request] = {}  # engine thread only
         self._lock = threading.Lock()  # guards the counters below
@@ -78,16 +85,18 @@ class StepLoop:
         self._thread.start()
 
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     budget: int, drafter_kind: str | None = None) -> asyncio.Queue:
+                     budget: int, drafter_kind: str | None = None,
+                     trace_context=None) -> asyncio.Queue:
         """Add a request; returns the queue its `StepEvent`s arrive on (an exception instead if
         the engine fails). Raises what `engine.add_request` raises (InvalidRequest,
-        CapacityExhausted); nothing is queued then."""
+        CapacityExhausted); nothing is queued then. `trace_context` (an OTel Context holding
+        the request's span) parents its prefill and step spans."""
         if self._stopping or self._thread is None:
             raise RequestAborted("the verifier is not running (shutting down)")
         q: asyncio.Queue = asyncio.Queue()
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(partial(self._add, request_id, list(prompt_ids), params, budget,
-                                drafter_kind, q, done))
+                                drafter_kind, q, done, trace_context))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -135,7 +144,8 @@ class StepLoop:
             command()
             block = False
 
-    def _add(self, request_id, prompt_ids, params, budget, kind, q, done) -> None:
+    def _add(self, request_id, prompt_ids, params, budget, kind, q, done, trace_context=None
+             ) -> None:
         if not done.set_running_or_notify_cancel():
             return  # the caller went away first
         try:
@@ -147,6 +157,9 @@ class StepLoop:
         if set_kind is not None and budget:
             set_kind(request_id, kind)
         self._requests[request_id] = _Request(q, self.engine.requests[request_id].spec_stats)
+        if self.tracer is not None:
+            self.tracer.add(request_id, trace_context)
+        self._update_gauges()
         done.set_result(None)
 
     def _abort(self, request_id: str, owner: asyncio.Queue | None) -> None:
@@ -155,12 +168,19 @@ class StepLoop:
             return
         self._requests.pop(request_id, None)
         self.engine.abort(request_id)
+        if self.tracer is not None:
+            self.tracer.remove(request_id)
+        self._update_gauges()
 
     def _step(self) -> None:
+        if self.tracer is not None:
+            self.tracer.begin_step(time.time_ns())
         try:
             outputs = self.engine.step()
         except Exception as e:  # a broken step fails its requests, never the thread
             log.exception("engine step failed")
+            if self.tracer is not None:
+                self.tracer.abandon_step(f"engine step failed: {e}")
             for request_id in list(self._requests):
                 self._fail(request_id, e)
             return
@@ -169,31 +189,67 @@ class StepLoop:
         with self._lock:
             self._steps += 1
         for out in outputs:
-            self._deliver(out, entry_errors)
+            self._attribute_entry_error(out, entry_errors.get(out.request_id))
+        finished = {}  # request id -> when its final event was handed over
+        for out in outputs:
+            if out.finished:
+                finished[out.request_id] = time.time_ns()
+            self._deliver(out)
+        self._observe(outputs, finished)  # after delivery: off the tokens' path
 
-    def _deliver(self, out: RequestOutput, entry_errors: dict[str, str]) -> None:
+    def _attribute_entry_error(self, out: RequestOutput, reason: str | None) -> None:
         step = out.stats.get("step")
-        reason = entry_errors.get(out.request_id)
         if step is not None and reason and step.fallback is None and step.tree_size == 0:
-            step = replace(step, fallback=reason)  # the drafter failed this entry only
+            out.stats["step"] = replace(step, fallback=reason)  # this entry failed, only
             out.stats["request"].fallbacks[reason] += 1
+
+    def _deliver(self, out: RequestOutput) -> None:
+        step = out.stats.get("step")
         if step is not None and step.fallback:
             self._count_fallback(step.fallback)
         req = self._requests.pop(out.request_id) if out.finished else \
             self._requests.get(out.request_id)
         if req is None:
             return
+        if self.metrics is not None and step is None:  # prefill done: its first token
+            self.metrics.phase.labels(phase="prefill").observe(req.spec_stats.prefill_s)
         snapshot = copy.deepcopy(req.spec_stats) if out.finished else None
         self._post(req.queue, StepEvent(out, step, snapshot))
+
+    def _observe(self, outputs: list[RequestOutput], finished: dict[str, int]) -> None:
+        """The step's spans and metrics (engine thread, after the outputs went out)."""
+        times = self.engine.last_step
+        if self.tracer is not None:
+            self.tracer.end_step(outputs, times)
+            for request_id, handed_over_ns in finished.items():
+                self.tracer.remove(request_id, handed_over_ns)
+        if self.metrics is None:
+            return
+        steps = [out.stats["step"] for out in outputs if "step" in out.stats]
+        for step in steps:
+            self.metrics.record_step(step)
+        if times is not None:
+            self.metrics.record_engine_step(times, decoded=bool(steps))
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        if self.metrics is not None:
+            blocks = self.engine.blocks
+            self.metrics.set_pages(blocks.num_used_pages, blocks.num_free_pages,
+                                   len(self._requests))
 
     def _count_fallback(self, reason: str) -> None:
         with self._lock:
             if reason not in self._fallbacks and len(self._fallbacks) >= MAX_FALLBACK_REASONS:
                 reason = "other"
             self._fallbacks[reason] += 1
+        if self.metrics is not None:
+            self.metrics.record_fallback(reason)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         req = self._requests.pop(request_id, None)
+        if self.tracer is not None:
+            self.tracer.remove(request_id)
         try:
             self.engine.abort(request_id)
         except Exception:

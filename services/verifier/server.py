@@ -3,7 +3,9 @@
 `serve(config)` binds first (health NOT_SERVING), loads the target model off the event loop,
 connects the drafter client (failure is fine: it keeps retrying), starts the step loop and only
 then reports SERVING. `VerifierServer.stop(grace)` drains in-flight streams for `grace` seconds,
-then stops the step loop and the drafter stream.
+then stops the step loop and the drafter stream. Each verifier has its own Prometheus metrics
+(`VerifierServer.metrics`, served on `metrics_port` when it is not 0) and traces a request's
+steps every `trace_steps`-th step (0: no step spans).
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from services.common import telemetry
+from services.common.metrics import VerifierMetrics
 from services.common.server import mark_serving, start_server
 from services.verifier.convert import SpecLimits
 from services.verifier.drafter_client import RemoteDrafter
 from services.verifier.loop import StepLoop
 from services.verifier.servicer import VerifierServicer
+from services.verifier.tracing import StepTracer
 from specserve.config import EngineConfig
 from specserve.engine.engine import Engine
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
@@ -44,12 +49,18 @@ class VerifierConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     grace_s: float = 5.0  # shutdown drains in-flight requests this long
+    trace_steps: int = 1  # a `step` span for every Nth step of a request (0 = none)
+    metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model (the target checkpoint directory) is required")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.trace_steps < 0:
+            raise ValueError(f"trace_steps must be >= 0, got {self.trace_steps}")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -108,6 +119,8 @@ class VerifierServer:
     step_loop: StepLoop
     drafter: RemoteDrafter | None
     config: VerifierConfig
+    metrics: VerifierMetrics | None = None
+    metrics_server: object = None
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop taking requests, drain in-flight ones for `grace` s, then stop everything."""
@@ -116,13 +129,16 @@ class VerifierServer:
         await asyncio.to_thread(self.step_loop.stop)
         if self.drafter is not None:
             await self.drafter.close()
+        telemetry.stop_metrics_server(self.metrics_server)
 
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
 
 
-async def _build(config: VerifierConfig) -> tuple[StepLoop, RemoteDrafter | None]:
+async def _build(config: VerifierConfig, metrics: VerifierMetrics
+                 ) -> tuple[StepLoop, RemoteDrafter | None]:
     engine = await asyncio.to_thread(Engine, config.engine_config())
+    tracer = StepTracer(config.trace_steps)
     drafter = None
     if config.drafter:
         drafter = RemoteDrafter(config.drafter, config.target_layer_ids(),
@@ -131,8 +147,9 @@ async def _build(config: VerifierConfig) -> tuple[StepLoop, RemoteDrafter | None
             log.warning("no --draft-model or --tap-layers: no context features, so only "
                         "n-gram drafting can work")
         engine.set_drafter(drafter)  # checks the tap layers against the target
+        drafter.tracing = tracer
         await drafter.start()
-    loop = StepLoop(engine)
+    loop = StepLoop(engine, metrics=metrics, tracer=tracer)
     loop.start()
     return loop, drafter
 
@@ -140,15 +157,19 @@ async def _build(config: VerifierConfig) -> tuple[StepLoop, RemoteDrafter | None
 async def serve(config: VerifierConfig) -> tuple[VerifierServer, int]:
     """Start the verifier; returns the running server and its bound port (SERVING)."""
     limits = SpecLimits(config.default_budget, config.max_draft_tokens, bool(config.drafter))
-    servicer = VerifierServicer(limits)
+    metrics = VerifierMetrics()
+    servicer = VerifierServicer(limits, metrics)
     server, port, health = await start_server(
         [(verifier_pb2_grpc.add_VerifierServicer_to_server, servicer)], [SERVICE],
         host=config.host, port=config.port)
     try:
-        loop, drafter = await _build(config)
+        loop, drafter = await _build(config, metrics)
     except BaseException:
         await server.stop(0)
         raise
     servicer.attach(loop, drafter)
+    metrics_server = telemetry.start_metrics_server(metrics.registry, config.host,
+                                                    config.metrics_port)
     await mark_serving(health, [SERVICE])
-    return VerifierServer(server, port, health, loop, drafter, config), port
+    return VerifierServer(server, port, health, loop, drafter, config, metrics,
+                          metrics_server), port

@@ -3,6 +3,8 @@
 `Generate` streams one VerifyEvent per step that committed tokens for the request (the last one
 carries `final`); core errors map to status codes through services/common/errors. A cancelled
 or expired stream aborts its request, so its KV pages (and drafter state) are freed at once.
+Each call is one `verifier.request` span, a child of the caller's span (W3C `traceparent` in the
+call metadata); the step loop hangs the request's prefill and step spans below it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import itertools
 import time
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from services.common import telemetry
 from services.common.errors import status_for
 from services.verifier import convert
 from services.verifier.loop import StepEvent, StepLoop
@@ -19,11 +24,13 @@ from specserve.v1 import verifier_pb2_grpc
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, limits: convert.SpecLimits) -> None:
+    def __init__(self, limits: convert.SpecLimits, metrics=None) -> None:
         self.limits = limits
+        self.metrics = metrics  # VerifierMetrics | None
         self.loop: StepLoop | None = None  # set by `attach` once the model is loaded
         self.drafter = None
         self._ids = itertools.count()
+        self._tracer = telemetry.tracer("specserve.verifier")
 
     def attach(self, loop: StepLoop, drafter=None) -> None:
         self.loop, self.drafter = loop, drafter
@@ -32,27 +39,60 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if self.loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is loading its model")
         t0 = time.perf_counter()
+        span = self._tracer.start_span(
+            "verifier.request", telemetry.extract_metadata(context.invocation_metadata()),
+            kind=SpanKind.SERVER)
+        code, finished, events, args = grpc.StatusCode.CANCELLED, False, None, None
         try:
-            args = convert.generate_args_from_pb(request, self.limits,
-                                                 f"verify-{next(self._ids)}")
-            events = await self.loop.submit(args.request_id, args.prompt_ids, args.params,
-                                            args.budget, args.drafter_kind)
-        except Exception as e:  # InvalidRequest, CapacityExhausted, ...
-            await context.abort(status_for(e), str(e))
-        finished, error = False, None
-        try:
+            try:
+                args = convert.generate_args_from_pb(request, self.limits,
+                                                     f"verify-{next(self._ids)}")
+                span.set_attributes({"request.id": args.request_id,
+                                     "prompt_tokens": len(args.prompt_ids),
+                                     "budget": args.budget,
+                                     "drafter": args.drafter_kind or "default"})
+                events = await self.loop.submit(args.request_id, args.prompt_ids, args.params,
+                                                args.budget, args.drafter_kind,
+                                                trace.set_span_in_context(span))
+            except Exception as e:  # InvalidRequest, CapacityExhausted, ...
+                code = status_for(e)
+                await context.abort(code, str(e))
+            error, first_s, item = None, None, None
             while not finished:
                 item = await events.get()
                 if isinstance(item, BaseException):
                     error = item
                     break
                 finished = item.output.finished
+                if first_s is None:
+                    first_s = time.perf_counter() - t0
                 yield self._event(item, t0)
+            if error is not None:
+                code = status_for(error)
+                await context.abort(code, str(error))
+            code = grpc.StatusCode.OK
+            self._finish(span, item, first_s, time.perf_counter() - t0)
         finally:  # cancelled, deadline expired or failed: free the request now
-            if not finished:
+            if events is not None and not finished:
                 self.loop.abort(args.request_id, owner=events)
-        if error is not None:
-            await context.abort(status_for(error), str(error))
+            if self.metrics is not None:
+                self.metrics.requests.labels(code=code.name).inc()
+            if code is not grpc.StatusCode.OK:
+                span.set_status(Status(StatusCode.ERROR, code.name))
+            span.end()
+
+    def _finish(self, span, item: StepEvent, first_s: float | None, wall_s: float) -> None:
+        out, stats = item.output, item.stats
+        if span.is_recording():
+            span.set_attributes({"completion_tokens": out.num_output_tokens,
+                                 "finish_reason": str(out.finish_reason)})
+            if stats is not None:
+                span.set_attributes({"steps": stats.steps,
+                                     "mean_commit_len": stats.mean_commit_len})
+        if self.metrics is not None and first_s is not None:
+            self.metrics.ttft.observe(first_s)
+            if out.num_output_tokens > 1:
+                self.metrics.tpot.observe((wall_s - first_s) / (out.num_output_tokens - 1))
 
     @staticmethod
     def _event(item: StepEvent, t0: float):

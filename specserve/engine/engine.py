@@ -25,7 +25,7 @@ from specserve.engine.sequence import Sequence, Status
 from specserve.errors import InvalidRequest
 from specserve.models.decoder import DecoderModel
 from specserve.spec.accept import accept
-from specserve.spec.metrics import RequestSpecStats, StepRecord
+from specserve.spec.metrics import RequestSpecStats, StepRecord, StepTimes
 from specserve.types import FinishReason, RequestOutput, SamplingParams
 
 
@@ -39,6 +39,7 @@ class Engine:
     ) -> None:
         self.config = config
         self.on_step = None  # optional callback(request_id, StepRecord) — tests check invariants
+        self.last_step: StepTimes | None = None  # wall-clock marks of the latest step (traces)
         self.runner = ModelRunner(config, model)
         self.set_drafter(drafter)
         self.model_config = self.runner.model.config
@@ -153,6 +154,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One round: draft for decoding requests, one forward over every tree and prefill
         chunk (verify), then commit. Returns outputs of requests that produced tokens."""
+        t_start, self.last_step = time.time_ns(), None
         work = self.scheduler.schedule()
         if not work:
             return []
@@ -160,6 +162,7 @@ class Engine:
         chunks = [w for w in work if w.seq.in_prefill]
         plans, draft_s = speculative.plan(
             decoding, self.drafter, self.max_model_len, self.model_config.vocab_size)
+        t_draft = time.time_ns()
         for p in plans:  # scratch rows for the tree, within the request's reservation
             self.blocks.ensure(p.seq.request_id, p.start + p.layout.num_rows)
         inputs = [p.forward_input() for p in plans] + [self._chunk_input(w) for w in chunks]
@@ -171,6 +174,7 @@ class Engine:
         t0 = time.perf_counter()
         logits, feats = self.runner.forward(inputs, rows, taps=self._needs_context)
         verify_s = time.perf_counter() - t0
+        t_verify = time.time_ns()
         outputs = self._commit_trees(plans, logits, feats, ends, draft_s, verify_s)
         offset = sum(p.layout.num_rows for p in plans)
         for w, e in zip(chunks, ends[len(plans):], strict=True):
@@ -182,6 +186,11 @@ class Engine:
             seq = chunks[i].seq
             token = sample_rows(logits[offset + j : offset + j + 1], seq.params, seq.generator)
             outputs.append(self._commit(seq, token))
+        self.last_step = StepTimes(t_start, t_draft, t_verify, time.time_ns(), tuple(
+            (w.seq.request_id, w.start, w.num_tokens) for w in chunks))
+        for out in outputs:
+            if "step" in out.stats:
+                out.stats["times"] = self.last_step
         return outputs
 
     def _chunk_input(self, w: Scheduled) -> ForwardInput:
@@ -231,7 +240,7 @@ class Engine:
         stats.draft_s, stats.verify_s, stats.commit_s = (
             a + b for a, b in zip((stats.draft_s, stats.verify_s, stats.commit_s), times,
                                   strict=True))
-        out.stats = {"step": step, "request": stats}
+        out.stats = {"step": step, "request": stats, "context_len": int(p.layout.positions[0])}
         if self.on_step is not None:
             self.on_step(p.seq.request_id, step)
 

@@ -32,6 +32,31 @@ class StepRecord:
             raise AssertionError("accepted more nodes than the tree has")
 
 
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """Wall-clock marks of one engine step (`time.time_ns()`), for traces: the step began, the
+    drafts were in, the batched forward ended, the commit ended. `prefill` lists the prompt
+    chunks that rode in the forward as (request id, first position, tokens)."""
+
+    start_ns: int
+    draft_end_ns: int
+    verify_end_ns: int
+    end_ns: int
+    prefill: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def draft_s(self) -> float:
+        return (self.draft_end_ns - self.start_ns) / 1e9
+
+    @property
+    def verify_s(self) -> float:
+        return (self.verify_end_ns - self.draft_end_ns) / 1e9
+
+    @property
+    def commit_s(self) -> float:
+        return (self.end_ns - self.verify_end_ns) / 1e9
+
+
 @dataclass
 class RequestSpecStats:
     """Accumulated over a request's speculative steps."""

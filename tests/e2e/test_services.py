@@ -45,7 +45,9 @@ ROOT = Path(__file__).resolve().parents[2]
 VOCAB, LAYERS, NEW, RPC_S = 320, 4, 48, 60.0
 REPETITIVE = [11, 12, 13, 14, 15, 16, 17, 18] * 6
 ENV = {**os.environ, "GRPC_VERBOSITY": "ERROR", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-       "TOKENIZERS_PARALLELISM": "false", "SPECSERVE_KV_MEMORY_GB": "0.05"}
+       "TOKENIZERS_PARALLELISM": "false", "SPECSERVE_KV_MEMORY_GB": "0.05",
+       "SPECSERVE_GATEWAY_METRICS_PORT": "0", "SPECSERVE_VERIFIER_METRICS_PORT": "0",
+       "SPECSERVE_DRAFTER_METRICS_PORT": "0"}
 aio = pytest.mark.asyncio(loop_scope="module")
 pytestmark = pytest.mark.timeout(180)
 
@@ -118,8 +120,9 @@ def expected(checkpoints, prompts) -> list[list[int]]:
 class Stack:
     """Service subprocesses; each is up once it has written its port file (after SERVING)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, env: dict[str, str] | None = None) -> None:
         self.tmp, self.procs, self.ports, self.flags = tmp, {}, {}, {}
+        self.env = ENV if env is None else env
 
     def start(self, name: str, flags: list[str] | None = None, port: int = 0) -> None:
         self.flags[name] = flags = self.flags[name] if flags is None else flags
@@ -129,7 +132,7 @@ class Stack:
             proc = subprocess.Popen(
                 [sys.executable, "-m", f"services.{name}", "--host", "127.0.0.1", "--port",
                  str(port), "--port-file", str(port_file), *flags],
-                stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
         self.procs[name] = proc
         deadline = time.monotonic() + 120
         while not port_file.exists():

@@ -24,6 +24,7 @@ CPU_OVERRIDE = "docker/compose.cpu.yml"
 SERVICES = ("gateway", "verifier", "drafter")
 PORT_ENV = {"gateway": "SPECSERVE_GATEWAY_PORT", "verifier": "SPECSERVE_VERIFIER_PORT",
             "drafter": "SPECSERVE_DRAFTER_PORT"}
+METRICS_PORTS = {"gateway": 9101, "verifier": 9102, "drafter": 9103}
 
 
 def _compose_binary() -> Path:
@@ -119,11 +120,13 @@ def test_service_env_matches_its_flags(name, monkeypatch):
     assert not unknown, f"{name}: {sorted(unknown)} are not flags of `specserve serve {name}`"
     assert svc["command"] == ["serve", name]
     assert args.host == "0.0.0.0"
-    assert args.port == int(env[PORT_ENV[name]]) and _container_ports(svc) == {args.port}
+    assert args.port == int(env[PORT_ENV[name]])
+    assert args.metrics_port == METRICS_PORTS[name]
+    assert _container_ports(svc) == {args.port, args.metrics_port}
     mount = next(v["target"] for v in svc["volumes"] if v["source"].endswith("checkpoints"))
     assert args.model.startswith(mount + "/")
     assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
-    assert svc["environment"]["OTEL_SERVICE_NAME"] == f"specserve-{name}"
+    assert svc["environment"]["OTEL_SERVICE_NAME"] == name
 
 
 def test_peers_dial_the_ports_they_listen_on(monkeypatch):

@@ -1,0 +1,197 @@
+"""Tracing overhead: the same workload over the three services with tracing off vs on.
+
+    .venv/bin/python bench/bench_tracing.py [--requests 8] [--tokens 64] [--rounds 10]
+                                            [--json out.json]
+
+Workload (as bench/bench_services.py): a tiny random Qwen3 target on CPU (fp32, one intra-op
+thread per process), n-gram speculation with budget 8 on repetitive prompts, `--requests`
+concurrent requests of `--tokens` new tokens streamed through the gateway. Two stacks run side
+by side (the idle ones sleep):
+  off    no OTEL_EXPORTER_OTLP_ENDPOINT, --trace-steps 0 (request spans made, not exported)
+  on     every step traced (--trace-steps 1), all three services exporting over OTLP/gRPC to
+         an in-process receiver (tests/e2e/otlp_sink.py) with the SDK's default batching
+  every8 the same, exporting, with --trace-steps 8 (steps 0, 8, 16, … of each request)
+Rounds rotate through them (off, on, every8, then on, every8, off, …) so that background load
+hits all alike.
+Per round: wall / engine steps (the verifier's Stats.steps) and the CPU time the three service
+processes used per step (utime + stime from /proc, which load elsewhere does not inflate).
+Reported: medians per mode, the median of the per-round ratios to `off`, spans per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_services import ENV, make_model, prompts  # noqa: E402
+from tests.e2e.otlp_sink import OtlpSink  # noqa: E402
+
+QUIET = {"SPECSERVE_GATEWAY_METRICS_PORT": "0", "SPECSERVE_VERIFIER_METRICS_PORT": "0",
+         "SPECSERVE_DRAFTER_METRICS_PORT": "0"}
+TICK = os.sysconf("SC_CLK_TCK")
+MODES = {"off": 0, "on": 1, "every8": 8}  # mode -> --trace-steps (0: no exporter either)
+
+
+def start(name: str, tmp: Path, flags: list[str], env: dict) -> tuple[subprocess.Popen, str]:
+    port_file = tmp / f"{name}.port"
+    port_file.unlink(missing_ok=True)
+    env = {**env, "OTEL_SERVICE_NAME": f"{name}.{env['MODE']}"}  # spans tell their stack
+    proc = subprocess.Popen([sys.executable, "-m", f"services.{name}", "--port", "0",
+                             "--port-file", str(port_file), *flags], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not port_file.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}")
+        time.sleep(0.05)
+    return proc, f"127.0.0.1:{int(port_file.read_text())}"
+
+
+def cpu_s(procs) -> float:
+    """user + system CPU seconds used so far by `procs`."""
+    total = 0
+    for p in procs:
+        fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total / TICK
+
+
+class Stack:
+    def __init__(self, mode: str, model: Path, tmp: Path, sink: OtlpSink) -> None:
+        env = {k: v for k, v in ENV.items() if not k.startswith("OTEL_")}
+        env.update(QUIET, MODE=mode)
+        every = MODES[mode]
+        env["SPECSERVE_TRACE_STEPS"] = str(every)
+        if every:
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = sink.endpoint
+        tmp = tmp / mode
+        tmp.mkdir()
+        cpu = ["--device", "cpu", "--dtype", "float32"]
+        self.procs = []
+        d, daddr = start("drafter", tmp, ["--model", str(model), *cpu], env)
+        self.procs.append(d)
+        v, self.verifier = start("verifier", tmp, ["--model", str(model), "--drafter", daddr,
+                                                   *cpu, "--max-draft-tokens", "8",
+                                                   "--default-budget", "8"], env)
+        self.procs.append(v)
+        g, self.gateway = start("gateway", tmp, ["--verifier", self.verifier, "--model",
+                                                 str(model)], env)
+        self.procs.append(g)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):  # SIGTERM: each service flushes its spans
+            p.terminate()
+            p.wait(30)
+
+
+async def round_(stack: Stack, batch: int, tokens: int) -> dict:
+    from services.common.server import channel
+    from services.gateway import convert
+    from specserve.types import SamplingParams
+    from specserve.v1 import gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+
+    async def one(stub, prompt) -> int:
+        req = convert.generate_request_to_pb(prompt, params, "ngram", 8)
+        n = 0
+        async for msg in stub.Generate(req, timeout=600):
+            event = convert.response_from_pb(msg)
+            if not isinstance(event, convert.GatewayFinal):
+                n += len(event[1].token_ids)
+        return n
+
+    async with channel(stack.gateway) as g, channel(stack.verifier) as v:
+        stub, stats = gateway_pb2_grpc.GatewayStub(g), verifier_pb2_grpc.VerifierStub(v)
+        await one(stub, prompts(1)[0][:8])  # warm
+        before = (await stats.Stats(verifier_pb2.StatsRequest(), timeout=10)).steps
+        cpu0, t0 = cpu_s(stack.procs), time.perf_counter()
+        counts = await asyncio.gather(*(one(stub, p) for p in prompts(batch)))
+        wall, cpu1 = time.perf_counter() - t0, cpu_s(stack.procs)
+        after = (await stats.Stats(verifier_pb2.StatsRequest(), timeout=10)).steps
+    steps = after - before
+    return {"wall_s": wall, "steps": steps, "tokens": sum(counts),
+            "ms_per_step": 1e3 * wall / steps, "cpu_ms_per_step": 1e3 * (cpu1 - cpu0) / steps}
+
+
+async def total_steps(stack: Stack) -> int:
+    from services.common.server import channel
+    from specserve.v1 import verifier_pb2, verifier_pb2_grpc
+
+    async with channel(stack.verifier) as v:
+        reply = await verifier_pb2_grpc.VerifierStub(v).Stats(verifier_pb2.StatsRequest(),
+                                                              timeout=10)
+    return reply.steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp())
+    model = make_model(tmp / "target")
+    sink = OtlpSink().start()
+    stacks: dict[str, Stack] = {}
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    order = list(MODES)
+    try:
+        for mode in runs:
+            stacks[mode] = Stack(mode, model, tmp, sink)
+        for r in range(args.rounds):
+            for mode in order[r % 3:] + order[:r % 3]:
+                runs[mode].append(asyncio.run(round_(stacks[mode], args.requests,
+                                                     args.tokens)))
+        steps = {m: asyncio.run(total_steps(s)) for m, s in stacks.items()}  # + warm-ups
+    finally:
+        for stack in stacks.values():
+            stack.close()
+        sink.close()
+    spans = Counter(r.service.rsplit(".", 1)[1] for r in sink.spans())  # all flushed at stop
+    rows = {}
+    for mode, rs in runs.items():
+        rows[mode] = {
+            "rounds": len(rs), "requests": args.requests, "tokens": rs[0]["tokens"],
+            "steps_median": statistics.median(r["steps"] for r in rs),
+            "wall_s_median": statistics.median(r["wall_s"] for r in rs),
+            "ms_per_step_median": statistics.median(r["ms_per_step"] for r in rs),
+            "cpu_ms_per_step_median": statistics.median(r["cpu_ms_per_step"] for r in rs),
+            "rounds_detail": rs,
+        }
+    for mode, r in rows.items():
+        for k in ("ms_per_step", "cpu_ms_per_step"):
+            r[f"{k}_vs_off"] = statistics.median(
+                b[k] / a[k] - 1 for a, b in zip(runs["off"], runs[mode], strict=True))
+        r["spans"], r["engine_steps_total"] = spans[mode], steps[mode]
+    print(f"{args.requests} requests x {args.tokens} tokens, {args.rounds} rounds per mode, "
+          f"rotating (n-gram, budget 8, CPU, {os.cpu_count()} cores)")
+    print("| tracing | engine steps | wall s | ms/step | vs off | service CPU ms/step | vs off "
+          "| spans / engine step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mode, r in rows.items():
+        print(f"| {mode} | {r['steps_median']:.0f} | {r['wall_s_median']:.2f} | "
+              f"{r['ms_per_step_median']:.2f} | {100 * r['ms_per_step_vs_off']:+.1f}% | "
+              f"{r['cpu_ms_per_step_median']:.2f} | {100 * r['cpu_ms_per_step_vs_off']:+.1f}% "
+              f"| {r['spans'] / r['engine_steps_total']:.1f} |")
+    print("(vs off: median over rounds of the round's value / the same round index's off - 1)")
+    result = {"rows": rows, "argv": sys.argv[1:], "cpus": os.cpu_count()}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

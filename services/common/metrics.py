@@ -1,0 +1,118 @@
+"""Every Prometheus metric of the three services, in the `specserve_` namespace.
+
+Each running service owns one instance (with its own `CollectorRegistry`, so several services
+in one test process never collide); `telemetry.start_metrics_server` serves its registry.
+Vocabulary as in ARCHITECTURE.md: a *step* is one draft → verify → commit round for one
+request; an *engine step* is one batched round over all running requests.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.telemetry import SECONDS_BUCKETS
+
+COMMIT_LEN_BUCKETS = tuple(range(1, 18))  # commit_len 1..17 (budget 16: 16 accepted + bonus)
+MAX_REASONS = 32  # distinct fallback label values; the rest are counted as "other"
+
+
+def fallback_kind(reason: str) -> str:
+    """A bounded label for a fallback reason: "drafter_error: DrafterTimeout: no reply…" →
+    "drafter_error: DrafterTimeout"; "invalid_tree: too deep" → "invalid_tree"."""
+    parts = [p.strip() for p in reason.split(":")]
+    if parts[0] == "drafter_error" and len(parts) > 1:
+        return f"{parts[0]}: {parts[1]}"
+    return parts[0] or "unknown"
+
+
+class VerifierMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.steps = Counter("specserve_steps", "Speculative steps (one per request per engine "
+                             "step that decoded it)", registry=r)
+        self.engine_steps = Counter("specserve_engine_steps", "Batched engine steps", registry=r)
+        self.draft_tokens = Counter("specserve_draft_tokens", "Draft tree nodes verified "
+                                    "(sum of tree_size)", registry=r)
+        self.accepted_tokens = Counter("specserve_accepted_tokens", "Draft tokens accepted "
+                                       "(sum of accepted_depth)", registry=r)
+        self.accepted_per_position = Counter(
+            "specserve_accepted_per_position", "Steps whose accepted path reached this depth",
+            ["position"], registry=r)
+        self.committed_tokens = Counter("specserve_committed_tokens", "Tokens committed by "
+                                        "steps (sum of commit_len)", registry=r)
+        self.commit_len = Histogram("specserve_commit_len", "Tokens committed per step",
+                                    buckets=COMMIT_LEN_BUCKETS, registry=r)
+        self.phase = Histogram(
+            "specserve_phase_seconds", "prefill: a request's prefill forwards; draft, verify, "
+            "commit: one engine step's phase", ["phase"], buckets=SECONDS_BUCKETS, registry=r)
+        self.ttft = Histogram("specserve_ttft_seconds", "Verifier time to first token",
+                              buckets=SECONDS_BUCKETS, registry=r)
+        self.tpot = Histogram("specserve_tpot_seconds", "Verifier time per output token after "
+                              "the first", buckets=SECONDS_BUCKETS, registry=r)
+        self.requests = Counter("specserve_requests", "Requests finished, by gRPC status",
+                                ["code"], registry=r)
+        self.kv_pages_used = Gauge("specserve_kv_pages_used", "KV cache pages in use",
+                                   registry=r)
+        self.kv_pages_free = Gauge("specserve_kv_pages_free", "KV cache pages free", registry=r)
+        self.running = Gauge("specserve_running_requests", "Requests in the engine",
+                             registry=r)
+        self.fallbacks = Counter("specserve_drafter_fallbacks", "Steps verified as a root-only "
+                                 "tree, by reason", ["reason"], registry=r)
+        self._reasons: set[str] = set()
+
+    def record_step(self, step) -> None:
+        """One request's StepRecord."""
+        self.steps.inc()
+        self.draft_tokens.inc(step.tree_size)
+        self.accepted_tokens.inc(step.accepted_depth)
+        self.committed_tokens.inc(step.commit_len)
+        self.commit_len.observe(step.commit_len)
+        for depth in range(1, step.accepted_depth + 1):
+            self.accepted_per_position.labels(position=str(depth)).inc()
+
+    def record_engine_step(self, times, decoded: bool) -> None:
+        """One engine step's phases (StepTimes); draft/verify/commit only if it decoded."""
+        self.engine_steps.inc()
+        if decoded:
+            self.phase.labels(phase="draft").observe(times.draft_s)
+            self.phase.labels(phase="verify").observe(times.verify_s)
+            self.phase.labels(phase="commit").observe(times.commit_s)
+
+    def record_fallback(self, reason: str) -> None:
+        kind = fallback_kind(reason)
+        if kind not in self._reasons:
+            if len(self._reasons) >= MAX_REASONS:
+                kind = "other"
+            self._reasons.add(kind)
+        self.fallbacks.labels(reason=kind).inc()
+
+    def set_pages(self, used: int, free: int, running: int) -> None:
+        self.kv_pages_used.set(used)
+        self.kv_pages_free.set(free)
+        self.running.set(running)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("specserve_gateway_requests", "Generate calls finished, by gRPC "
+                                "status", ["code"], registry=r)
+        self.ttft = Histogram("specserve_gateway_ttft_seconds", "Client-visible time to first "
+                              "chunk", buckets=SECONDS_BUCKETS, registry=r)
+        self.duration = Histogram("specserve_gateway_request_seconds", "Generate call wall "
+                                  "time", buckets=SECONDS_BUCKETS, registry=r)
+        self.completion_tokens = Counter("specserve_gateway_completion_tokens", "Tokens "
+                                         "streamed to clients", registry=r)
+
+
+class DrafterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.batches = Counter("specserve_drafter_batches", "Draft batches served", registry=r)
+        self.entries = Counter("specserve_drafter_entries", "Draft entries, by drafter and "
+                               "result", ["drafter", "result"], registry=r)
+        self.batch_seconds = Histogram("specserve_drafter_batch_seconds", "One batch: decode, "
+                                       "draft, encode", buckets=SECONDS_BUCKETS, registry=r)
+        self.phase = Histogram("specserve_drafter_phase_seconds", "forward: DFlash forward; "
+                               "tree_build: DDTree / n-gram", ["phase"],
+                               buckets=SECONDS_BUCKETS, registry=r)

@@ -1,0 +1,186 @@
+"""The verifier's per-request spans below `verifier.request`: `prefill` and `step` × n, each step
+with children `draft`, `verify`, `commit`.
+
+Engine steps are batched, so every request traced in a step gets its own `step` span covering
+the shared step, with explicit timestamps: the step loop's mark just before `engine.step()`
+and the engine's own `StepTimes` (draft end, verify end, commit end). The drafter's spans must
+be children of the request's `draft` span, so that span has to exist *before* the drafter call:
+`RemoteDrafter.draft` (engine thread) asks `open_draft` for each request it sends, which starts
+its `step` and `draft` spans and returns the `draft` span's W3C context for the entry. After the
+step, `end_step` ends them with the engine's timestamps; requests that did not draft (budget 0,
+no drafter) get all their spans created there, after the fact.
+
+A step is draft → verify → commit → stream (ARCHITECTURE.md), so a `step` span (and `prefill`)
+ends when the loop starts its next step — or, for a request's last one, once its outputs are
+handed over: the time after `commit` (streaming the tokens, the loop's bookkeeping, waiting for
+the GIL held by the event loop) is the step span's self time. A request's prefill and steps thus
+cover its time in the engine without gaps.
+
+`trace_steps` N: trace a request's steps 0, N, 2N, … (1 = every step, 0 = none; prefill and the
+request spans are always traced). Every method runs on the engine thread; the registry is
+still lock-protected so that nothing else can ever see it half-updated.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from services.common import telemetry
+from specserve.spec.metrics import StepRecord, StepTimes
+
+
+@dataclass(eq=False)
+class _Traced:
+    parent: Context  # the request's `verifier.request` span
+    steps: int = 0  # steps seen (traced or not)
+    prefill_start_ns: int = 0
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (time, start, tokens)
+    open: tuple | None = None  # (step span, draft span) opened by `open_draft` this step
+    tail: object = None  # its last prefill / step span: ends when the next step begins
+
+
+class StepTracer:
+    def __init__(self, trace_steps: int = 1, tracer: trace.Tracer | None = None) -> None:
+        if trace_steps < 0:
+            raise ValueError(f"trace_steps must be >= 0, got {trace_steps}")
+        self.trace_steps = trace_steps
+        self._tracer = tracer or telemetry.tracer("specserve.verifier")
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Traced] = {}
+        self._step_start_ns = 0
+
+    # ---- registry --------------------------------------------------------------------------
+    def add(self, request_id: str, parent: Context | None) -> None:
+        """Trace `request_id` under `parent` (its `verifier.request` span); None: not traced."""
+        if parent is not None:
+            with self._lock:
+                self._requests[request_id] = _Traced(parent)
+
+    def remove(self, request_id: str, end_ns: int | None = None) -> None:
+        """Stop tracing `request_id`; its last span ends at `end_ns` (default: now)."""
+        with self._lock:
+            traced = self._requests.pop(request_id, None)
+        if traced is None:
+            return
+        self._end_open(traced, "the request ended mid-step")
+        self._end_tail(traced, end_ns or time.time_ns())
+
+    def __contains__(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._requests
+
+    def _traces_step(self, traced: _Traced) -> bool:
+        return self.trace_steps > 0 and traced.steps % self.trace_steps == 0
+
+    # ---- one engine step -------------------------------------------------------------------
+    def begin_step(self, start_ns: int) -> None:
+        """The step loop is about to call `engine.step()` (wall clock, ns)."""
+        self._step_start_ns = start_ns
+        with self._lock:
+            for traced in self._requests.values():
+                self._end_tail(traced, start_ns)
+
+    def open_draft(self, request_id: str) -> dict[str, str]:
+        """Start the request's `step` and `draft` spans now (if this step is traced); returns the
+        `draft` span's W3C context for its DraftEntry ({} if untraced)."""
+        with self._lock:
+            traced = self._requests.get(request_id)
+            if traced is None or not self._traces_step(traced):
+                return {}
+            if traced.open is None:
+                step = self._tracer.start_span("step", traced.parent,
+                                               start_time=self._step_start_ns)
+                draft = self._tracer.start_span("draft", trace.set_span_in_context(step),
+                                                kind=SpanKind.CLIENT,
+                                                start_time=self._step_start_ns)
+                traced.open = (step, draft)
+            return telemetry.traceparent(traced.open[1].get_span_context())
+
+    def end_step(self, outputs, times: StepTimes | None) -> None:
+        """After `engine.step()`: prefill chunk events and spans, and every traced step."""
+        if times is None:
+            self.abandon_step("the engine step did no work")
+            return
+        t0 = min(self._step_start_ns or times.start_ns, times.start_ns)
+        with self._lock:
+            for request_id, start, tokens in times.prefill:
+                traced = self._requests.get(request_id)
+                if traced is not None:
+                    traced.prefill_start_ns = traced.prefill_start_ns or t0
+                    traced.chunks.append((t0, start, tokens))
+            for out in outputs:
+                traced = self._requests.get(out.request_id)
+                if traced is None:
+                    continue
+                step: StepRecord | None = out.stats.get("step")
+                if step is None:  # the token sampled at the end of prefill
+                    self._prefill_span(traced, times.end_ns)
+                    continue
+                if self._traces_step(traced):
+                    self._step_spans(traced, out.request_id, step, out.stats, times, t0)
+                traced.steps += 1
+        self.abandon_step("no output for the request this step")
+
+    def abandon_step(self, why: str) -> None:
+        """End spans opened for a step that did not finish (the engine raised)."""
+        with self._lock:
+            opened = [t for t in self._requests.values() if t.open is not None]
+        for traced in opened:
+            self._end_open(traced, why)
+
+    # ---- spans -------------------------------------------------------------------------------
+    def _prefill_span(self, traced: _Traced, end_ns: int) -> None:
+        start = traced.prefill_start_ns or end_ns
+        span = self._tracer.start_span("prefill", traced.parent, start_time=start)
+        span.set_attribute("prefill.chunks", len(traced.chunks))
+        span.set_attribute("prefill.tokens", sum(n for _, _, n in traced.chunks))
+        for t, first, n in traced.chunks:
+            span.add_event("chunk", {"tokens": n, "start": first}, timestamp=t)
+        traced.tail = span
+        traced.chunks.clear()
+
+    def _step_spans(self, traced: _Traced, request_id: str, step: StepRecord, stats: dict,
+                    times: StepTimes, t0: int) -> None:
+        if traced.open is not None:
+            step_span, draft = traced.open
+            traced.open = None
+        else:
+            step_span = self._tracer.start_span("step", traced.parent, start_time=t0)
+            draft = self._tracer.start_span("draft", trace.set_span_in_context(step_span),
+                                            kind=SpanKind.CLIENT, start_time=t0)
+        if step_span.is_recording():
+            attrs = {"request.id": request_id, "step.index": traced.steps,
+                     "context_len": stats.get("context_len", -1), "budget": step.budget,
+                     "tree_size": step.tree_size, "accepted_depth": step.accepted_depth,
+                     "commit_len": step.commit_len, "cut": step.cut}
+            if step.fallback:
+                attrs["fallback"] = step.fallback
+            step_span.set_attributes(attrs)
+        draft.end(end_time=times.draft_end_ns)
+        ctx = trace.set_span_in_context(step_span)
+        self._tracer.start_span("verify", ctx, start_time=times.draft_end_ns).end(
+            end_time=times.verify_end_ns)
+        self._tracer.start_span("commit", ctx, start_time=times.verify_end_ns).end(
+            end_time=times.end_ns)
+        traced.tail = step_span
+
+    @staticmethod
+    def _end_tail(traced: _Traced, end_ns: int) -> None:
+        if traced.tail is not None:
+            traced.tail.end(end_time=end_ns)
+            traced.tail = None
+
+    @staticmethod
+    def _end_open(traced: _Traced, why: str) -> None:
+        if traced.open is None:
+            return
+        for span in reversed(traced.open):
+            span.set_status(Status(StatusCode.ERROR, why))
+            span.end()
+        traced.open = None

@@ -1,0 +1,133 @@
+"""The verifier's StepTracer on a scripted engine timeline (in-memory exporter, no processes):
+`--trace-steps N` picks steps 0, N, 2N, …; the draft span's context is what the drafter gets;
+step / prefill spans end where the next step begins; abandoned steps end as errors; and the
+W3C helpers round-trip through gRPC metadata."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from services.common import telemetry
+from services.common.metrics import VerifierMetrics, fallback_kind
+from services.verifier.tracing import StepTracer
+from specserve.spec.metrics import StepRecord, StepTimes
+from specserve.types import RequestOutput
+
+STEPS, T0, MS = 7, 1_000_000_000_000, 1_000_000
+
+
+@pytest.fixture
+def spans():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider.get_tracer("test"), exporter
+
+
+def _drive(tracer: StepTracer, otel, drafting=True) -> tuple[object, list[dict]]:
+    """Prefill (2 chunks) then STEPS decode steps of 10 ms each for request "r"."""
+    parent = otel.start_span("verifier.request", start_time=T0)
+    tracer.add("r", trace.set_span_in_context(parent))
+    contexts, t = [], T0
+    for i in range(2):  # two prefill chunks; the second samples the first token
+        tracer.begin_step(t)
+        out = [RequestOutput("r", [5])] if i == 1 else []
+        tracer.end_step(out, StepTimes(t, t + MS, t + 8 * MS, t + 9 * MS, (("r", 4 * i, 4),)))
+        t += 10 * MS
+    for k in range(STEPS):
+        tracer.begin_step(t)
+        contexts.append(tracer.open_draft("r") if drafting else {})
+        step = StepRecord(8, 8, k % 3, k % 3 + 1, False)
+        out = RequestOutput("r", [1] * step.commit_len,
+                            stats={"step": step, "context_len": 9 + k})
+        tracer.end_step([out], StepTimes(t, t + 2 * MS, t + 6 * MS, t + 7 * MS))
+        t += 10 * MS
+    tracer.remove("r", t)
+    parent.end(end_time=t)
+    return parent, contexts
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_every_nth_step_is_traced(spans, every):
+    otel, exporter = spans
+    parent, contexts = _drive(StepTracer(every, otel), otel)
+    got = exporter.get_finished_spans()
+    steps = sorted((s for s in got if s.name == "step"), key=lambda s: s.start_time)
+    assert [s.attributes["step.index"] for s in steps] == list(range(0, STEPS, every))
+    assert [bool(c) for c in contexts] == [k % every == 0 for k in range(STEPS)]
+    traced_ctx = [c for c in contexts if c]
+    for step, ctx in zip(steps, traced_ctx, strict=True):
+        assert step.parent.span_id == parent.get_span_context().span_id
+        kids = {s.name: s for s in got if s.parent and s.parent.span_id ==
+                step.context.span_id}
+        assert set(kids) == {"draft", "verify", "commit"}
+        draft_ctx = trace.get_current_span(telemetry.extract_map(ctx)).get_span_context()
+        assert draft_ctx.span_id == kids["draft"].context.span_id  # what the drafter parents on
+        assert kids["draft"].end_time == kids["verify"].start_time == step.start_time + 2 * MS
+        assert kids["commit"].end_time == step.start_time + 7 * MS
+        assert step.end_time == step.start_time + 10 * MS  # the next step's start: no gap
+        assert step.attributes["accepted_depth"] + 1 == step.attributes["commit_len"]
+    (prefill,) = [s for s in got if s.name == "prefill"]
+    assert [(e.name, e.attributes["start"], e.attributes["tokens"]) for e in prefill.events] \
+        == [("chunk", 0, 4), ("chunk", 4, 4)]
+    assert (prefill.start_time, prefill.end_time) == (T0, T0 + 20 * MS)
+
+
+def test_trace_steps_0_keeps_prefill_only_and_late_spans_without_drafting(spans):
+    otel, exporter = spans
+    _, contexts = _drive(StepTracer(0, otel), otel)
+    assert not any(contexts)
+    assert sorted(s.name for s in exporter.get_finished_spans()) == ["prefill",
+                                                                      "verifier.request"]
+    exporter.clear()
+    _drive(StepTracer(1, otel), otel, drafting=False)  # budget 0: spans made after the step
+    names = [s.name for s in exporter.get_finished_spans()]
+    assert names.count("step") == names.count("draft") == STEPS
+
+
+def test_untraced_requests_and_abandoned_steps(spans):
+    otel, exporter = spans
+    tracer = StepTracer(1, otel)
+    assert tracer.open_draft("unknown") == {}
+    tracer.add("none", None)  # no parent context: not traced
+    assert "none" not in tracer
+    parent = otel.start_span("verifier.request")
+    tracer.add("r", trace.set_span_in_context(parent))
+    tracer.begin_step(T0)
+    assert "traceparent" in tracer.open_draft("r")
+    tracer.abandon_step("engine step failed: boom")
+    bad = exporter.get_finished_spans()
+    assert sorted(s.name for s in bad) == ["draft", "step"]
+    assert all(s.status.status_code is StatusCode.ERROR for s in bad)
+    with pytest.raises(ValueError):
+        StepTracer(-1, otel)
+
+
+def test_w3c_context_round_trips_through_grpc_metadata(spans):
+    otel, _ = spans
+    span = otel.start_span("generate")
+    metadata = telemetry.inject_metadata(trace.set_span_in_context(span))
+    assert [k for k, _ in metadata] == ["traceparent"]
+    got = trace.get_current_span(telemetry.extract_metadata(metadata)).get_span_context()
+    assert (got.trace_id, got.span_id) == (span.get_span_context().trace_id,
+                                           span.get_span_context().span_id)
+    assert not trace.get_current_span(telemetry.extract_metadata(())).get_span_context() \
+        .is_valid
+
+
+def test_fallback_labels_stay_bounded():
+    assert fallback_kind("drafter_error: DrafterTimeout: no reply within 2.0 s") == \
+        "drafter_error: DrafterTimeout"
+    assert fallback_kind("invalid_tree: too deep") == "invalid_tree"
+    assert fallback_kind("drafter_entry_error: INVALID_ARGUMENT: request 'x' …") == \
+        "drafter_entry_error"
+    m = VerifierMetrics()
+    for i in range(100):
+        m.record_fallback(f"reason{i}: detail")
+    labels = {s.labels["reason"] for s in m.fallbacks.collect()[0].samples}
+    assert len(labels) <= 33 and "other" in labels
