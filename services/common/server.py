@@ -16,6 +16,10 @@ from grpc_reflection.v1alpha import reflection
 MiB = 1 << 20
 # Tensors cross the drafter stream (context features); 64 MiB bounds one step's message.
 MAX_MESSAGE_BYTES = 64 * MiB
+# The verifier ↔ drafter stream carries a whole prompt's context features in its first draft
+# message (bf16: taps × hidden × 2 B per token — 128 MiB at 128k tokens for the demo pair), so
+# that internal link gets a larger bound. Chunked transfer during prefill is planned.
+INTERNAL_MESSAGE_BYTES = 1024 * MiB
 
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -33,6 +37,11 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+
+
+def with_message_limit(options: list[tuple], limit: int) -> list[tuple]:
+    """`options` with both message-size limits set to `limit` bytes."""
+    return [(k, limit if "message_length" in k else v) for k, v in options]
 
 
 def channel(address: str) -> grpc.aio.Channel:

@@ -19,7 +19,7 @@ import torch
 
 from services.common import telemetry
 from services.common.metrics import DrafterMetrics
-from services.common.server import mark_serving, start_server
+from services.common.server import INTERNAL_MESSAGE_BYTES, mark_serving, start_server
 from services.common.settings import DEFAULT_HOST, DRAFTER_PORT
 from services.drafter.core import DrafterCore
 from services.drafter.servicer import DrafterServicer
@@ -87,7 +87,7 @@ async def serve(config: DrafterConfig, core: DrafterCore | None = None,
     servicer = DrafterServicer(metrics=metrics)
     server, port, health = await start_server(
         [(drafter_pb2_grpc.add_DrafterServicer_to_server, servicer)], [SERVICE_NAME],
-        host=config.host, port=config.port)
+        host=config.host, port=config.port, max_message_bytes=INTERNAL_MESSAGE_BYTES)
     try:
         servicer.core = core if core is not None else await asyncio.to_thread(load_core, config)
     except BaseException:

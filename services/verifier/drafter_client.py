@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from services.common.server import CHANNEL_OPTIONS
+from services.common.server import CHANNEL_OPTIONS, INTERNAL_MESSAGE_BYTES, with_message_limit
 from services.verifier import convert
 from specserve.drafters.base import DraftRequest
 from specserve.spec.tree import DraftTree
@@ -244,8 +244,8 @@ class RemoteDrafter:
 
     async def _connect(self) -> bool:
         self._last_attempt = time.monotonic()
-        channel = grpc.aio.insecure_channel(self.address,
-                                            options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        options = with_message_limit(CHANNEL_OPTIONS, INTERNAL_MESSAGE_BYTES)
+        channel = grpc.aio.insecure_channel(self.address, options=options + RECONNECT_OPTIONS)
         try:
             await asyncio.wait_for(channel.channel_ready(), max(self.timeout_s, 1.0))
         except (TimeoutError, grpc.aio.AioRpcError):

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# On a GPU machine: train the demo pair (specserve train-demo recipe) and run the commit probe
+# against the three services on it at 1k / 16k / 64k / 128k. Writes under ${OUT:-out}/.
+#   bash bench/demo_h200.sh [target_steps] [drafter_steps]
+set -euo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 GRPC_VERBOSITY=ERROR
+unset TRITON_INTERPRET
+TS=${1:-4000}; DS=${2:-3000}
+TMP=$(mktemp -d); CK="$TMP/ckpt"; T="$CK/demo-target"; D="$CK/demo-drafter"
+echo "== train ($TS target steps, $DS drafter steps) $(date -u)"
+python3 -m specserve.demo.train --out "$CK" --device cuda --seed 0 \
+  --target-steps "$TS" --drafter-steps "$DS" 2>&1 | tee "$OUT/train.log" | grep -v "step .*[1-9]0/" || true
+ls -la "$T" "$D"
+start() {  # name, flags...
+  local name=$1; shift
+  python3 -m services."$name" --port 0 --port-file "$TMP/$name.port" "$@" > "$TMP/$name.log" 2>&1 &
+  for _ in $(seq 600); do [ -s "$TMP/$name.port" ] && return 0; sleep 0.2; done
+  echo "$name did not start"; tail -30 "$TMP/$name.log"; exit 1
+}
+echo "== services $(date -u)"
+start drafter --model "$T" --draft-model "$D" --device cuda
+start verifier --model "$T" --draft-model "$D" --drafter "127.0.0.1:$(cat "$TMP/drafter.port")" \
+  --device cuda --max-draft-tokens 64 --default-budget 16 --kv-memory-gb 8 \
+  --max-num-batched-tokens 8192
+start gateway --model "$T" --verifier "127.0.0.1:$(cat "$TMP/verifier.port")"
+echo "== probe $(date -u)"
+python3 -m specserve.cli probe --gateway "127.0.0.1:$(cat "$TMP/gateway.port")" --model "$T" \
+  --contexts "${CONTEXTS:-1k,16k,64k,128k}" --new-tokens 64 --drafter dflash --budget 16 \
+  --json "$OUT/probe.json" --plot "$OUT/probe.png" 2>&1 | tee "$OUT/probe.log"
+kill %1 %2 %3 2>/dev/null || true
+# at most 8 files come back from the device: one archive, one log of the services
+tar czf "$OUT/ckpt.tgz" -C "$TMP" ckpt
+for n in drafter verifier gateway; do echo "---- $n"; tail -50 "$TMP/$n.log"; done > "$OUT/services.log"
+echo "== done $(date -u)"
