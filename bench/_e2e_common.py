@@ -78,7 +78,9 @@ def build_models(shape: dict, draft_layers: int, device, dtype, std: float = 0.0
               target.lm_head.weight}
     _random_fill(drafter, device, dtype, std, gen, shared)
     drafter.rotary = Rotary(drafter.config.rope, cfg.head_dim)
-    return target.to(device).eval(), drafter.to(device).eval()
+    target = target.to(device).eval()
+    target.fuse_projections()  # as ModelRunner does: q/k/v and gate/up as one GEMM each
+    return target, drafter.to(device).eval()
 
 
 def param_counts(target: DecoderModel) -> dict:

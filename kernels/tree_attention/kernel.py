@@ -21,6 +21,8 @@ H200); the tables use 5 (two K/V tiles in flight). Check `async_wait {num = …}
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -302,61 +304,106 @@ def tree_attention_triton(
     ctx_lens give correct results for any S. For CUDA graphs pass `max_ctx_len` (the longest
     context the graph will replay at) or an explicit `num_splits`: S then does not depend on the
     capture-time contexts, and a graph captured short replays long with the same S.
+
+    Per-layer host cost: everything derived from the batch (validation, config, splits, grid)
+    is planned on the first call and memoised in `batch.memo` (every layer of a forward shares
+    the batch), and the fp32 partial-result scratch is allocated once per batch and reused by
+    every layer — safe because all layers run in order on one stream.
     """
     check_inputs(q, k_pool, v_pool, batch, sliding_window, num_splits)
     t, hq, d = q.shape
-    hkv, page_size = k_pool.shape[2], k_pool.shape[1]
-    group = hq // hkv
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be contiguous {q.dtype} {tuple(q.shape)}, got "
                          f"{out.dtype} {tuple(out.shape)}")
     if t == 0:
         return out
-    if not q.is_cuda:
-        _fix_interpreter_index()
-    rows = max(batch.q_lens) * group
-    if config is None:
-        if q.device.type == "cuda":
-            arch = arch_key(torch.cuda.get_device_capability(q.device))
-        else:
-            arch = None
-        config = INTERPRET_CONFIG if arch is None else pick_config(arch, d, rows, q.element_size())
-    bm, bn = config.block_m, config.block_n
-    nb = batch.batch_size
-    row_blocks = triton.cdiv(rows, bm)
-    if num_splits is None:
-        longest = max(batch.ctx_lens) if max_ctx_len is None else max_ctx_len
-        num_splits = default_num_splits(longest, rows, nb * hkv * row_blocks, sm_count(q.device),
-                                        ctas_per_sm(config))
-    parts = num_splits + 1  # S prefix splits + the tree tail
-    o_part = torch.empty((parts, t, hq, d), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((parts, t, hq), dtype=torch.float32, device=q.device)
-    sliding = sliding_window is not None
-    window = int(sliding_window) if sliding else 0
-    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    if not q.is_cuda:
-        dot_prec = "interpret"
-    tree = batch.tree_mask if batch.tree_mask is not None else batch.cu_q  # dummy when causal
-    sm_scale_log2 = scale * LOG2E
-    LAST_LAUNCH["attn"] = _tree_attn_kernel[(row_blocks, parts, nb * hkv)](
+    key = ("plan", q.shape, k_pool.shape, q.dtype, q.device, sliding_window, num_splits,
+           max_ctx_len, config)
+    plan = batch.memo.get(key)
+    if plan is None:
+        plan = batch.memo[key] = _plan(q, k_pool, batch, sliding_window, num_splits,
+                                       max_ctx_len, config)
+    o_part, lse_part = _scratch(batch, plan.parts, t, hq, d, q.device)
+    cfg, hkv, tree = plan.config, plan.hkv, plan.tree
+    LAST_LAUNCH["attn"] = _tree_attn_kernel[plan.grid](
         q, k_pool, v_pool, batch.block_table, batch.cu_q, batch.ctx_lens_t, batch.positions,
         tree, o_part, lse_part,
-        sm_scale_log2, window, hkv,
+        scale * LOG2E, plan.window, hkv,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         batch.block_table.stride(0), tree.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
         lse_part.stride(1),
-        GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=bm, BLOCK_N=bn,
-        TAIL_N=tail_block_n(config), SLIDING=sliding, HAS_TREE=batch.tree_mask is not None,
-        DOT_PREC=dot_prec, num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP=hq // hkv, HEAD_DIM=d, PAGE_SIZE=k_pool.shape[1], BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, TAIL_N=plan.tail_n, SLIDING=sliding_window is not None,
+        HAS_TREE=batch.tree_mask is not None, DOT_PREC=plan.dot_prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    block_s, lse_block = combine_block_s(parts, d)
     _combine_kernel[(t, hq)](
-        o_part, lse_part, out, parts,
+        o_part, lse_part, out, plan.parts,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
         lse_part.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_S=block_s, LSE_BLOCK=lse_block, num_warps=4, num_stages=1,
+        HEAD_DIM=d, BLOCK_S=plan.block_s, LSE_BLOCK=plan.lse_block, num_warps=4, num_stages=1,
     )
     return out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything about a launch that depends on the batch and the shapes, not on the layer."""
+
+    config: Config
+    grid: tuple[int, int, int]
+    parts: int  # S prefix splits + the tree tail
+    hkv: int
+    window: int
+    dot_prec: str
+    tail_n: int
+    block_s: int
+    lse_block: int
+    tree: torch.Tensor  # the batch's tree mask, or a dummy (cu_q) when causal
+
+
+def _plan(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, config) -> _Plan:
+    t, hq, d = q.shape
+    hkv = k_pool.shape[2]
+    if not q.is_cuda:
+        _fix_interpreter_index()
+    rows = max(batch.q_lens) * (hq // hkv)
+    if config is None:
+        if q.device.type == "cuda":
+            arch = arch_key(torch.cuda.get_device_capability(q.device))
+            config = pick_config(arch, d, rows, q.element_size())
+        else:
+            config = INTERPRET_CONFIG
+    nb = batch.batch_size
+    row_blocks = triton.cdiv(rows, config.block_m)
+    if num_splits is None:
+        longest = max(batch.ctx_lens) if max_ctx_len is None else max_ctx_len
+        num_splits = default_num_splits(longest, rows, nb * hkv * row_blocks, sm_count(q.device),
+                                        ctas_per_sm(config))
+    parts = int(num_splits) + 1
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    if not q.is_cuda:
+        dot_prec = "interpret"
+    block_s, lse_block = combine_block_s(parts, d)
+    return _Plan(config=config, grid=(row_blocks, parts, nb * hkv), parts=parts, hkv=hkv,
+                 window=int(sliding_window) if sliding_window is not None else 0,
+                 dot_prec=dot_prec, tail_n=tail_block_n(config), block_s=block_s,
+                 lse_block=lse_block,
+                 tree=batch.tree_mask if batch.tree_mask is not None else batch.cu_q)
+
+
+def _scratch(batch, parts, t, hq, d, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's fp32 partial O `[parts, T, Hq, D]` and LSE `[parts, T, Hq]` (grown on demand;
+    plans with fewer parts use a leading slice — same strides, same base)."""
+    key = ("scratch", t, hq, d, device)
+    got = batch.memo.get(key)
+    if got is None or got[0].shape[0] < parts:
+        got = batch.memo[key] = (
+            torch.empty((parts, t, hq, d), dtype=torch.float32, device=device),
+            torch.empty((parts, t, hq), dtype=torch.float32, device=device))
+    if got[0].shape[0] == parts:
+        return got
+    return got[0][:parts], got[1][:parts]

@@ -15,11 +15,41 @@ kernel in `kernels/tree_attention` (GPU).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
+
+
+def to_device(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """Host arrays → tensors on `device` in ONE host-to-device copy (no sync).
+
+    On CUDA the arrays are packed into one pinned staging buffer (8-byte aligned slots) that is
+    copied with `non_blocking=True`; the results are typed views of the one device buffer. Eight
+    separate `.to(device)` calls from pageable memory would be eight synchronising copies. The
+    pinned buffer comes from torch's caching host allocator, which keeps it alive until the copy
+    has run. On the CPU the arrays are wrapped without a copy.
+    """
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    device = torch.device(device)
+    if device.type != "cuda":
+        return [torch.from_numpy(a).to(device) for a in arrays]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += (a.nbytes + 7) // 8 * 8
+    staging = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=True)
+    host = staging.numpy()
+    for a, off in zip(arrays, offsets, strict=True):
+        host[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
+    buf = staging.to(device, non_blocking=True)
+    return [buf[off : off + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
+            for a, off in zip(arrays, offsets, strict=True)]
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,6 +63,10 @@ class AttnBatch:
     positions: torch.Tensor  # [T] int64 absolute position of each new token (RoPE, windows)
     tree_mask: torch.Tensor | None  # [T, W] int32 ancestor bits over the request's new tokens
     page_size: int
+    # Per-step memo of backends (validated metadata, launch plans, scratch buffers): the batch is
+    # immutable and shared by every layer of a forward, so anything derived from it is computed
+    # once per step, not once per layer.
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +91,22 @@ class AttnBatch:
         `tree_masks[b]` is `[q_lens[b], W_b]` uint32 (from `spec.tree.verify_layout`); rows are
         padded to the widest W. None means causal for every request.
         """
+        return AttnBatch.build_with(q_lens, ctx_lens, page_tables, positions, page_size,
+                                    tree_masks, device)[0]
+
+    @staticmethod
+    def build_with(
+        q_lens: Sequence[int],
+        ctx_lens: Sequence[int],
+        page_tables: Sequence[Sequence[int]],
+        positions: Sequence[int] | np.ndarray,
+        page_size: int,
+        tree_masks: Sequence[np.ndarray] | None = None,
+        device: torch.device | str = "cpu",
+        extra: Sequence[np.ndarray] = (),
+    ) -> tuple[AttnBatch, list[torch.Tensor]]:
+        """`build`, plus `extra` host arrays (e.g. the token ids) moved to `device` in the same
+        single host-to-device copy; returns (batch, extra tensors)."""
         b = len(q_lens)
         cu = np.zeros(b + 1, dtype=np.int32)
         cu[1:] = np.cumsum(q_lens)
@@ -67,24 +117,27 @@ class AttnBatch:
             table[i, : len(pages)] = pages
             pos = np.arange(ctx_lens[i], ctx_lens[i] + q_lens[i])
             slots[cu[i] : cu[i + 1]] = table[i, pos // page_size] * page_size + pos % page_size
-        mask = None
+        arrays = [cu, np.asarray(ctx_lens, dtype=np.int32).reshape(b), table, slots,
+                  np.asarray(positions, dtype=np.int64).reshape(-1)]
         if tree_masks is not None:
             width = max(m.shape[1] for m in tree_masks)
             mask = np.zeros((int(cu[-1]), width), dtype=np.uint32)
             for i, m in enumerate(tree_masks):
                 mask[cu[i] : cu[i + 1], : m.shape[1]] = m
-            mask = torch.from_numpy(mask.view(np.int32)).to(device)
-        return AttnBatch(
+            arrays.append(mask.view(np.int32))
+        got = to_device(arrays + [np.asarray(x) for x in extra], device)
+        batch = AttnBatch(
             q_lens=tuple(int(x) for x in q_lens),
             ctx_lens=tuple(int(x) for x in ctx_lens),
-            cu_q=torch.from_numpy(cu).to(device),
-            ctx_lens_t=torch.tensor(list(ctx_lens), dtype=torch.int32, device=device),
-            block_table=torch.from_numpy(table).to(device),
-            slot_mapping=torch.from_numpy(slots).to(device),
-            positions=torch.as_tensor(np.asarray(positions, dtype=np.int64)).to(device),
-            tree_mask=mask,
+            cu_q=got[0],
+            ctx_lens_t=got[1],
+            block_table=got[2],
+            slot_mapping=got[3],
+            positions=got[4],
+            tree_mask=got[5] if tree_masks is not None else None,
             page_size=page_size,
         )
+        return batch, got[len(arrays):]
 
 
 class AttentionBackend(Protocol):

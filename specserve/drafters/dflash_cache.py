@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from specserve.attention import backend_for
-from specserve.attention.base import AttentionBackend, AttnBatch
+from specserve.attention.base import AttentionBackend, AttnBatch, to_device
 from specserve.errors import CapacityExhausted
 from specserve.kvcache.block_manager import pages_for
 from specserve.kvcache.pool import KVPool, KVShape
@@ -215,9 +215,9 @@ class CacheStep:
                 rows.append(off + pos - old)
                 positions.append(pos)
                 slots.append(e.pages[group.name].slots(pos, group.page_size))
-            self._context[group.name] = tuple(
-                torch.from_numpy(np.concatenate(a).astype(np.int64)).to(self.cache.device)
-                for a in (rows, positions, slots))
+            self._context[group.name] = tuple(to_device(  # one copy, no sync
+                [np.concatenate(a).astype(np.int64) for a in (rows, positions, slots)],
+                self.cache.device))
         return self._context[group.name]
 
     def context_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,9 +231,9 @@ class CacheStep:
         group.pool.write(group.index[layer], self._context_rows(group)[2], k, v)
 
     def block_positions(self) -> torch.Tensor:  # [T] int64
-        return torch.from_numpy(np.concatenate([np.zeros(0, dtype=np.int64)] + [
+        return to_device([np.concatenate([np.zeros(0, dtype=np.int64)] + [
             np.arange(e.length, e.length + it.block_len)
-            for e, it in zip(self._entries, self._items, strict=True)])).to(self.cache.device)
+            for e, it in zip(self._entries, self._items, strict=True)])], self.cache.device)[0]
 
     def _batch(self, group: _Group, causal: bool) -> AttnBatch:
         key = (group.name, causal)

@@ -41,6 +41,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype)
         self.model = model or load_model(config.model_dir, self.dtype, config.device)
         self.model.attn_backend = backend_for(self.device)
+        self.model.fuse_projections()  # q/k/v and gate/up as one GEMM each (idempotent)
         mc = self.model.config
         self.set_taps(config.tap_layers)
         shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
@@ -69,7 +70,12 @@ class ModelRunner:
         """
         masks = [x.tree_mask for x in inputs]
         any_tree = any(m is not None for m in masks)
-        batch = AttnBatch.build(
+        ids = np.concatenate([np.asarray(x.token_ids, dtype=np.int64).reshape(-1)
+                              for x in inputs])
+        rows = np.fromiter(logit_rows, dtype=np.int64)
+        whole = len(rows) == len(ids) and bool((rows == np.arange(len(ids))).all())
+        # one host-to-device copy carries the metadata, the token ids and the logit rows
+        batch, extra = AttnBatch.build_with(
             q_lens=[len(x.token_ids) for x in inputs],
             ctx_lens=[x.ctx_len for x in inputs],
             page_tables=[self.blocks.page_table(x.request_id) for x in inputs],
@@ -78,11 +84,12 @@ class ModelRunner:
             tree_masks=[m if m is not None else _causal_bits(len(x.token_ids))
                         for m, x in zip(masks, inputs, strict=True)] if any_tree else None,
             device=self.device,
+            extra=(ids,) if whole else (ids, rows),
         )
-        ids = torch.tensor([t for x in inputs for t in x.token_ids], device=self.device)
-        hidden, features = self.model(ids, batch, self.kv, self.tap_layers if taps else ())
-        rows = torch.as_tensor(list(logit_rows), dtype=torch.long, device=self.device)
-        return self.model.logits(hidden.index_select(0, rows)), features
+        hidden, features = self.model(extra[0], batch, self.kv, self.tap_layers if taps else ())
+        if not whole:  # only the rows that need a token go through the LM head
+            hidden = hidden.index_select(0, extra[1])
+        return self.model.logits(hidden), features
 
 
 def _causal_bits(n: int) -> np.ndarray:  # [n, W] uint32 lower-triangular bitmask

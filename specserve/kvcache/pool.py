@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -50,34 +51,52 @@ class KVPool:
         self.shape = shape
         self.num_pages = num_pages
         self.page_size = page_size
-        dims = (num_pages, page_size, shape.kv_heads, shape.head_dim)
+        dims = (2, shape.num_layers, num_pages, page_size, shape.kv_heads, shape.head_dim)
+        # One tensor holds K and V of every layer, so commit compaction (`copy_slots`) is one
+        # gather + one scatter for the whole model instead of two ops per layer and pool.
         # poison=True fills with NaN so a read of a never-written slot shows up in tests.
-        make = (lambda: torch.full(dims, float("nan"), dtype=shape.dtype, device=device)) if (
-            poison
-        ) else (lambda: torch.empty(dims, dtype=shape.dtype, device=device))
-        self.k = [make() for _ in range(shape.num_layers)]  # each [P, S, Hkv, D]
-        self.v = [make() for _ in range(shape.num_layers)]  # each [P, S, Hkv, D]
+        self.kv = (torch.full(dims, float("nan"), dtype=shape.dtype, device=device) if poison
+                   else torch.empty(dims, dtype=shape.dtype, device=device))
+        # per-layer views (indexing, not unbind: unbind's views refuse in-place writes under grad)
+        self.k = [self.kv[0, i] for i in range(shape.num_layers)]  # each [P, S, Hkv, D]
+        self.v = [self.kv[1, i] for i in range(shape.num_layers)]  # each [P, S, Hkv, D]
+        rows = (num_pages * page_size, shape.kv_heads, shape.head_dim)
+        self._flat_k = [t.view(rows) for t in self.k]  # [slots, Hkv, D] views (write)
+        self._flat_v = [t.view(rows) for t in self.v]
+        self._flat_all = self.kv.view(2 * shape.num_layers, *rows)  # [2L, slots, Hkv, D]
 
     @property
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new K/V rows: slots `[T]` int64, k/v `[T, Hkv, D]`."""
-        flat_k = self.k[layer].view(self.num_slots, *self.k[layer].shape[2:])
-        flat_v = self.v[layer].view(self.num_slots, *self.v[layer].shape[2:])
-        flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
+        """Store new K/V rows: slots `[T]` int64, k/v `[T, Hkv, D]` (any strides). The cache is
+        never differentiated through: K/V computed with autograd on are stored detached."""
+        flat_k, flat_v = self._flat_k[layer], self._flat_v[layer]
+        if k.requires_grad or v.requires_grad:
+            k, v = k.detach(), v.detach()
+        flat_k.index_copy_(0, slots, k if k.dtype == flat_k.dtype else k.to(flat_k.dtype))
+        flat_v.index_copy_(0, slots, v if v.dtype == flat_v.dtype else v.to(flat_v.dtype))
 
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def copy_slots(self, src, dst) -> None:
         """Copy K/V of slots `src [N]` to slots `dst [N]` in every layer (commit compaction).
 
-        Callers guarantee no dst is read as a src later in the same call (true for compaction of
-        an accepted path: dst positions are strictly below the remaining src positions).
+        `src` / `dst`: int64 tensors on the pool's device, or host sequences of ints (sent in one
+        transfer). All sources are read before any destination is written, so overlapping
+        src / dst sets are fine. Two kernels for the whole model, whatever the layer count.
         """
+        if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
+            if len(src) != len(dst):
+                raise ValueError(f"copy_slots: {len(src)} sources but {len(dst)} destinations")
+            if len(src) == 0:
+                return
+            both = torch.as_tensor(np.asarray([list(src), list(dst)], dtype=np.int64))
+            if self.kv.is_cuda:
+                both = both.pin_memory().to(self.kv.device, non_blocking=True)
+            else:
+                both = both.to(self.kv.device)
+            src, dst = both[0], both[1]
         if src.numel() == 0:
             return
-        for layer in range(self.shape.num_layers):
-            for pool in (self.k[layer], self.v[layer]):
-                flat = pool.view(self.num_slots, *pool.shape[2:])
-                flat.index_copy_(0, dst, flat.index_select(0, src))
+        flat = self._flat_all
+        flat.index_copy_(1, dst, flat.index_select(1, src))

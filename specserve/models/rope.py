@@ -81,9 +81,36 @@ class Rotary(torch.nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
+    def rolled_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin `[T, 1, D]` for `apply_rotary_rolled` (once per forward).
+
+        Equal to `forward`'s tables, with the rotate-half sign folded into sin's first half:
+        `[-sin, +sin]` (negation is exact, so the rotation's results are bitwise the same).
+        """
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        cos = torch.cat([cos, cos], dim=-1).to(dtype)
+        sin = torch.cat([-sin, sin], dim=-1).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x [T, H, D]` by per-token `cos/sin [T, D]` (rotate-half convention)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def apply_rotary_rolled(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+) -> torch.Tensor:
+    """`apply_rotary` with tables from `Rotary.rolled_tables` `[T, 1, D]`: 4 kernels, not 7.
+
+    rotate_half(x) · sin = roll(x, D/2) · [-sin, +sin]; products and sum round as in the
+    rotate-half form, so the result is bitwise equal.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
