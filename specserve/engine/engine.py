@@ -173,6 +173,8 @@ class Engine:
         rows += [ends[len(plans) + i] - 1 for i in done]
         t0 = time.perf_counter()
         logits, feats = self.runner.forward(inputs, rows, taps=self._needs_context)
+        if logits.is_cuda:  # the accept walk syncs anyway; syncing here makes verify_s true
+            torch.cuda.synchronize(logits.device)
         verify_s = time.perf_counter() - t0
         t_verify = time.time_ns()
         outputs = self._commit_trees(plans, logits, feats, ends, draft_s, verify_s)
