@@ -66,20 +66,23 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 finished = item.output.finished
                 if first_s is None:
                     first_s = time.perf_counter() - t0
-                yield self._event(item, t0)
+                event = self._event(item, t0)
+                if finished:  # end the span before the caller can see the final and end its own
+                    code = grpc.StatusCode.OK
+                    self._finish(span, item, first_s, time.perf_counter() - t0)
+                    span.end()
+                yield event
             if error is not None:
                 code = status_for(error)
                 await context.abort(code, str(error))
-            code = grpc.StatusCode.OK
-            self._finish(span, item, first_s, time.perf_counter() - t0)
         finally:  # cancelled, deadline expired or failed: free the request now
             if events is not None and not finished:
                 self.loop.abort(args.request_id, owner=events)
             if self.metrics is not None:
                 self.metrics.requests.labels(code=code.name).inc()
-            if code is not grpc.StatusCode.OK:
+            if not finished:
                 span.set_status(Status(StatusCode.ERROR, code.name))
-            span.end()
+                span.end()
 
     def _finish(self, span, item: StepEvent, first_s: float | None, wall_s: float) -> None:
         out, stats = item.output, item.stats
