@@ -36,6 +36,7 @@ class ProbeRow:
     step_ms: float  # mean decode step time: (wall − ttft) / steps
     fallbacks: int
     stream_commit_len: float  # the same mean recomputed from the streamed chunks
+    trace_id: str | None = None  # the request's trace (when the services export spans)
 
 
 def parse_contexts(spec: str) -> list[int]:
@@ -113,8 +114,9 @@ def run_one(stub, ids: list[int], text: str, new_tokens: int, drafter: str | Non
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     req = convert.generate_request_to_pb(ids, params, drafter, budget)
     waiting, steps, final = _Waiting(f"{text}: prefilling {len(ids):,} tokens"), [], None
+    call = stub.Generate(req, timeout=timeout_s)
     try:
-        for msg in stub.Generate(req, timeout=timeout_s):
+        for msg in call:
             event = convert.response_from_pb(msg)
             waiting.stop()
             if isinstance(event, convert.GatewayFinal):
@@ -132,6 +134,7 @@ def run_one(stub, ids: list[int], text: str, new_tokens: int, drafter: str | Non
         wall_s=final.wall_s, prefill_s=s.prefill_s, ttft_s=final.ttft_s,
         step_ms=1e3 * (final.wall_s - final.ttft_s) / n, fallbacks=sum(s.fallbacks.values()),
         stream_commit_len=sum(x.commit_len for x in spec_steps) / max(len(spec_steps), 1),
+        trace_id=convert.trace_id_from_metadata(call.initial_metadata()),
     )
 
 

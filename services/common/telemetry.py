@@ -2,13 +2,14 @@
 
 Tracing: `setup_tracing(name)` installs one SDK `TracerProvider` per process with resource
 `service.name` = `OTEL_SERVICE_NAME` or `name`. Spans are exported over OTLP/gRPC (batched, on
-the SDK's own thread) when `OTEL_EXPORTER_OTLP_ENDPOINT` is set; otherwise they are made but go
-nowhere. `OTEL_SDK_DISABLED=true` leaves the no-op API tracer in place. W3C trace context
-crosses every hop explicitly: gRPC metadata between gateway and verifier (`inject_metadata` /
-`extract_metadata`), and each `DraftEntry.trace_context` map on the shared drafter stream
-(`inject_map` / `extract_map`). Nothing here attaches a context to the current task: async
-generators and the engine thread pass contexts by hand. `shutdown_tracing()` flushes off the
-event loop (the exporter blocks) at graceful stop.
+the SDK's own thread) when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, and appended as JSON lines to
+`$SPECSERVE_TRACE_DIR/<service.name>.jsonl` when that is set (the local demo's traces); otherwise
+they are made but go nowhere. `OTEL_SDK_DISABLED=true` leaves the no-op API tracer in place.
+W3C trace context crosses every hop explicitly: gRPC metadata between gateway and verifier
+(`inject_metadata` / `extract_metadata`), and each `DraftEntry.trace_context` map on the shared
+drafter stream (`inject_map` / `extract_map`). Nothing here attaches a context to the current
+task: async generators and the engine thread pass contexts by hand. `shutdown_tracing()` flushes
+off the event loop (the exporter blocks) at graceful stop.
 
 Metrics: prometheus_client registries, one per running service, served over HTTP by
 `start_metrics_server` (port 0 = no endpoint).
@@ -21,6 +22,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -29,6 +31,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 log = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
 _provider = None  # the process's SDK TracerProvider, once set up
+_exporting = False  # whether spans go anywhere (an OTLP endpoint or SPECSERVE_TRACE_DIR)
 
 # Latency buckets in SECONDS: 100 µs … 60 s (a CPU toy step is ~ms, a 128k prefill is seconds).
 SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -37,7 +40,7 @@ SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 def setup_tracing(service_name: str):
     """Install the process's TracerProvider (idempotent); returns it (None if disabled)."""
-    global _provider
+    global _provider, _exporting
     if _provider is not None:
         return _provider
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -63,10 +66,37 @@ def setup_tracing(service_name: str):
         exporter = OTLPSpanExporter(endpoint=endpoint,
                                     insecure=not endpoint.startswith("https://"))
         provider.add_span_processor(BatchSpanProcessor(exporter))
+        _exporting = True
         log.info("exporting traces as %r to %s", name, endpoint)
+    if os.environ.get("SPECSERVE_TRACE_DIR"):
+        _export_to_file(provider, Path(os.environ["SPECSERVE_TRACE_DIR"]), name)
+        _exporting = True
     trace.set_tracer_provider(provider)
     _provider = provider
     return provider
+
+
+def _export_to_file(provider, directory: Path, name: str) -> None:
+    """Append every finished span, one JSON object per line, to `directory/<name>.jsonl`."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.jsonl"
+    out = path.open("a", encoding="utf-8", buffering=1)
+    exporter = ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(None) + "\n")
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    log.info("writing traces as %r to %s", name, path)
+
+
+def exporting() -> bool:
+    """True once `setup_tracing` installed an exporter: trace ids then lead somewhere."""
+    return _exporting
+
+
+def trace_id_of(span) -> str | None:
+    """The span's trace id as 32 hex digits (what Jaeger's /trace/<id> takes); None if unsampled."""
+    ctx = span.get_span_context()
+    return format(ctx.trace_id, "032x") if ctx.is_valid and ctx.trace_flags.sampled else None
 
 
 def tracer(name: str) -> trace.Tracer:

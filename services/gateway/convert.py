@@ -173,3 +173,14 @@ def response_from_pb(msg: gateway_pb2.GenerateResponse) -> tuple[str, Step] | Ga
     return GatewayFinal(finish_from_pb(f.finish_reason), f.usage.prompt_tokens,
                         f.usage.completion_tokens, stats, other_s, f.request_id, f.ttft_s,
                         f.wall_s)
+
+
+TRACE_ID_KEY = "x-specserve-trace-id"  # the gateway's initial metadata, when spans are exported
+
+
+def trace_id_from_metadata(metadata) -> str | None:
+    """The request's trace id from a Generate call's initial metadata (None: not exported)."""
+    for key, value in metadata or ():
+        if key == TRACE_ID_KEY:
+            return value
+    return None

@@ -7,8 +7,9 @@ message; a client cancel cancels the verifier call.
 
 Each call is one `generate` span (SERVER; a child of the client's span if it sent a W3C
 `traceparent`), whose context goes to the verifier in the call metadata: the root of the
-request's trace across the three services. The final message's phase times are the verifier's,
-and `other` = the gateway's wall time − those phases, so they add up to `wall_s`.
+request's trace across the three services; when spans are exported, its trace id goes back to
+the client as initial metadata `x-specserve-trace-id`. The final message's phase times are the
+verifier's, and `other` = the gateway's wall time − those phases, so they add up to `wall_s`.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             "generate", telemetry.extract_metadata(context.invocation_metadata()),
             kind=SpanKind.SERVER)
         code, state = grpc.StatusCode.CANCELLED, None
+        trace_id = telemetry.trace_id_of(span) if telemetry.exporting() else None
+        if trace_id is not None:  # the client can print where the request's trace is
+            await context.send_initial_metadata(((convert.TRACE_ID_KEY, trace_id),))
         try:
             try:
                 req = convert.request_from_pb(request)

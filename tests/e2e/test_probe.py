@@ -1,11 +1,15 @@
-"""`specserve probe` against the three real services: the table, the JSON and the plot, and the
-probe's numbers agree with the per-request stats of the final stream message."""
+"""`specserve probe` against the three real services: the table, the JSON and the plot; the
+probe's numbers agree with the per-request stats of the final stream message and with the
+request's trace (the spans the services wrote under SPECSERVE_TRACE_DIR, found by the trace id
+the gateway returns)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
+from collections import defaultdict
 
 import pytest
 
@@ -33,3 +37,34 @@ def test_probe_table_json_and_plot(stack, checkpoints, tmp_path):  # noqa: F811
         assert r["commit_len"] == pytest.approx(r["depth"] + 1)  # no step was cut
         assert 0 < r["prefill_s"] <= r["ttft_s"] <= r["wall_s"]
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert len({r["trace_id"] for r in rows}) == len(rows)
+    traces = _wait_for_traces(stack.tmp / "traces", rows)
+    for r in rows:
+        spans = traces[r["trace_id"]]
+        names = {s["resource"]["attributes"]["service.name"] for s in spans}
+        assert names == {"gateway", "verifier", "drafter"}, names
+        steps = [s["attributes"] for s in spans if s["name"] == "step"]
+        assert len(steps) == r["steps"]
+        assert sum(a["commit_len"] for a in steps) / len(steps) == pytest.approx(r["commit_len"])
+        assert sum(a["accepted_depth"] for a in steps) / len(steps) == pytest.approx(r["depth"])
+        assert sum(a["tree_size"] for a in steps) / len(steps) == pytest.approx(r["drafts"])
+        (prefill,) = [s for s in spans if s["name"] == "prefill"]
+        assert prefill["attributes"]["prefill.tokens"] == r["context"]
+
+
+def _wait_for_traces(directory, rows, timeout_s: float = 20.0) -> dict[str, list[dict]]:
+    """trace id → its spans (parsed JSON lines), once every row's step spans have arrived."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        by_trace = defaultdict(list)
+        for path in directory.glob("*.jsonl"):
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    span = json.loads(line)
+                    by_trace[span["context"]["trace_id"].removeprefix("0x")].append(span)
+        done = all(sum(s["name"] == "step" for s in by_trace[r["trace_id"]]) == r["steps"]
+                   and any(s["name"] == "generate" for s in by_trace[r["trace_id"]])
+                   for r in rows)
+        if done or time.monotonic() > deadline:
+            return by_trace
+        time.sleep(0.2)

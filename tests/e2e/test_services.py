@@ -168,7 +168,10 @@ class Stack:
 @pytest.fixture(scope="session")
 def stack(checkpoints, tmp_path_factory):
     tdir, ddir = map(str, checkpoints)
-    s = Stack(tmp_path_factory.mktemp("e2e-stack"))
+    tmp = tmp_path_factory.mktemp("e2e-stack")
+    # spans go to JSON-lines files (the demo's local trace store); test_probe reads them
+    s = Stack(tmp, {**ENV, "SPECSERVE_TRACE_DIR": str(tmp / "traces"),
+                    "OTEL_BSP_SCHEDULE_DELAY": "100"})
     cpu = ["--device", "cpu", "--dtype", "float32"]
     try:
         s.start("drafter", ["--model", tdir, "--draft-model", ddir, *cpu, "--drafter-pages", "512"])
@@ -347,11 +350,13 @@ def test_cli_generate(stack, prompts, expected, tokenizer):
     assert data["token_ids"] == expected[0][:16] and data["finish_reason"] == "length"
     assert data["usage"] == {"prompt_tokens": len(prompts[0]), "completion_tokens": 16}
     assert data["stats"]["steps"] > 0 and data["text"] == tokenizer.decode(expected[0][:16])
+    assert len(data["trace_id"]) == 32 and int(data["trace_id"], 16)  # spans are exported
     out = _cli("generate", "--gateway", stack.addr("gateway"), "--prompt", prompts[4],
                "--max-tokens", "8", "--ignore-eos")
     assert out.returncode == 0, out.stderr
     assert out.stdout.rstrip("\n") == tokenizer.decode(expected[4][:8])
-    for words in ("8 tokens", "TTFT", "mean commit_len", "steps", "fallbacks", "finish: length"):
+    for words in ("8 tokens", "TTFT", "mean commit_len", "steps", "fallbacks", "finish: length",
+                  "[trace "):
         assert words in out.stderr, out.stderr
     out = _cli("generate", "--gateway", stack.addr("gateway"), "--token-ids", f"1,{VOCAB + 9}")
     assert out.returncode == 2 and "INVALID_ARGUMENT" in out.stderr and "vocabulary" in out.stderr

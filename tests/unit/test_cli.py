@@ -13,7 +13,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
-@pytest.mark.parametrize("cmd", [[], ["serve"], ["up"], ["generate"], ["probe"], ["bench"]])
+@pytest.mark.parametrize("cmd", [[], ["serve"], ["up"], ["generate"], ["probe"], ["bench"],
+                                 ["train-demo"]])
 def test_help(cmd):
     out = _cli(*cmd, "--help")
     assert out.returncode == 0, out.stderr

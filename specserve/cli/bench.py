@@ -1,0 +1,35 @@
+"""`specserve bench NAME`: run one of the benchmark scripts in bench/ with this Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+BENCHES = {
+    "kernel": "bench_kernel.py",  # tree-verify kernel vs baselines and the floor (GPU)
+    "e2e": "bench_e2e.py",  # issue-9 end-to-end: verify, prefill, decode vs floors/peers (GPU)
+    "services": "bench_services.py",  # in process vs over gRPC, per step (CPU)
+    "tracing": "bench_tracing.py",  # tracing overhead (CPU)
+    "correctness": "correctness_report.py",  # logit error vs transformers (CPU)
+}
+
+
+def add(sub) -> None:
+    p = sub.add_parser("bench", help="run a benchmark script (from a source checkout)",
+                       description="Run one of the benchmarks in bench/ with this Python; "
+                                   "arguments after the name go to the script (e.g. --out).")
+    p.add_argument("name", choices=sorted(BENCHES))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args) -> int:
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "bench" / BENCHES[args.name]
+    if not script.exists():
+        raise SystemExit(f"specserve bench: {script} not found (benchmarks live in a source "
+                         "checkout of specserve)")
+    return subprocess.call([sys.executable, str(script), *args.args])

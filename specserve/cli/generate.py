@@ -1,0 +1,152 @@
+"""`specserve generate`: stream a generation from the gateway, or (`--in-process`) from an engine
+built in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def add(sub) -> None:
+    p = sub.add_parser("generate", help="stream a generation from the gateway",
+                       description="Stream text from the gateway (gRPC); the stats line goes "
+                                   "to stderr. --in-process runs an engine here instead.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt text from this file ('-': stdin)")
+    src.add_argument("--token-ids", help="prompt token ids, comma-separated")
+    p.add_argument("--gateway", default=os.environ.get("SPECSERVE_GATEWAY_ADDR",
+                                                       "127.0.0.1:50051"),
+                   help="gateway HOST:PORT [env SPECSERVE_GATEWAY_ADDR]")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", type=int, action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--drafter", choices=["dflash", "ngram", "none"], default=None,
+                   help="drafter for this request (default: the verifier's)")
+    p.add_argument("--budget", type=int, default=None, help="draft nodes per step")
+    p.add_argument("--request-id", default="")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of the call")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--in-process", action="store_true", help="run an engine in this process")
+    p.add_argument("--model", help="HF checkpoint directory (--in-process)")
+    p.add_argument("--device", default="cpu", help="(--in-process)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="(--in-process)")
+    p.set_defaults(func=_generate)
+
+
+def _prompt(args) -> str | list[int]:
+    if args.token_ids is not None:
+        try:
+            return [int(t) for t in args.token_ids.replace(",", " ").split()]
+        except ValueError:
+            raise SystemExit(f"specserve: --token-ids must be integers: {args.token_ids!r}") \
+                from None
+    if args.prompt_file is not None:
+        if args.prompt_file == "-":
+            return sys.stdin.read()
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    return args.prompt
+
+
+def _generate(args) -> int:
+    from specserve.types import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
+        stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos)
+    if args.in_process:
+        return _generate_in_process(args, params)
+    return _generate_remote(args, params)
+
+
+def _generate_remote(args, params) -> int:
+    import grpc
+
+    from services.common.server import CHANNEL_OPTIONS
+    from services.gateway import convert
+    from specserve.v1 import gateway_pb2_grpc
+
+    req = convert.generate_request_to_pb(_prompt(args), params, args.drafter, args.budget,
+                                         args.request_id)
+    text, ids, final = [], [], None
+    with grpc.insecure_channel(args.gateway, options=CHANNEL_OPTIONS) as ch:
+        call = gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=args.timeout_s)
+        try:
+            for msg in call:
+                event = convert.response_from_pb(msg)
+                if isinstance(event, convert.GatewayFinal):
+                    final = event
+                    continue
+                text.append(event[0])
+                ids += event[1].token_ids
+                if not args.json:
+                    print(event[0], end="", flush=True)
+        except KeyboardInterrupt:
+            call.cancel()
+            return 130
+        except grpc.RpcError as e:
+            sep = "\n" if text and not args.json else ""
+            print(f"{sep}specserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2
+    if final is None:
+        print("\nspecserve: error: the gateway stream ended without a final message",
+              file=sys.stderr)
+        return 2
+    _report("".join(text), ids, final, args.json,
+            convert.trace_id_from_metadata(call.initial_metadata()))
+    return 0
+
+
+def _report(text: str, ids: list[int], final, as_json: bool, trace_id: str | None = None) -> None:
+    stats = final.stats
+    if as_json:
+        print(json.dumps({
+            "text": text, "token_ids": ids, "request_id": final.request_id,
+            "finish_reason": final.finish_reason.value if final.finish_reason else None,
+            "usage": {"prompt_tokens": final.prompt_tokens,
+                      "completion_tokens": final.completion_tokens},
+            "stats": {**stats.as_dict(), "other_s": final.other_s},
+            "ttft_s": final.ttft_s, "wall_s": final.wall_s, "trace_id": trace_id}))
+        return
+    reason = final.finish_reason.value if final.finish_reason else "?"
+    print(f"\n[{len(ids)} tokens in {final.wall_s:.2f} s, TTFT {final.ttft_s * 1e3:.0f} ms, "
+          f"mean commit_len {stats.mean_commit_len:.2f} over {stats.steps} steps, "
+          f"{sum(stats.fallbacks.values())} fallbacks, finish: {reason}]", file=sys.stderr)
+    if trace_id is not None:
+        print(f"[trace {trace_id}]", file=sys.stderr)
+
+
+def _generate_in_process(args, params) -> int:
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import Engine
+
+    if not args.model:
+        raise SystemExit("specserve generate: --in-process needs --model DIR")
+    engine = Engine(EngineConfig(args.model, dtype=args.dtype, device=args.device))
+    engine.add_request("cli", _prompt(args), params)
+    t0, text, ids, reason = time.perf_counter(), [], [], None
+    while engine.has_unfinished:
+        for out in engine.step():
+            ids += out.new_token_ids
+            text.append(out.text_delta)
+            reason = out.finish_reason or reason
+            if not args.json:
+                print(out.text_delta, end="", flush=True)
+    wall = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"text": "".join(text), "token_ids": ids, "finish_reason": reason.value,
+                          "wall_s": round(wall, 4)}))
+    else:
+        print(f"\n[{len(ids)} tokens in {wall:.2f} s, finish: {reason.value}]", file=sys.stderr)
+    return 0

@@ -1,0 +1,73 @@
+"""`specserve probe`: the commit probe client (predictable vs novel text by context).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def add(sub) -> None:
+    p = sub.add_parser("probe", help="the commit probe: predictable vs novel text by context",
+                       description="Send predictable text ('The cat sat on the mat.' repeated) "
+                                   "and novel text at several context lengths through the "
+                                   "gateway; print commit_len, depth, drafts and timings.")
+    p.add_argument("--gateway", default=os.environ.get("SPECSERVE_GATEWAY_ADDR",
+                                                       "127.0.0.1:50051"),
+                   help="gateway HOST:PORT [env SPECSERVE_GATEWAY_ADDR]")
+    p.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL"),
+                   help="target checkpoint dir (its tokenizer.json sizes the prompts) "
+                        "[env SPECSERVE_MODEL]")
+    p.add_argument("--contexts", default="1k,16k,64k,128k", help="prompt lengths in tokens")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--drafter", choices=["dflash", "ngram", "none"], default=None)
+    p.add_argument("--budget", type=int, default=16, help="DDTree budget (draft nodes)")
+    p.add_argument("--texts", default="predictable,novel", help="which texts to probe")
+    p.add_argument("--text-file", help="novel text to use instead of the built-in one")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="deadline per request")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot (commit_len, step time)")
+    p.set_defaults(func=_probe)
+
+
+def _probe(args) -> int:
+    import grpc
+
+    from services.common.server import CHANNEL_OPTIONS
+    from specserve import probe
+    from specserve.engine.tokenizer import Tokenizer
+    from specserve.v1 import gateway_pb2_grpc
+
+    if not args.model:
+        raise SystemExit("specserve probe: --model (or SPECSERVE_MODEL) is required")
+    contexts, texts = probe.parse_contexts(args.contexts), args.texts.split(",")
+    tok = Tokenizer.from_dir(args.model)
+    source = {"predictable": lambda n: probe.PREDICTABLE * (n // 4 + 8),
+              "novel": (lambda n: Path(args.text_file).read_text(encoding="utf-8"))
+              if args.text_file else (lambda n: probe.novel_corpus(6 * n))}
+    rows = []
+    with grpc.insecure_channel(args.gateway, options=CHANNEL_OPTIONS) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        for text in texts:
+            corpus = source[text](max(contexts))
+            for n in contexts:
+                ids = probe.prompt_ids(tok, corpus, n)
+                try:
+                    row = probe.run_one(stub, ids, text, args.new_tokens, args.drafter,
+                                        args.budget, args.timeout_s)
+                except grpc.RpcError as e:
+                    print(f"specserve probe: {text} @ {n}: {e.code().name}: {e.details()}",
+                          file=sys.stderr)
+                    return 2
+                rows.append(row)
+                print(f"  {text} @ {n:,}: commit_len {row.commit_len:.2f}, "
+                      f"step {row.step_ms:.1f} ms, wall {row.wall_s:.1f} s", file=sys.stderr)
+    print(probe.table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(probe.rows_as_json(rows), indent=2))
+    if args.plot:
+        probe.plot(rows, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return 0

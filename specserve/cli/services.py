@@ -1,0 +1,152 @@
+"""`specserve serve NAME` (one service in this process) and `specserve up` (all three as
+subprocesses, health-checked, logs prefixed, stopped together).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+SERVICES = ("drafter", "verifier", "gateway")  # the start order of `up`
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="run one service (gateway, verifier or drafter)",
+                       description="Run one service; the remaining arguments are its own flags "
+                                   "(see `specserve serve gateway --help`).")
+    p.add_argument("service", choices=SERVICES)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the service's flags")
+    p.set_defaults(func=lambda args: _serve(args.service, args.args))
+
+
+def _serve(service: str, argv: list[str]) -> int:
+    import importlib
+
+    return importlib.import_module(f"services.{service}.__main__").main(argv) or 0
+
+
+def add_up(sub) -> None:
+    p = sub.add_parser("up", help="run drafter, verifier and gateway locally",
+                       description="Start drafter, verifier and gateway as subprocesses, wait "
+                                   "until each is SERVING, stream their logs; Ctrl-C stops all.")
+    p.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL"),
+                   help="target model directory [env SPECSERVE_MODEL]")
+    p.add_argument("--draft-model", default=os.environ.get("SPECSERVE_DRAFT_MODEL"),
+                   help="DFlash drafter directory [env SPECSERVE_DRAFT_MODEL]")
+    p.add_argument("--device", default=None, help="torch device of verifier and drafter")
+    p.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    p.add_argument("--ports", type=int, default=50051,
+                   help="base port: gateway BASE, verifier BASE+1, drafter BASE+2")
+    for name in SERVICES:
+        p.add_argument(f"--{name}-port", type=int, default=None, help=f"{name} port override")
+    p.add_argument("--no-drafter", action="store_true",
+                   help="no drafter service (the verifier decodes without the DFlash drafter)")
+    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.set_defaults(func=_up)
+
+
+def _up_plan(args) -> list[tuple[str, str, list[str]]]:
+    """(service, address to health-check, flags) in start order."""
+    if not args.model:
+        raise SystemExit("specserve up: --model (or SPECSERVE_MODEL) is required")
+    base = {"gateway": 0, "verifier": 1, "drafter": 2}
+    port = {n: getattr(args, f"{n}_port") or args.ports + base[n] for n in SERVICES}
+    local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    addr = {n: f"{local}:{port[n]}" for n in SERVICES}
+    flags = {n: ["--host", args.host, "--port", str(port[n]), "--model", args.model]
+             for n in SERVICES}
+    device = ["--device", args.device] if args.device else []
+    draft = ["--draft-model", args.draft_model] if args.draft_model else []
+    flags["drafter"] += draft + device
+    flags["verifier"] += draft + device + ([] if args.no_drafter else
+                                           ["--drafter", addr["drafter"]])
+    flags["gateway"] += ["--verifier", addr["verifier"]]
+    names = [n for n in SERVICES if not (n == "drafter" and args.no_drafter)]
+    return [(n, addr[n], flags[n]) for n in names]
+
+
+async def _pump(name: str, stream) -> None:
+    width = max(map(len, SERVICES))
+    async for line in stream:
+        print(f"[{name:<{width}}] {line.decode(errors='replace').rstrip()}", flush=True)
+
+
+async def _start(name: str, addr: str, flags: list[str], timeout_s: float, procs: dict,
+                 pumps: list) -> None:
+    """Spawn `specserve serve NAME` into `procs`; wait for SERVING (fail fast if it exits)."""
+    import asyncio
+
+    from services.common.server import wait_serving
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "specserve.cli", "serve", name, *flags,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    procs[name] = proc
+    pumps.append(asyncio.ensure_future(_pump(name, proc.stdout)))
+    # the named service: a server reports "" SERVING as soon as it starts, before models load
+    service = f"specserve.v1.{name.capitalize()}"
+    ready = asyncio.ensure_future(wait_serving(addr, service, timeout_s))
+    died = asyncio.ensure_future(proc.wait())
+    try:
+        await asyncio.wait({ready, died}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ready.cancel()
+        died.cancel()
+    if proc.returncode is not None:
+        raise RuntimeError(f"{name} exited with code {proc.returncode} during startup")
+    ready.result()  # TimeoutError if it never became SERVING
+
+
+async def _stop_all(procs: dict, grace_s: float = 15.0) -> None:
+    import asyncio
+
+    for name in reversed(list(procs)):  # gateway first: it drains, then the verifier, drafter
+        proc = procs[name]
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), grace_s)
+            except TimeoutError:
+                print(f"specserve up: {name} did not stop in {grace_s} s; killing", flush=True)
+                proc.kill()
+                await proc.wait()
+
+
+async def _up_run(args) -> int:
+    import asyncio
+    import signal
+
+    plan, procs, pumps = _up_plan(args), {}, []
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        for name, addr, flags in plan:
+            await _start(name, addr, flags, args.startup_timeout_s, procs, pumps)
+            print(f"specserve up: {name} SERVING on {addr} (pid {procs[name].pid})", flush=True)
+        print("specserve up: ready — " + ", ".join(f"{n} {a}" for n, a, _ in plan), flush=True)
+        waits = {asyncio.ensure_future(p.wait()): n for n, p in procs.items()}
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        name = waits[next(iter(done))]
+        print(f"specserve up: {name} exited with code {procs[name].returncode}", file=sys.stderr)
+        return 1
+    except asyncio.CancelledError:
+        print("specserve up: stopping", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"specserve up: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: [p.kill() for p in procs.values()
+                                                  if p.returncode is None])
+        await _stop_all(procs)
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def _up(args) -> int:
+    import asyncio
+
+    return asyncio.run(_up_run(args))

@@ -1,0 +1,38 @@
+"""`specserve train-demo`: train the bundled demo pair (a tiny Qwen3 target + its DFlash drafter).
+
+The recipe, data and determinism live in `specserve.demo.train`; this only parses the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="checkpoints", help="directory for demo-target/, "
+                   "demo-drafter/ and training.json (default: checkpoints)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--target-steps", type=int, default=None, help="override the recipe's")
+    p.add_argument("--drafter-steps", type=int, default=None, help="override the recipe's")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--quick", action="store_true", help="a tiny run (seconds) for tests")
+    p.add_argument("--json", action="store_true",
+                   help="print the training.json summary on stdout (progress goes to stderr)")
+
+
+def add(sub) -> None:
+    p = sub.add_parser(
+        "train-demo", help="train the demo target + DFlash drafter (HF-format checkpoints)",
+        description="Train a BPE tokenizer and a tiny Qwen3 target on the Python standard "
+                    "library's sources, then a DFlash drafter for it (frozen target embedding "
+                    "and LM head, taps, random anchors, position-weighted loss). Deterministic "
+                    "for a seed; progress lines with the loss.")
+    add_arguments(p)
+    p.set_defaults(func=_train)
+
+
+def _train(args) -> int:
+    from specserve.demo.train import run_from_args
+
+    return run_from_args(args)
