@@ -25,8 +25,8 @@ FLAGS = [
     Flag("--device", "SPECSERVE_DEVICE", "auto", str, "auto | cpu | cuda | cuda:N"),
     Flag("--dtype", "SPECSERVE_DTYPE", "auto", str, " | ".join(DTYPES)),
     Flag("--page-size", "SPECSERVE_PAGE_SIZE", 16, int, "context-cache page size (tokens)"),
-    Flag("--drafter-pages", "SPECSERVE_DRAFTER_PAGES", 4096, int,
-         "context-cache pages per layer group"),
+    Flag("--drafter-pages", "SPECSERVE_DRAFTER_PAGES", 16384, int,
+         "context-cache pages per layer group (16384 × 16 = 256k tokens: a 128k probe fits)"),
     Flag("--metrics-port", "SPECSERVE_DRAFTER_METRICS_PORT", DRAFTER_METRICS_PORT, int,
          "Prometheus /metrics port (0 = none)"),
 ]

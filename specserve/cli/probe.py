@@ -19,7 +19,7 @@ def add(sub) -> None:
                    help="gateway HOST:PORT [env SPECSERVE_GATEWAY_ADDR]")
     p.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL"),
                    help="target checkpoint dir (its tokenizer.json sizes the prompts) "
-                        "[env SPECSERVE_MODEL]")
+                        "[env SPECSERVE_MODEL; default: the demo target in checkpoints/]")
     p.add_argument("--contexts", default="1k,16k,64k,128k", help="prompt lengths in tokens")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--drafter", choices=["dflash", "ngram", "none"], default=None)
@@ -41,7 +41,12 @@ def _probe(args) -> int:
     from specserve.v1 import gateway_pb2_grpc
 
     if not args.model:
-        raise SystemExit("specserve probe: --model (or SPECSERVE_MODEL) is required")
+        from specserve.demo import default_pair
+
+        args.model = default_pair()[0]
+    if not args.model:
+        raise SystemExit("specserve probe: --model (or SPECSERVE_MODEL) is required "
+                         "(no demo pair under checkpoints/)")
     contexts, texts = probe.parse_contexts(args.contexts), args.texts.split(",")
     tok = Tokenizer.from_dir(args.model)
     source = {"predictable": lambda n: probe.PREDICTABLE * (n // 4 + 8),

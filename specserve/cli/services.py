@@ -31,7 +31,8 @@ def add_up(sub) -> None:
                        description="Start drafter, verifier and gateway as subprocesses, wait "
                                    "until each is SERVING, stream their logs; Ctrl-C stops all.")
     p.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL"),
-                   help="target model directory [env SPECSERVE_MODEL]")
+                   help="target model directory [env SPECSERVE_MODEL; default: the demo "
+                        "pair in checkpoints/, target and drafter]")
     p.add_argument("--draft-model", default=os.environ.get("SPECSERVE_DRAFT_MODEL"),
                    help="DFlash drafter directory [env SPECSERVE_DRAFT_MODEL]")
     p.add_argument("--device", default=None, help="torch device of verifier and drafter")
@@ -49,7 +50,13 @@ def add_up(sub) -> None:
 def _up_plan(args) -> list[tuple[str, str, list[str]]]:
     """(service, address to health-check, flags) in start order."""
     if not args.model:
-        raise SystemExit("specserve up: --model (or SPECSERVE_MODEL) is required")
+        from specserve.demo import default_pair
+
+        args.model, demo_drafter = default_pair()
+        args.draft_model = args.draft_model or demo_drafter
+    if not args.model:
+        raise SystemExit("specserve up: --model (or SPECSERVE_MODEL) is required "
+                         "(no demo pair under checkpoints/)")
     base = {"gateway": 0, "verifier": 1, "drafter": 2}
     port = {n: getattr(args, f"{n}_port") or args.ports + base[n] for n in SERVICES}
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host

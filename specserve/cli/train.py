@@ -16,6 +16,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-steps", type=int, default=None, help="override the recipe's")
     p.add_argument("--drafter-steps", type=int, default=None, help="override the recipe's")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--recipe", choices=["full", "cpu"], default=None,
+                   help="full (the H200 recipe) or cpu (shorter sequences; the committed "
+                        "checkpoints); default: full on CUDA, cpu otherwise")
+    p.add_argument("--target-from", metavar="DIR", default=None,
+                   help="reuse the target of an earlier train-demo output (same seed and "
+                        "target recipe) and train only the drafter")
+    p.add_argument("--drafter-lr", type=float, default=None, help="override the recipe's")
+    p.add_argument("--drafter-copy-frac", type=float, default=None,
+                   help="override the recipe's share of copy sequences for the drafter")
     p.add_argument("--quick", action="store_true", help="a tiny run (seconds) for tests")
     p.add_argument("--json", action="store_true",
                    help="print the training.json summary on stdout (progress goes to stderr)")

@@ -44,6 +44,8 @@ class DrafterShape:
     anchors: int = 32  # blocks per training sequence
     gamma: float = 7.0
     gap_frac: float = 0.5  # sequences whose positions are split by a random gap
+    read_last: float = 1.0  # supervision weight: layer 0 head 0 reads position anchor−1
+    read_match: float = 1.0  # supervision weight: layer 1 head 0 reads the copy source (below)
 
 
 QUICK_DRAFTER = DrafterShape(layers=2, intermediate=128, window=32, target_layer_ids=(0, 1),
@@ -149,6 +151,7 @@ class DraftObjective:
 
     def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         anchors, pos = self.draw(*ids.shape)
+        self.read_p, self.match_p = None, None
         logits, labels = self.forward(ids, anchors, pos)
         b, n, k = labels.shape
         ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
@@ -157,7 +160,47 @@ class DraftObjective:
         with torch.no_grad():
             hit = (logits.argmax(-1) == labels).long()  # [B, n, bs-1]
             tau = 1 + hit.cumprod(-1).sum(-1).float().mean()  # chain acceptance incl. the bonus
-        return loss, {"acc1": float(hit[..., 0].float().mean()), "tau": float(tau)}
+        logs = {"acc1": float(hit[..., 0].float().mean()), "tau": float(tau)}
+        for key, p, weight in (("read", self.read_p, self.shape.read_last),
+                               ("match", self.match_p, self.shape.read_match)):
+            if p is not None and p.numel():
+                term = -torch.log(p + 1e-9).mean()
+                loss = loss + weight * term
+                logs[key] = float(term.detach())
+        return loss, logs
+
+    def _last_keys(self, anchors: torch.Tensor) -> torch.Tensor:
+        """Context index anchor−1 for every slot 1…: `[B, n, bs−1]` (the target's last layer
+        there holds the tokens after the anchor)."""
+        return (anchors - 1)[..., None].expand(-1, -1, self.shape.block_size - 1)
+
+    def _match_keys(self, ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """For slot k, the context index c = j + k − 1, where j is the latest occurrence of the
+        anchor's token with c < anchor (−1: none): in repeated text, the target's features at
+        c hold the token after c = the token of slot k (their tokens k−1 back name the anchor's
+        token — the content the query matches). `[B, n, bs−1]`."""
+        b, s = ids.shape
+        a = ids.gather(1, anchors)  # [B, n]
+        j = torch.arange(s)
+        eq = ids[:, None, :] == a[..., None]  # [B, n, S]
+        out = []
+        for k in range(1, self.shape.block_size):
+            ok = eq & (j[None, None, :] + k - 1 < anchors[..., None])
+            jk = torch.where(ok, j, -1).amax(-1)  # [B, n]
+            out.append(torch.where(jk >= 0, jk + k - 1, -1))
+        return torch.stack(out, -1)
+
+    def _read_at(self, q, k, mask, scale: float, keys: torch.Tensor) -> torch.Tensor:
+        """Head attention probabilities from each block's slots 1… to context index
+        `keys [B, n, bs−1]` (CPU; −1 = none), where that key exists and is visible: `[m]`."""
+        b, n, _ = keys.shape
+        bs = self.shape.block_size
+        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        p = scores.softmax(-1).view(b, n, bs, -1)[:, :, 1:]  # [B, n, bs−1, S + t]
+        idx = keys.clamp(min=0).to(q.device)[..., None]
+        seen = mask.view(b, n, bs, -1)[:, :, 1:].gather(-1, idx).squeeze(-1)  # gaps hide keys
+        ok = seen & (keys >= 0).to(q.device)
+        return p.gather(-1, idx).squeeze(-1)[ok]
 
     def forward(self, ids: torch.Tensor, anchors: torch.Tensor,
                 pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,6 +232,12 @@ class DraftObjective:
             keys = torch.cat([heads(ck, s), heads(k, t)], 2).repeat_interleave(rep, 1)
             vals = torch.cat([heads(cv, s), heads(v, t)], 2).repeat_interleave(rep, 1)
             mask = masks[(cfg.window(layer), cfg.causal[layer])][:, None]
+            if layer == 0 and self.shape.read_last:
+                self.read_p = self._read_at(heads(q, t)[:, 0], keys[:, 0], mask[:, 0], scale,
+                                            self._last_keys(anchors))
+            if layer == 1 and self.shape.read_match:
+                self.match_p = self._read_at(heads(q, t)[:, 0], keys[:, 0], mask[:, 0], scale,
+                                             self._match_keys(ids.cpu(), anchors))
             o = F.scaled_dot_product_attention(heads(q, t), keys, vals, attn_mask=mask,
                                                scale=scale)  # [B, Hq, t, D]
             return o.transpose(1, 2).reshape(b * t, cfg.num_heads, cfg.head_dim)

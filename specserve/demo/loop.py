@@ -52,6 +52,7 @@ def train(
     weight_decay: float = 0.1,
     norm_lr_mult: float = 1.0,
     out=None,
+    stop_after: int | None = None,
 ) -> TrainLog:
     """Run `steps` optimizer steps; `step_fn(step)` returns (loss to minimise, extra metrics).
 
@@ -59,6 +60,8 @@ def train(
     decay and `norm_lr_mult` × the learning rate: under q/k RMSNorm an attention logit is bounded
     by the product of the two gains, so sharp heads (a previous-token head, an induction head)
     only appear once the gains have grown — at the matrices' rate that takes most of a short run.
+    `stop_after` ends the run after that many steps, on the full run's schedule (a check that a
+    run reproduces another's first logged losses).
     """
     out = out or sys.stdout
     params = [p for p in params if p.requires_grad]
@@ -71,7 +74,7 @@ def train(
     log = TrainLog(name, steps)
     t_start = t_mark = time.perf_counter()
     mark_step = 0
-    for step in range(steps):
+    for step in range(steps if stop_after is None else min(steps, stop_after)):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup) * group["mult"]
         loss, extra = step_fn(step)

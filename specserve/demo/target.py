@@ -53,11 +53,14 @@ def hf_config(shape: TargetShape, vocab_size: int):
 
 
 def build_target(shape: TargetShape, vocab_size: int, seed: int, device: str):
-    """A freshly initialised fp32 target (seeded), in train mode, on `device`."""
+    """A freshly initialised fp32 target (seeded), in train mode, on `device`, with eager
+    attention (training reads its attention maps; the saved config does not keep that)."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(hf_config(shape, vocab_size))
+    cfg = hf_config(shape, vocab_size)
+    cfg._attn_implementation = "eager"
+    model = transformers.Qwen3ForCausalLM(cfg)
     model.config.architectures = ["Qwen3ForCausalLM"]
     return model.to(device).train()
 
@@ -66,6 +69,85 @@ def lm_loss(model, ids: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over every position of `ids [B, S]`."""
     logits = model(input_ids=ids).logits  # [B, S, V]
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+# (layer, head, kind, d): "prev" attends from t to t−d; "induction" from t to j+d, where j < t
+# is the latest earlier occurrence of token t (in repeated text, j+d holds token t+d).
+Circuit = tuple[int, int, str, int]
+# Layer 0: tokens t−1…t−4; layer 1: t+1…t+4; layer 2 head 0: t−4's view (tokens t−5…t−8);
+# layer 3: t+5…t+8 — so the last layer at t holds the 8 tokens after it on repeated text.
+COPY_CIRCUITS: tuple[Circuit, ...] = (
+    *((0, h, "prev", h + 1) for h in range(4)), *((1, h, "induction", h + 1) for h in range(4)),
+    (2, 0, "prev", 4), *((3, h, "induction", h + 5) for h in range(4)))
+
+
+def circuit_loss(attentions, ids: torch.Tensor, circuits) -> torch.Tensor:
+    """Attention supervision that installs copying: mean −log of the attention each
+    (layer, head) puts on its circuit's key position, over the positions where it exists.
+    `attentions`: per layer `[B, H, S, S]`; `ids [B, S]`."""
+    b, s = ids.shape
+    t = torch.arange(s, device=ids.device)
+    earlier = (ids[:, :, None] == ids[:, None, :]) & (t[:, None] > t[None, :])  # [B, t, j]
+    last = torch.where(earlier, t, -1).amax(-1)  # [B, S]: j, or −1 where none
+    terms = []
+    for layer, head, kind, d in circuits:
+        if kind == "prev":
+            key, ok = (t - d).expand(b, s), (t >= d).expand(b, s)
+        else:
+            key = last + d
+            ok = (last >= 0) & (key <= t)
+        if ok.any():
+            p = attentions[layer][:, head].gather(2, key.clamp(0, s - 1)[..., None])
+            terms.append(torch.log(p.squeeze(-1)[ok] + 1e-9).mean())
+    return -torch.stack(terms).mean()
+
+
+class TargetObjective(torch.nn.Module):
+    """The target's training loss: next-token cross-entropy + `circuit_weight` × the attention
+    supervision of `circuit_loss` (copying forms in ~100 steps instead of thousands: small
+    RoPE + q/k-norm models find a previous-token head late) + `lookahead_weight` × the loss of
+    training-only multi-token heads (never saved): from the final hidden state `h_t` predict
+    token t+1+i as `lm_head(h_t + W_i h_t)`, i = 1 … n. Those make the last layer carry what
+    comes after the next token — the lookahead the DFlash drafter reads from its taps (large
+    LMs have it without asking; a 4M model trained for minutes does not)."""
+
+    def __init__(self, hidden: int, lookahead: int, circuits, circuit_weight: float,
+                 lookahead_weight: float, seed: int, sample: int = 256) -> None:
+        super().__init__()
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden, bias=False)
+                                        for _ in range(lookahead))
+        for lin in self.proj:
+            torch.nn.init.zeros_(lin.weight)  # starts as the next-token head
+        self.circuits, self.circuit_weight = tuple(map(tuple, circuits)), circuit_weight
+        self.lookahead_weight, self.sample = lookahead_weight, sample
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def forward(self, model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        out = model.model(input_ids=ids, output_attentions=bool(self.circuits))
+        h = out.last_hidden_state  # [B, S, H] (after the final norm)
+        lm = F.cross_entropy(model.lm_head(h)[:, :-1].flatten(0, 1).float(),
+                             ids[:, 1:].flatten())
+        loss, logs = lm, {"lm": float(lm.detach())}
+        if self.circuits:
+            circ = circuit_loss(out.attentions, ids, self.circuits)
+            loss = loss + self.circuit_weight * circ
+            logs["circuit"] = float(circ.detach())
+        if len(self.proj):
+            ahead = torch.stack([self._ahead(model, h, ids, i, lin)
+                                 for i, lin in enumerate(self.proj, start=1)]).mean()
+            loss = loss + self.lookahead_weight * ahead
+            logs["ahead"] = float(ahead.detach())
+        return loss, logs
+
+    def _ahead(self, model, h, ids, i: int, lin) -> torch.Tensor:
+        """Cross-entropy of head i on `sample` random positions (the LM-head products are
+        the cost, so they are subsampled)."""
+        b, s, _ = h.shape
+        flat = torch.randint(0, b * (s - 1 - i), (self.sample,), generator=self.gen)
+        row = (flat // (s - 1 - i)).to(h.device)
+        col = (flat % (s - 1 - i)).to(h.device)
+        hs = h[row, col]  # [sample, H]
+        return F.cross_entropy(model.lm_head(hs + lin(hs)).float(), ids[row, col + 1 + i])
 
 
 def save_target(model, tokenizer, out_dir: Path) -> None:

@@ -32,7 +32,15 @@ from specserve.demo.drafter import (
     save_drafter,
     trainable,
 )
-from specserve.demo.target import QUICK_TARGET, TargetShape, build_target, lm_loss, save_target
+from specserve.demo.target import (
+    COPY_CIRCUITS,
+    QUICK_TARGET,
+    TargetObjective,
+    TargetShape,
+    build_target,
+    lm_loss,
+    save_target,
+)
 
 TARGET_DIR, DRAFTER_DIR, SUMMARY = "demo-target", "demo-drafter", "training.json"
 
@@ -48,18 +56,49 @@ class Recipe:
     warm_seq_len: int = 64
     warm_batch: int = 16
     target_steps: int = 600  # then natural + copy sequences of seq_len
-    target_lr: float = 3e-3
+    target_lr: float = 1e-3
+    circuits: tuple = COPY_CIRCUITS  # supervised attention heads (target.circuit_loss)
+    circuit_weight: float = 1.0
+    lookahead: int = 7  # training-only heads for tokens t+2 … t+1+lookahead
+    lookahead_weight: float = 0.5
     drafter_steps: int = 400
-    drafter_lr: float = 1.5e-3
-    norm_lr_mult: float = 30.0
+    drafter_batch: int = 4
+    drafter_copy_frac: float = 0.5
+    drafter_lr: float = 1e-3
+    weight_decay: float = 0.0
+    norm_lr_mult: float = 1.0
     log_every: int = 50
     target: TargetShape = TargetShape()
     drafter: DrafterShape = DrafterShape()
 
+    def __post_init__(self) -> None:
+        for layer, head, kind, d in self.circuits:
+            if layer >= self.target.layers or head >= self.target.heads or d < 1 \
+                    or kind not in ("prev", "induction"):
+                raise ValueError(f"circuit {(layer, head, kind, d)} does not fit a target of "
+                                 f"{self.target.layers} layers × {self.target.heads} heads")
+        if max(self.drafter.target_layer_ids) >= self.target.layers:
+            raise ValueError(f"drafter taps {self.drafter.target_layer_ids} exceed the "
+                             f"target's {self.target.layers} layers")
 
+
+# The committed checkpoints' recipe on a CPU: short sequences, the same shapes.
+CPU = Recipe(seq_len=128, batch=16, copy_frac=0.7, warm_steps=300, warm_batch=32,
+             target_steps=1700, drafter_steps=1200, drafter_batch=8, drafter_lr=3e-3,
+             drafter_copy_frac=0.9,
+             drafter=replace(DrafterShape(), anchors=16))
 QUICK = Recipe(corpus_bytes=150_000, vocab_size=512, seq_len=64, batch=4, warm_steps=2,
                warm_seq_len=32, warm_batch=4, target_steps=4, drafter_steps=6, log_every=2,
-               target=QUICK_TARGET, drafter=QUICK_DRAFTER)
+               circuits=((0, 0, "prev", 1), (1, 0, "induction", 1), (1, 1, "induction", 2)),
+               lookahead=2, target=QUICK_TARGET, drafter=QUICK_DRAFTER)
+RECIPES = {"full": Recipe(), "cpu": CPU, "quick": QUICK}
+
+
+def recipe_from_dict(d: dict) -> Recipe:
+    """The Recipe a training.json records (`dataclasses.asdict` inverted)."""
+    drafter = {**d["drafter"], "target_layer_ids": tuple(d["drafter"]["target_layer_ids"])}
+    return Recipe(**{**d, "circuits": tuple(tuple(c) for c in d["circuits"]),
+                     "target": TargetShape(**d["target"]), "drafter": DrafterShape(**drafter)})
 
 
 def resolve_device(name: str) -> str:
@@ -98,8 +137,12 @@ def _eval_target(model, natural: data.Batches, copy: data.Batches, tok, recipe: 
     return {k: round(v, 4) for k, v in out.items()}
 
 
-def run(out: Path, seed: int, device: str, recipe: Recipe, log=None) -> dict:
-    """Train both models and write them under `out`; returns the training.json summary."""
+def run(out: Path, seed: int, device: str, recipe: Recipe, log=None,
+        stop_after: int | None = None, target_from: Path | None = None) -> dict:
+    """Train both models and write them under `out`; returns the training.json summary.
+    `stop_after` N: only the target's first N steps (on the full schedule), nothing written;
+    returns {"target": its log}. `target_from`: a `train-demo` output whose target was trained
+    with this seed and recipe: load it (bf16, as saved) and train only the drafter."""
     log = log or sys.stdout
     _deterministic(device)
     t0 = time.perf_counter()
@@ -107,7 +150,6 @@ def run(out: Path, seed: int, device: str, recipe: Recipe, log=None) -> dict:
     tok = data.train_tokenizer(corpus, recipe.vocab_size)
     tokens = data.tokenize_corpus(tok, corpus)
     words = data.corpus_words(corpus)
-    mask_id = tok.token_to_id(data.MASK)
     unigram = data.unigram_entropy(tokens, recipe.vocab_size)
     print(f"corpus: {len(corpus.files)} stdlib files ({corpus.files[0]} .. {corpus.files[-1]}), "
           f"{corpus.num_bytes} bytes, {len(tokens)} tokens; unigram entropy {unigram:.3f} nats",
@@ -117,37 +159,15 @@ def run(out: Path, seed: int, device: str, recipe: Recipe, log=None) -> dict:
         return data.Batches(tok, tokens, words, kw.pop("seq_len", recipe.seq_len), copy_frac,
                             seed * 1000 + stream, **kw)
 
-    target = build_target(recipe.target, recipe.vocab_size, seed * 1000 + 1, device)
-    n_target = sum(p.numel() for p in target.parameters())
-    print(f"target: Qwen3 {n_target / 1e6:.2f}M parameters on {device}", file=log, flush=True)
-    warm_data = batches(8, 1.0, seq_len=recipe.warm_seq_len, max_period=16, prefix=False)
-    train_data = batches(2)
-
-    def target_step(step: int):
-        if step < recipe.warm_steps:
-            return lm_loss(target, warm_data.next(recipe.warm_batch).to(device)), {}
-        return lm_loss(target, train_data.next(recipe.batch).to(device)), {}
-
-    target_log = loop.train(
-        "target", target.parameters(), target_step, recipe.warm_steps + recipe.target_steps,
-        recipe.target_lr, recipe.log_every, norm_lr_mult=recipe.norm_lr_mult, out=log)
-    target_eval = _eval_target(target, batches(3, 0.0), batches(4, 1.0), tok, recipe, device)
-    print("target eval: " + ", ".join(f"{k} {v:.3f}" for k, v in target_eval.items()),
-          file=log, flush=True)
-    target.eval()
-
-    raw = drafter_config(recipe.drafter, recipe.target, recipe.vocab_size, mask_id)
-    drafter = build_drafter(raw, target, seed * 1000 + 5, device)
-    n_drafter = sum(p.numel() for p in trainable(drafter))
-    print(f"drafter: DFlash {n_drafter / 1e6:.2f}M trained parameters", file=log, flush=True)
-    objective = DraftObjective(drafter, target, recipe.drafter, seed * 1000 + 6)
-    draft_data = batches(7)
-    drafter_log = loop.train(
-        "drafter", trainable(drafter),
-        lambda step: objective(draft_data.next(recipe.batch).to(device)),
-        recipe.drafter_steps, recipe.drafter_lr, recipe.log_every,
-        norm_lr_mult=recipe.norm_lr_mult, out=log)
-
+    if target_from is None:
+        target, target_summary = _train_target(recipe, seed, device, batches, tok, log,
+                                               stop_after)
+        if stop_after is not None:
+            return {"target": target_summary}
+    else:
+        target, target_summary = _reuse_target(Path(target_from), recipe, seed, device)
+    drafter, raw, drafter_log = _train_drafter(recipe, seed, device, target, batches,
+                                               tok.token_to_id(data.MASK), log)
     out.mkdir(parents=True, exist_ok=True)
     save_target(target, tok, out / TARGET_DIR)
     save_drafter(drafter, raw, out / DRAFTER_DIR)
@@ -156,15 +176,74 @@ def run(out: Path, seed: int, device: str, recipe: Recipe, log=None) -> dict:
         "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
         "torch": torch.__version__, "corpus": corpus.describe(), "corpus_tokens": len(tokens),
         "unigram_entropy_nats": round(unigram, 4), "recipe": dataclasses.asdict(recipe),
-        "target_parameters": n_target, "drafter_parameters": n_drafter,
-        "target": {**target_log.as_dict(), "eval_loss": target_eval},
-        "drafter": drafter_log.as_dict(),
+        "target_parameters": sum(p.numel() for p in target.parameters()),
+        "drafter_parameters": sum(p.numel() for p in trainable(drafter)),
+        "target": target_summary, "drafter": drafter_log.as_dict(),
         "total_seconds": round(time.perf_counter() - t0, 1),
     }
     (out / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {out / TARGET_DIR}, {out / DRAFTER_DIR}, {out / SUMMARY} "
           f"in {summary['total_seconds']:.0f} s", file=log, flush=True)
     return summary
+
+
+def _train_target(recipe: Recipe, seed: int, device: str, batches, tok, log,
+                  stop_after: int | None):
+    """Phase 1: the target (warm-up on short copies, then natural + copy) and its eval."""
+    target = build_target(recipe.target, recipe.vocab_size, seed * 1000 + 1, device)
+    n_target = sum(p.numel() for p in target.parameters())
+    print(f"target: Qwen3 {n_target / 1e6:.2f}M parameters on {device}", file=log, flush=True)
+    warm_data = batches(8, 1.0, seq_len=recipe.warm_seq_len, max_period=16, prefix=False)
+    train_data = batches(2)
+    objective = TargetObjective(recipe.target.hidden, recipe.lookahead, recipe.circuits,
+                                recipe.circuit_weight, recipe.lookahead_weight,
+                                seed * 1000 + 9).to(device)
+
+    def target_step(step: int):
+        if step < recipe.warm_steps:
+            return objective(target, warm_data.next(recipe.warm_batch).to(device))
+        return objective(target, train_data.next(recipe.batch).to(device))
+
+    target_log = loop.train(
+        "target", [*target.parameters(), *objective.parameters()], target_step,
+        recipe.warm_steps + recipe.target_steps, recipe.target_lr, recipe.log_every,
+        weight_decay=recipe.weight_decay, norm_lr_mult=recipe.norm_lr_mult, out=log,
+        stop_after=stop_after)
+    if stop_after is not None:
+        return target, target_log.as_dict()
+    target_eval = _eval_target(target, batches(3, 0.0), batches(4, 1.0), tok, recipe, device)
+    print("target eval: " + ", ".join(f"{k} {v:.3f}" for k, v in target_eval.items()),
+          file=log, flush=True)
+    return target.eval(), {**target_log.as_dict(), "eval_loss": target_eval}
+
+
+def _reuse_target(src: Path, recipe: Recipe, seed: int, device: str):
+    import transformers
+
+    prev = json.loads((src / SUMMARY).read_text())
+    same = {k: v for k, v in dataclasses.asdict(recipe).items() if not k.startswith("drafter")}
+    if prev["seed"] != seed or {k: prev["recipe"].get(k) for k in same} != json.loads(
+            json.dumps(same)):
+        raise ValueError(f"{src}: its target was trained with another seed or target recipe")
+    target = transformers.Qwen3ForCausalLM.from_pretrained(
+        src / TARGET_DIR, dtype=torch.float32, attn_implementation="eager").to(device).eval()
+    return target, {**prev["target"], "reused_from": str(src)}
+
+
+def _train_drafter(recipe: Recipe, seed: int, device: str, target, batches, mask_id: int, log):
+    """Phase 2: the DFlash drafter against the frozen target (A5)."""
+    raw = drafter_config(recipe.drafter, recipe.target, recipe.vocab_size, mask_id)
+    drafter = build_drafter(raw, target, seed * 1000 + 5, device)
+    n_drafter = sum(p.numel() for p in trainable(drafter))
+    print(f"drafter: DFlash {n_drafter / 1e6:.2f}M trained parameters", file=log, flush=True)
+    objective = DraftObjective(drafter, target, recipe.drafter, seed * 1000 + 6)
+    draft_data = batches(7, recipe.drafter_copy_frac)
+    drafter_log = loop.train(
+        "drafter", trainable(drafter),
+        lambda step: objective(draft_data.next(recipe.drafter_batch).to(device)),
+        recipe.drafter_steps, recipe.drafter_lr, recipe.log_every,
+        weight_decay=recipe.weight_decay, norm_lr_mult=recipe.norm_lr_mult, out=log)
+    return drafter, raw, drafter_log
 
 
 def _device_name(device: str) -> str:
@@ -176,13 +255,13 @@ def _device_name(device: str) -> str:
 def run_from_args(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    recipe = QUICK if args.quick else Recipe()
-    if args.target_steps is not None:
-        recipe = replace(recipe, target_steps=args.target_steps)
-    if args.drafter_steps is not None:
-        recipe = replace(recipe, drafter_steps=args.drafter_steps)
+    recipe = RECIPES["quick" if args.quick else args.recipe or (
+        "full" if resolve_device(args.device).startswith("cuda") else "cpu")]
+    for name in ("target_steps", "drafter_steps", "drafter_lr", "drafter_copy_frac"):
+        if getattr(args, name) is not None:
+            recipe = replace(recipe, **{name: getattr(args, name)})
     summary = run(Path(args.out), args.seed, resolve_device(args.device), recipe,
-                  log=sys.stderr if args.json else sys.stdout)
+                  log=sys.stderr if args.json else sys.stdout, target_from=args.target_from)
     if args.json:
         print(json.dumps(summary, indent=1))
     return 0

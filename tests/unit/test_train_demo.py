@@ -54,8 +54,29 @@ def test_quick_training_is_deterministic_and_loads(tmp_path, capsys):
         "torch.bfloat16"}
 
 
-@pytest.mark.skipif(not (CHECKPOINTS / train.DRAFTER_DIR / "model.safetensors").exists(),
-                    reason="no committed demo checkpoints")
+def test_train_demo_reproduces_the_committed_first_losses(tmp_path):
+    """The committed pair's training.json: the same seed and recipe, run again for its first 50
+    steps on the full schedule, logs the same first losses, exactly."""
+    import torch
+
+    from specserve.demo import data
+
+    summary = json.loads((CHECKPOINTS / train.SUMMARY).read_text())
+    recipe = train.recipe_from_dict(summary["recipe"])
+    corpus = data.stdlib_corpus(recipe.corpus_bytes)
+    if corpus.sha256 != summary["corpus"]["sha256"]:
+        pytest.skip(f"this Python's stdlib ({corpus.root}) is not the one the pair was trained on")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(summary["torch_threads"])
+    try:
+        again = train.run(tmp_path, summary["seed"], "cpu", recipe, stop_after=recipe.log_every)
+    finally:
+        torch.set_num_threads(threads)
+    want = summary["target"]["losses"][:2]
+    assert [s for s, _ in want] == [1, recipe.log_every]
+    assert again["target"]["losses"] == want
+
+
 def test_committed_pair_speculates_on_predictable_text():
     from specserve.demo.evaluate import commit_len, make_engine, predictable_ids
 
