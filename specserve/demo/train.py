@@ -214,7 +214,8 @@ def _train_target(recipe: Recipe, seed: int, device: str, batches, tok, log,
     target_eval = _eval_target(target, batches(3, 0.0), batches(4, 1.0), tok, recipe, device)
     print("target eval: " + ", ".join(f"{k} {v:.3f}" for k, v in target_eval.items()),
           file=log, flush=True)
-    return target.eval(), {**target_log.as_dict(), "eval_loss": target_eval}
+    return target.eval(), {**target_log.as_dict(), "eval_loss": target_eval,
+                           "torch_threads": torch.get_num_threads()}
 
 
 def _reuse_target(src: Path, recipe: Recipe, seed: int, device: str):
@@ -227,7 +228,8 @@ def _reuse_target(src: Path, recipe: Recipe, seed: int, device: str):
         raise ValueError(f"{src}: its target was trained with another seed or target recipe")
     target = transformers.Qwen3ForCausalLM.from_pretrained(
         src / TARGET_DIR, dtype=torch.float32, attn_implementation="eager").to(device).eval()
-    return target, {**prev["target"], "reused_from": str(src)}
+    return target, {"torch_threads": prev["torch_threads"], **prev["target"],
+                    "reused_from": str(src)}
 
 
 def _train_drafter(recipe: Recipe, seed: int, device: str, target, batches, mask_id: int, log):
