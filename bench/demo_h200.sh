@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# On a GPU machine: train the demo pair (specserve train-demo recipe) and run the commit probe
-# against the three services on it at 1k / 16k / 64k / 128k. Writes under ${OUT:-out}/.
-#   bash bench/demo_h200.sh [target_steps] [drafter_steps]
+# On a GPU machine: train the demo pair (`specserve train-demo --recipe full`) and run the commit
+# probe against the three services on it at 1k / 16k / 64k / 128k. Writes under ${OUT:-out}/.
+#   bash bench/demo_h200.sh [target_steps] [drafter_steps]     (default: the recipe's)
+#   CKPT=checkpoints bash bench/demo_h200.sh                    (probe a trained pair, no training)
 set -euo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 GRPC_VERBOSITY=ERROR
 unset TRITON_INTERPRET
-TS=${1:-4000}; DS=${2:-3000}
-TMP=$(mktemp -d); CK="$TMP/ckpt"; T="$CK/demo-target"; D="$CK/demo-drafter"
-echo "== train ($TS target steps, $DS drafter steps) $(date -u)"
-python3 -m specserve.demo.train --out "$CK" --device cuda --seed 0 \
-  --target-steps "$TS" --drafter-steps "$DS" 2>&1 | tee "$OUT/train.log" | grep -v "step .*[1-9]0/" || true
+TMP=$(mktemp -d); CK=${CKPT:-$TMP/ckpt}; T="$CK/demo-target"; D="$CK/demo-drafter"
+if [ -z "${CKPT:-}" ]; then
+  steps=(); [ -n "${1:-}" ] && steps+=(--target-steps "$1"); [ -n "${2:-}" ] && steps+=(--drafter-steps "$2")
+  echo "== train ${steps[*]:-recipe steps} $(date -u)"
+  python3 -m specserve.cli train-demo --recipe full --out "$CK" --device cuda --seed 0 \
+    "${steps[@]}" 2>&1 | tee "$OUT/train.log" | grep -v "step .*[1-9]0/" || true
+fi
 ls -la "$T" "$D"
 start() {  # name, flags...
   local name=$1; shift
@@ -30,6 +33,6 @@ python3 -m specserve.cli probe --gateway "127.0.0.1:$(cat "$TMP/gateway.port")" 
   --json "$OUT/probe.json" --plot "$OUT/probe.png" 2>&1 | tee "$OUT/probe.log"
 kill %1 %2 %3 2>/dev/null || true
 # at most 8 files come back from the device: one archive, one log of the services
-tar czf "$OUT/ckpt.tgz" -C "$TMP" ckpt
+[ -z "${CKPT:-}" ] && tar czf "$OUT/ckpt.tgz" -C "$TMP" ckpt
 for n in drafter verifier gateway; do echo "---- $n"; tail -50 "$TMP/$n.log"; done > "$OUT/services.log"
 echo "== done $(date -u)"
