@@ -27,7 +27,7 @@ class TargetShape:
     hidden: int = 256
     layers: int = 4
     heads: int = 4
-    kv_heads: int = 2
+    kv_heads: int = 4  # one K/V per head: the supervised circuit heads do not share keys
     head_dim: int = 64
     intermediate: int = 768
     window: int = 256  # every layer: a query sees keys at distance < window

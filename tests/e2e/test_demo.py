@@ -1,7 +1,7 @@
 """The README demo path on the committed demo pair: `specserve up` with no model flags serves
 checkpoints/ (target + DFlash drafter), and `specserve probe` with no --model sizes its prompts
 with that pair's tokenizer. Greedy, DDTree budget 16: the trained pair speculates on predictable
-text through the three services with no fallbacks."""
+text through the three services with no fallbacks (commit_len > 3), clearly less on novel text."""
 
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ def test_up_and_probe_default_to_the_demo_pair(tmp_path):
         print(probe.stdout)
         assert rows["predictable"]["context"] == rows["novel"]["context"] == 1024
         assert rows["predictable"]["fallbacks"] == 0  # the DFlash drafter drafted every step
-        # an untrained drafter commits ~1.0 per step; this CPU-trained pair 3.00 in process
-        assert rows["predictable"]["commit_len"] >= 2.5
-        assert rows["novel"]["steps"] > 0 and rows["novel"]["commit_len"] >= 1
+        # an untrained drafter commits ~1.0 per step; this CPU-trained pair 7.00, novel 3.32
+        assert rows["predictable"]["commit_len"] > 3
+        assert rows["novel"]["commit_len"] < rows["predictable"]["commit_len"] - 1
     finally:
         proc.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -88,8 +88,8 @@ def test_committed_pair_speculates_on_predictable_text():
     assert raw["max_position_embeddings"] >= 131072
     engine = make_engine(tdir, ddir, max_context=1024 + 64, budget=16)
     r = commit_len(engine, predictable_ids(engine.tokenizer, 1024), new_tokens=64, budget=16)
-    # an untrained drafter commits ~1.0 per step; this pair 3.00 (issue 8 asks > 3: not yet)
-    assert r["mean_commit_len"] >= 2.5, r["mean_commit_len"]
+    # an untrained drafter commits ~1.0 per step; this pair 7.00 (issue 8 asks > 3 on CPU)
+    assert r["mean_commit_len"] > 3, r["mean_commit_len"]
     assert engine.blocks.num_used_pages == 0
     text = engine.tokenizer.decode(r["tokens"])
     assert "The cat sat on the mat." in text  # the target itself continues the phrase
