@@ -269,9 +269,10 @@ def _layer_inference(layer: DecoderLayer, f: _Fused | None, x, cos, sin, batch, 
     if f is not None and f.qk_norm_w is not None:  # q and k heads: one norm, one multiply
         qk = F.rms_norm(qk, (d,), eps=a.q_norm.eps) * f.qk_norm_w
     elif a.q_norm is not None:  # unfused: one normalisation, then each weight
-        qk = F.rms_norm(qk, (d,), eps=a.q_norm.eps)
-        if a.k_norm.eps != a.q_norm.eps:  # never in practice (one config value): redo k
-            qk[:, hq:] = F.rms_norm(qk[:, hq:], (d,), eps=a.k_norm.eps)
+        normed = F.rms_norm(qk, (d,), eps=a.q_norm.eps)
+        if a.k_norm.eps != a.q_norm.eps:  # never in practice (one config value): k's own eps
+            normed[:, hq:] = F.rms_norm(qk[:, hq:], (d,), eps=a.k_norm.eps)
+        qk = normed
         qk[:, :hq].mul_(a.q_norm.weight)
         qk[:, hq:].mul_(a.k_norm.weight)
     q, k = apply_rotary_rolled(qk, cos, sin).split([hq, hkv], dim=1)  # all heads, one pass

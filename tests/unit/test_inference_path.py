@@ -65,6 +65,20 @@ def test_inference_path_fused_and_unfused_equal_module_path(checkpoint_cache, na
     _close(_run(model, grad=True, taps=(0, 2)), ref)  # module path still fine on the views
 
 
+def test_inference_path_with_distinct_q_and_k_norm_eps(checkpoint_cache):
+    """q_norm and k_norm with different eps (the unfused-norm branch): each head group is
+    normalised once, with its own eps, from the projection — as the module path does."""
+    path, _ = checkpoint_cache("qwen3-gqa4-yarn")
+    model = load_model(path)
+    for layer in model.model.layers:
+        layer.self_attn.k_norm.eps = 0.5  # large: a wrong eps or a second norm shows
+    ref = _run(model, grad=True)
+    _close(_run(model, grad=False), ref)
+    model.fuse_projections()
+    assert model._fused[0].qk_norm_w is None  # eps differ: norms are not stacked
+    _close(_run(model, grad=False), ref)
+
+
 def test_fused_weights_are_views_and_follow_changes(checkpoint_cache):
     path, _ = checkpoint_cache("qwen3-gqa4-yarn")
     model = load_model(path)
