@@ -1,4 +1,5 @@
-"""KV memory: one K and one V tensor per layer, `[num_pages, page_size, kv_heads, head_dim]`.
+"""KV memory: one tensor `[2, layers, num_pages, page_size, kv_heads, head_dim]` holding K and V
+of every layer, with per-layer views `k[l]` / `v[l]` `[num_pages, page_size, kv_heads, head_dim]`.
 
 Memory only — which request owns which page is `kvcache.block_manager`'s business. The pool is
 sized from a byte budget (`num_pages_for_budget`) so a deployment states how much memory the cache
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from specserve.attention.base import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +93,8 @@ class KVPool:
                 raise ValueError(f"copy_slots: {len(src)} sources but {len(dst)} destinations")
             if len(src) == 0:
                 return
-            both = torch.as_tensor(np.asarray([list(src), list(dst)], dtype=np.int64))
-            if self.kv.is_cuda:
-                both = both.pin_memory().to(self.kv.device, non_blocking=True)
-            else:
-                both = both.to(self.kv.device)
-            src, dst = both[0], both[1]
+            src, dst = to_device([np.asarray(src, dtype=np.int64),
+                                  np.asarray(dst, dtype=np.int64)], self.kv.device)
         if src.numel() == 0:
             return
         flat = self._flat_all

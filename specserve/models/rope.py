@@ -76,10 +76,18 @@ class Rotary(torch.nn.Module):
         inv, self.scale = inv_freq_and_scale(cfg, head_dim)
         self.register_buffer("inv_freq", inv, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def _half(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scaled cos and sin `[T, D/2]` float32 (each frequency once)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos, sin
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and sin `[T, D]` for `apply_rotary` (both halves equal)."""
+        cos, sin = self._half(positions)
+        return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([sin, sin], dim=-1).to(dtype)
 
     def rolled_tables(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -89,10 +97,7 @@ class Rotary(torch.nn.Module):
         Equal to `forward`'s tables, with the rotate-half sign folded into sin's first half:
         `[-sin, +sin]` (negation is exact, so the rotation's results are bitwise the same).
         """
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        cos, sin = freqs.cos(), freqs.sin()
-        if self.scale != 1.0:
-            cos, sin = cos * self.scale, sin * self.scale
+        cos, sin = self._half(positions)
         cos = torch.cat([cos, cos], dim=-1).to(dtype)
         sin = torch.cat([-sin, sin], dim=-1).to(dtype)
         return cos[:, None, :], sin[:, None, :]
