@@ -3,8 +3,9 @@ sliding-window attention, so that it computes the same function at position 128k
 
 RoPE attention scores depend only on the query–key distance, and with ALL layers windowed a
 token never sees further back than `layers × (window − 1)` positions: the network's output at
-any position is a function of that many preceding tokens and their relative offsets, all of
-which training (sequences of twice the window) covers. No absolute position ever enters.
+any position is a function of that many preceding tokens and their per-layer offsets (< window).
+No absolute position ever enters. The `full` recipe's 512-token sequences cover every offset a
+window holds; the `cpu` recipe's 128-token ones only offsets < 128.
 """
 
 from __future__ import annotations
