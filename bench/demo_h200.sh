@@ -7,11 +7,11 @@ set -euo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 GRPC_VERBOSITY=ERROR
 unset TRITON_INTERPRET
-TMP=$(mktemp -d); CK=${CKPT:-$TMP/ckpt}; T="$CK/demo-target"; D="$CK/demo-drafter"
+DEV=${DEVICE:-cuda}; TMP=$(mktemp -d); CK=${CKPT:-$TMP/ckpt}; T="$CK/demo-target"; D="$CK/demo-drafter"
 if [ -z "${CKPT:-}" ]; then
   steps=(); [ -n "${1:-}" ] && steps+=(--target-steps "$1"); [ -n "${2:-}" ] && steps+=(--drafter-steps "$2")
   echo "== train ${steps[*]:-recipe steps} $(date -u)"
-  python3 -m specserve.cli train-demo --recipe full --out "$CK" --device cuda --seed 0 \
+  python3 -m specserve.cli train-demo --recipe full --out "$CK" --device "$DEV" --seed 0 \
     "${steps[@]}" 2>&1 | tee "$OUT/train.log" | grep -v "step .*[1-9]0/" || true
 fi
 ls -la "$T" "$D"
@@ -22,9 +22,9 @@ start() {  # name, flags...
   echo "$name did not start"; tail -30 "$TMP/$name.log"; exit 1
 }
 echo "== services $(date -u)"
-start drafter --model "$T" --draft-model "$D" --device cuda
+start drafter --model "$T" --draft-model "$D" --device "$DEV"
 start verifier --model "$T" --draft-model "$D" --drafter "127.0.0.1:$(cat "$TMP/drafter.port")" \
-  --device cuda --max-draft-tokens 64 --default-budget 16 --kv-memory-gb 8 \
+  --device "$DEV" --max-draft-tokens 64 --default-budget 16 --kv-memory-gb 8 \
   --max-num-batched-tokens 8192
 start gateway --model "$T" --verifier "127.0.0.1:$(cat "$TMP/verifier.port")"
 echo "== probe $(date -u)"

@@ -61,11 +61,20 @@ def tail_block_n(cfg: Config) -> int:
     return min(cfg.block_n, 32)
 
 
-def combine_block_s(parts: int, head_dim: int) -> tuple[int, int]:
+COMBINE_LSE_BLOCK = 128  # ≥ the most parts the split heuristic makes (64 splits + the tail)
+
+
+def combine_block_s(parts: int, head_dim: int, fixed: bool = True) -> tuple[int, int]:
     """(BLOCK_S, LSE_BLOCK) of the combine kernel: LSE_BLOCK ≥ `parts` (all LSEs in one load),
     BLOCK_S parts of [head_dim] fp32 per loop step (≤ 8192 elements, ≤ 64 registers/thread at 4
-    warps: up to 64 parts at D = 128 load in one round trip)."""
+    warps: up to 64 parts at D = 128 load in one round trip).
+
+    `fixed` (GPU): LSE_BLOCK is COMBINE_LSE_BLOCK for every split count up to it, so the kernel
+    compiles once per head_dim, not once per context class (each new split count cost a
+    ≈ 0.3 s compile inside a request's step). The CPU interpreter keeps the tight blocks."""
     lse_block = max(2, 1 << (parts - 1).bit_length())
+    if fixed:
+        lse_block = max(lse_block, COMBINE_LSE_BLOCK)
     return min(lse_block, max(1, 8192 // head_dim)), lse_block
 
 

@@ -387,7 +387,7 @@ def _plan(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, config) -> 
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     if not q.is_cuda:
         dot_prec = "interpret"
-    block_s, lse_block = combine_block_s(parts, d)
+    block_s, lse_block = combine_block_s(parts, d, fixed=q.is_cuda)
     return _Plan(config=config, grid=(row_blocks, parts, nb * hkv), parts=parts, hkv=hkv,
                  window=int(sliding_window) if sliding_window is not None else 0,
                  dot_prec=dot_prec, tail_n=tail_block_n(config), block_s=block_s,

@@ -27,6 +27,8 @@ FLAGS = [
     Flag("--page-size", "SPECSERVE_PAGE_SIZE", 16, int, "context-cache page size (tokens)"),
     Flag("--drafter-pages", "SPECSERVE_DRAFTER_PAGES", 16384, int,
          "context-cache pages per layer group (16384 × 16 = 256k tokens: a 128k probe fits)"),
+    Flag("--warmup", "SPECSERVE_WARMUP", "auto", str,
+         "compile the GPU kernels before serving: auto (on cuda) | on | off"),
     Flag("--metrics-port", "SPECSERVE_DRAFTER_METRICS_PORT", DRAFTER_METRICS_PORT, int,
          "Prometheus /metrics port (0 = none)"),
 ]
@@ -46,7 +48,7 @@ def config_from_args(args: argparse.Namespace) -> DrafterConfig:
     return DrafterConfig(host=args.host, port=args.port, model=args.model,
                          draft_model=args.draft_model, device=args.device, dtype=args.dtype,
                          page_size=args.page_size, num_pages=args.drafter_pages,
-                         metrics_port=args.metrics_port)
+                         metrics_port=args.metrics_port, warmup=args.warmup)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,10 +23,12 @@ from services.common.server import INTERNAL_MESSAGE_BYTES, mark_serving, start_s
 from services.common.settings import DEFAULT_HOST, DRAFTER_PORT
 from services.drafter.core import DrafterCore
 from services.drafter.servicer import DrafterServicer
+from specserve.engine.warmup import warm_up_drafter
 from specserve.v1 import drafter_pb2_grpc
 
 SERVICE_NAME = "specserve.v1.Drafter"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WARMUP = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,11 @@ class DrafterConfig:
     num_pages: int = 4096  # context-cache pages per layer group
     grace_s: float = 5.0  # in-flight streams get this long to finish on shutdown
     metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
+    warmup: str = "auto"  # compile kernels before serving: auto (= on cuda) | on | off
 
     def __post_init__(self) -> None:
+        if self.warmup not in WARMUP:
+            raise ValueError(f"warmup must be one of {WARMUP}, got {self.warmup!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 <= self.metrics_port <= 65535:
@@ -74,10 +79,14 @@ class DrafterConfig:
 
 
 def load_core(config: DrafterConfig) -> DrafterCore:
-    """The configured drafters (blocking: loads weights)."""
-    return DrafterCore.load(config.draft_model, config.model, dtype=config.resolved_dtype,
+    """The configured drafters (blocking: loads weights, then warms the DFlash kernels)."""
+    core = DrafterCore.load(config.draft_model, config.model, dtype=config.resolved_dtype,
                             device=config.resolved_device, num_pages=config.num_pages,
                             page_size=config.page_size)
+    on_gpu = config.resolved_device.startswith("cuda")
+    if core.dflash is not None and (config.warmup == "on" or (config.warmup == "auto" and on_gpu)):
+        warm_up_drafter(core.dflash)
+    return core
 
 
 async def serve(config: DrafterConfig, core: DrafterCore | None = None,

@@ -97,6 +97,8 @@ class RemoteDrafter:
         self._last_attempt = -float("inf")
         self._epoch = 0
         self._pending: dict[int, asyncio.Future] = {}  # step id → its reply
+        self._feeding: set[asyncio.Future] = set()  # feeds in flight (releases wait for them)
+        self._feed_failed: set[str] = set()  # requests whose feed failed: resend in full
         self._step_ids = itertools.count(1)
         self._states: dict[str, _State] = {}
         self._entry_errors: dict[str, str] = {}
@@ -143,8 +145,53 @@ class RemoteDrafter:
             raise
         return self._trees(requests, reply, marks)
 
-    def _entry(self, req: DraftRequest, st: _State, epoch: int, release: list[str]):
+    def feed(self, requests: Sequence[DraftRequest]) -> None:
+        """Send prefill context rows now, as budget-0 entries whose reply is not waited for: the
+        drafter builds its context cache while the target prefills, and the first draft carries
+        no prompt rows. The rows are kept here as always; a feed that fails marks its requests
+        for a full resend by their next draft."""
+        rows = [r for r in requests if r.context is not None and r.context.shape[0]]
+        if not rows:
+            return
+        if self._loop is None or self._closed or self._call is None:
+            for req in rows:  # no stream: keep the rows for the first draft
+                if not self._absorb(req, self._states.setdefault(req.request_id, _State(None))):
+                    self._states[req.request_id].resend = True
+            return
+        epoch, entries, release = self._epoch, [], []
+        for req in rows:
+            st = self._states.setdefault(req.request_id, _State(None))
+            if st.kind == "ngram":  # the n-gram drafter takes no context
+                continue
+            entry = self._entry(req, st, epoch, release, traced=False)
+            if entry is None:
+                continue
+            entries.append(entry)
+            st.rows_sent = st.num_rows  # optimistic: a failure sets resend (see _feed)
+        if entries:
+            step_id = next(self._step_ids)
+            batch = convert.draft_batch_to_pb(step_id, entries)
+            ids = [r.request_id for r in rows]
+            self._loop.call_soon_threadsafe(
+                lambda: self._feeding.add(self._spawn(self._feed(step_id, epoch, batch, release,
+                                                                 ids))))
+
+    async def _feed(self, step_id: int, epoch: int, batch, release: list[str],
+                    ids: list[str]) -> None:
+        try:
+            reply = await self._exchange(step_id, epoch, batch, release)
+            failed = [rid for rid, tree in convert.trees_from_pb(reply).items()
+                      if not isinstance(tree, DraftTree)]
+        except Exception:  # noqa: BLE001 — any failure: the next draft resends everything
+            failed = ids
+        self._feed_failed.update(failed)
+
+    def _entry(self, req: DraftRequest, st: _State, epoch: int, release: list[str],
+               traced: bool = True):
         """The request's DraftEntry (None, with an entry error, if it cannot be drafted)."""
+        if req.request_id in self._feed_failed:
+            self._feed_failed.discard(req.request_id)
+            st.resend = True
         if not self._absorb(req, st):
             self._entry_errors[req.request_id] = "drafter_entry_error: context gap"
             return None
@@ -155,8 +202,9 @@ class RemoteDrafter:
             st.epoch, st.resend = epoch, False
         st.sent_once = True
         context = st.rows_since(st.rows_sent) if st.rows_sent < st.num_rows else None
-        history = list(req.history or ())[st.history_sent:]
-        trace_context = self.tracing.open_draft(req.request_id) if self.tracing else None
+        history = list(req.history[st.history_sent:]) if req.history is not None else []
+        trace_context = (self.tracing.open_draft(req.request_id)
+                         if self.tracing and traced else None)
         return convert.draft_entry_to_pb(req, st.kind, context, history, trace_context)
 
     def _absorb(self, req: DraftRequest, st: _State) -> bool:
@@ -202,6 +250,7 @@ class RemoteDrafter:
     async def start(self) -> None:
         """Bind to the running loop and try to connect once (failure: retried in background)."""
         self._loop = asyncio.get_running_loop()
+        self._write_lock = asyncio.Lock()
         await self._connect()
 
     async def close(self) -> None:
@@ -222,10 +271,11 @@ class RemoteDrafter:
         self._pending[step_id] = reply
         try:
             async with asyncio.timeout(self.timeout_s):
-                if release:
-                    await self._stub.Release(convert.release_to_pb(release),
-                                             timeout=self.timeout_s)
-                await call.write(batch)
+                async with self._write_lock:  # one write at a time on the stream (feeds, steps)
+                    if release:
+                        await self._stub.Release(convert.release_to_pb(release),
+                                                 timeout=self.timeout_s)
+                    await call.write(batch)
                 return await reply
         except TimeoutError:
             self._drop(call, "deadline exceeded")  # a drafter behind: flush its backlog
@@ -295,6 +345,9 @@ class RemoteDrafter:
 
     async def _flush_releases(self) -> None:
         await asyncio.sleep(0)  # batch the releases of one step into one call
+        self._feeding = {f for f in self._feeding if not f.done()}
+        if self._feeding:  # a release must not overtake a feed (it would leave state behind)
+            await asyncio.gather(*self._feeding, return_exceptions=True)
         ids, self._releases = self._releases, set()
         if self._stub is None or not ids:
             return  # no drafter: its state went with the connection

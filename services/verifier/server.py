@@ -24,11 +24,13 @@ from services.verifier.servicer import VerifierServicer
 from services.verifier.tracing import StepTracer
 from specserve.config import EngineConfig
 from specserve.engine.engine import Engine
+from specserve.engine.warmup import warm_up_engine
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name  # specserve.v1.Verifier
 DEFAULT_KV_GB = {"cpu": 1.0, "cuda": 16.0}
+WARMUP = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,11 @@ class VerifierConfig:
     grace_s: float = 5.0  # shutdown drains in-flight requests this long
     trace_steps: int = 1  # a `step` span for every Nth step of a request (0 = none)
     metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
+    warmup: str = "auto"  # compile kernels before serving: auto (= on cuda) | on | off
 
     def __post_init__(self) -> None:
+        if self.warmup not in WARMUP:
+            raise ValueError(f"warmup must be one of {WARMUP}, got {self.warmup!r}")
         if not self.model:
             raise ValueError("model (the target checkpoint directory) is required")
         if not 0 <= self.port <= 65535:
@@ -138,6 +143,8 @@ class VerifierServer:
 async def _build(config: VerifierConfig, metrics: VerifierMetrics
                  ) -> tuple[StepLoop, RemoteDrafter | None]:
     engine = await asyncio.to_thread(Engine, config.engine_config())
+    if config.warmup == "on" or (config.warmup == "auto" and engine.runner.device.type == "cuda"):
+        await asyncio.to_thread(warm_up_engine, engine)
     tracer = StepTracer(config.trace_steps)
     drafter = None
     if config.drafter:

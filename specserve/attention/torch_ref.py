@@ -1,7 +1,9 @@
 """Reference attention backend in plain torch: gather each request's pages, mask, softmax.
 
 Obviously right and slow; the CPU backend and the oracle for the Triton kernel. Math is done in
-float32 (float64 if the inputs are float64) whatever the input dtype.
+float32 (float64 if the inputs are float64) whatever the input dtype. One shortcut: a causal
+chunk under a sliding window runs in tiles of TILE query rows, each over the keys its rows can
+see, so a long prefill chunk costs O(rows × (window + TILE)), not O(rows²).
 """
 
 from __future__ import annotations
@@ -10,38 +12,56 @@ import torch
 
 from specserve.attention.base import AttnBatch
 
+TILE = 512  # query rows per tile of a causal windowed chunk
 
-def first_key(batch: AttnBatch, b: int, sliding_window: int | None) -> int:
-    """First prefix position any new token of request `b` can see (0 without a window).
+
+def first_key(batch: AttnBatch, b: int, sliding_window: int | None,
+              rows: tuple[int, int] | None = None) -> int:
+    """First prefix position any new token of request `b` (of its `rows` [r0, r1), default
+    all) can see (0 without a window).
 
     Prefix positions below it may live in freed pages (a drafter's sliding layers): never read.
     """
-    if sliding_window is None or batch.q_lens[b] == 0:
+    r0, r1 = rows or (0, batch.q_lens[b])
+    if sliding_window is None or r1 == r0:
         return 0
     q0 = int(batch.cu_q[b])
-    lowest = int(batch.positions[q0 : q0 + batch.q_lens[b]].min())
+    lowest = int(batch.positions[q0 + r0 : q0 + r1].min())
     return min(max(0, lowest - sliding_window + 1), batch.ctx_lens[b])
 
 
 def visible_mask(
-    batch: AttnBatch, b: int, sliding_window: int | None, k0: int = 0
-) -> torch.Tensor:  # [q_len, ctx_len - k0 + q_len] bool
-    """Which keys (prefix positions [k0, ctx), then new tokens) each new token of `b` sees."""
-    q0, q1 = int(batch.cu_q[b]), int(batch.cu_q[b + 1])
-    n, ctx = q1 - q0, batch.ctx_lens[b]
-    device = batch.cu_q.device
-    rows = torch.arange(n, device=device)
+    batch: AttnBatch, b: int, sliding_window: int | None, k0: int = 0,
+    rows: tuple[int, int] | None = None,
+) -> torch.Tensor:  # [r1 - r0, ctx_len - k0 + new keys] bool
+    """Which keys (prefix positions [k0, ctx), then new tokens) each new token of `b` (of its
+    `rows` [r0, r1), default all) sees. New keys: all q_len, or (causal) the first r1."""
+    q0, n = int(batch.cu_q[b]), batch.q_lens[b]
+    r0, r1 = rows or (0, n)
+    ctx, device = batch.ctx_lens[b], batch.cu_q.device
+    mine = torch.arange(r0, r1, device=device)
     if batch.tree_mask is None:
-        new = rows[None, :] <= rows[:, None]
+        keys = torch.arange(r1, device=device)
+        new = keys[None, :] <= mine[:, None]
     else:
-        words = batch.tree_mask[q0:q1, rows // 32]  # [n, n] word holding bit j for row i
-        new = ((words >> (rows % 32)[None, :]) & 1).bool()
-    mask = torch.cat([torch.ones(n, ctx - k0, dtype=torch.bool, device=device), new], dim=1)
+        keys = torch.arange(n, device=device)
+        words = batch.tree_mask[q0 + r0 : q0 + r1, keys // 32]  # word holding bit j for row i
+        new = ((words >> (keys % 32)[None, :]) & 1).bool()
+    mask = torch.cat([torch.ones(r1 - r0, ctx - k0, dtype=torch.bool, device=device), new], 1)
     if sliding_window is not None:
-        q_pos = batch.positions[q0:q1]
-        k_pos = torch.cat([torch.arange(k0, ctx, device=device), q_pos])
+        q_pos = batch.positions[q0 + r0 : q0 + r1]
+        k_pos = torch.cat([torch.arange(k0, ctx, device=device),
+                           batch.positions[q0 : q0 + keys.shape[0]]])
         mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
     return mask
+
+
+def row_tiles(batch: AttnBatch, b: int, sliding_window: int | None) -> list[tuple[int, int]]:
+    """Query-row ranges of request `b`: TILE-row tiles for a causal windowed chunk, else one."""
+    n = batch.q_lens[b]
+    if sliding_window is None or batch.tree_mask is not None or n <= TILE:
+        return [(0, n)]
+    return [(r, min(r + TILE, n)) for r in range(0, n, TILE)]
 
 
 def gather_kv(
@@ -66,19 +86,21 @@ def torch_ref_attention(
     out = torch.empty_like(q)
     hq, hkv = q.shape[1], k_pool.shape[2]
     for b in range(batch.batch_size):
-        q0, q1 = int(batch.cu_q[b]), int(batch.cu_q[b + 1])
-        if q1 == q0:
-            continue
-        length = batch.ctx_lens[b] + (q1 - q0)
-        k0 = first_key(batch, b, sliding_window)
-        k = gather_kv(k_pool, batch, b, length, k0).to(acc_dtype)  # [L, Hkv, D]
-        v = gather_kv(v_pool, batch, b, length, k0).to(acc_dtype)
-        k = k.repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
-        v = v.repeat_interleave(hq // hkv, dim=1)
-        qb = q[q0:q1].to(acc_dtype)  # [n, Hq, D]
-        scores = torch.einsum("nhd,lhd->hnl", qb, k) * scale  # [Hq, n, L]
-        mask = visible_mask(batch, b, sliding_window, k0)  # [n, L]
-        scores = scores.masked_fill(~mask[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q0:q1] = torch.einsum("hnl,lhd->nhd", probs, v).to(q.dtype)
+        q0 = int(batch.cu_q[b])
+        for r0, r1 in row_tiles(batch, b, sliding_window):
+            if r1 == r0:
+                continue
+            new_keys = r1 if batch.tree_mask is None else batch.q_lens[b]
+            k0 = first_key(batch, b, sliding_window, (r0, r1))
+            length = batch.ctx_lens[b] + new_keys
+            k = gather_kv(k_pool, batch, b, length, k0).to(acc_dtype)  # [L, Hkv, D]
+            v = gather_kv(v_pool, batch, b, length, k0).to(acc_dtype)
+            k = k.repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
+            v = v.repeat_interleave(hq // hkv, dim=1)
+            qb = q[q0 + r0 : q0 + r1].to(acc_dtype)  # [n, Hq, D]
+            scores = torch.einsum("nhd,lhd->hnl", qb, k) * scale  # [Hq, n, L]
+            mask = visible_mask(batch, b, sliding_window, k0, (r0, r1))  # [n, L]
+            scores = scores.masked_fill(~mask[None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[q0 + r0 : q0 + r1] = torch.einsum("hnl,lhd->nhd", probs, v).to(q.dtype)
     return out

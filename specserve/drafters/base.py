@@ -37,3 +37,6 @@ class Drafter(Protocol):
     def release(self, request_id: str) -> None:
         """Forget a request's state (finished or cancelled). Unknown ids are a no-op."""
         ...
+
+    # Optional: `feed(requests)` takes context rows of prefill chunks ahead of the first draft
+    # (budget-0 requests, nothing returned); drafters without it get them with the first draft.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -73,6 +73,10 @@ class DFlashDrafter:
             block_rows=sum(lg.shape[0] + 1 for lg in logits if lg.shape[0]),
             forward_s=t1 - t0, tree_s=self._now() - t1)
         return trees
+
+    def feed(self, requests: Sequence[DraftRequest]) -> None:
+        """Take context rows ahead of the first draft (prefill chunks): budget-0 drafts."""
+        self.draft([replace(r, budget=0) for r in requests])
 
     def draft_logits(self, requests: Sequence[DraftRequest]) -> list[torch.Tensor]:
         """Raw draft logits `[n − 1, V]` float32 per request (block slots 1..n−1; any budget)."""

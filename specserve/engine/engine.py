@@ -184,6 +184,7 @@ class Engine:
             w.seq.spec_stats.prefill_s += verify_s  # the forward this chunk rode in
             if feats is not None:
                 w.seq.pending_context.append(feats[e - w.num_tokens : e])
+        speculative.feed(self.drafter, [w.seq for w in chunks])  # before a release can happen
         for j, i in enumerate(done):
             seq = chunks[i].seq
             token = sample_rows(logits[offset + j : offset + j + 1], seq.params, seq.generator)
@@ -196,7 +197,7 @@ class Engine:
         return outputs
 
     def _chunk_input(self, w: Scheduled) -> ForwardInput:
-        ids = w.seq.all_ids[w.start : w.start + w.num_tokens]
+        ids = w.seq.ids[w.start : w.start + w.num_tokens]
         return ForwardInput(
             w.seq.request_id, ids, range(w.start, w.start + w.num_tokens), ctx_len=w.start
         )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
 import torch
 
 from specserve.types import FinishReason, SamplingParams
@@ -14,6 +16,37 @@ class Status(Enum):
     WAITING = "waiting"  # queued, holds no pages
     RUNNING = "running"  # holds a page reservation; prefilling or decoding
     FINISHED = "finished"
+
+
+class TokenView(Seq[int]):
+    """Prompt + output ids of one request without copying them (a 128k-token context copied per
+    step costs milliseconds). Live: it sees tokens appended later; read it within the call it
+    was handed to."""
+
+    __slots__ = ("_prompt", "_output")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self._prompt, self._output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    def __getitem__(self, index):  # int → int; slice → list[int] (only the slice is copied)
+        n = len(self._prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return (self._prompt[start:min(stop, n)]
+                    + self._output[max(start - n, 0):max(stop - n, 0)])
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("token index out of range")
+        return self._prompt[index] if index < n else self._output[index - n]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self._prompt + self._output, dtype=dtype)
 
 
 @dataclass(eq=False)
@@ -37,7 +70,16 @@ class Sequence:
 
     @property
     def all_ids(self) -> list[int]:
+        """A copy of prompt + output (O(context): hot paths use `ids` or `last_token`)."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def ids(self) -> TokenView:
+        return TokenView(self.prompt_ids, self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ scratch rows into the request's next slots, the drafter's next context features,
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from specserve.engine.runner import ForwardInput
 from specserve.engine.sequence import Sequence
 from specserve.spec.accept import Acceptance
 from specserve.spec.tree import DraftTree, VerifyLayout, verify_layout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -47,9 +50,30 @@ def draft_requests(seqs: Seq[Sequence], max_len: int) -> list[DraftRequest]:
         start = seq.num_computed
         room = min(seq.params.max_tokens - len(seq.output_ids), max_len - 1 - start)
         ctx = torch.cat(seq.pending_context) if seq.pending_context else None
-        out.append(DraftRequest(seq.request_id, seq.all_ids[-1], start, seq.budget,
-                                max(room, 0), ctx, seq.all_ids))
+        out.append(DraftRequest(seq.request_id, seq.last_token, start, seq.budget,
+                                max(room, 0), ctx, seq.ids))
     return out
+
+
+def feed(drafter: Drafter | None, seqs: Seq[Sequence]) -> None:
+    """Hand the context features of this step's prefill chunks to a drafter that takes them
+    early (its optional `feed`: budget-0 requests, no tree wanted), so the drafter builds its
+    context while the target prefills and the first draft does not carry the whole prompt's
+    features (ARCHITECTURE: prefill sends them in chunks). Without `feed`, or if it raises,
+    they stay pending and go with the first draft."""
+    take = getattr(drafter, "feed", None)
+    seqs = [s for s in seqs if s.budget > 0 and s.pending_context]
+    if take is None or not seqs:
+        return
+    reqs = [DraftRequest(s.request_id, s.ids[s.num_computed - 1], s.num_computed, 0, 0,
+                         torch.cat(s.pending_context)) for s in seqs]  # no history: no root yet
+    try:
+        take(reqs)
+    except Exception:  # the first draft sends them instead
+        log.exception("feeding context to the drafter failed for %s", [r.request_id for r in reqs])
+        return
+    for s in seqs:
+        s.pending_context.clear()
 
 
 def _check_tree(tree: DraftTree, req: DraftRequest, vocab: int) -> str | None:

@@ -142,7 +142,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids = tokenizer.check_ids(prompt_ids)[-_PROMPT_CONTEXT:]  # the window
+        self._ids = tokenizer.check_ids(prompt_ids[-_PROMPT_CONTEXT:])  # the window
         self._read = len(self._ids)  # window index after the last clean (fully emitted) point
         self._done = len(self._decode(self._ids))  # window chars emitted or used as context
 

@@ -106,6 +106,7 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
         self.history: dict[str, list[int]] = {}
         self.rows: dict[str, int] = {}
         self.fail_first, self.batches, self.inconsistent, self.fresh = fail_first, 0, [], 0
+        self.feeds = 0
 
     async def Draft(self, request_iterator, context):
         async for batch in request_iterator:
@@ -121,9 +122,12 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
 
     def _tree(self, e, fail: bool) -> drafter_pb2.Tree:
         history = self.history.setdefault(e.request_id, [])
-        self.fresh += not history
+        feed = e.budget == 0 and not e.new_history  # prefill context only: no root yet
+        self.fresh += not history and not feed
         history.extend(e.new_history)
-        problem = None if len(history) == e.start + 1 else f"history {len(history)}@{e.start}"
+        problem = None if feed or len(history) == e.start + 1 else \
+            f"history {len(history)}@{e.start}"
+        self.feeds += feed
         if e.drafter == DFLASH:
             n = tensor_from_pb(e.context).shape[0] if e.HasField("context") else 0
             held = self.rows.setdefault(e.request_id, 0)
@@ -326,5 +330,6 @@ async def test_drafter_restart_resends_context_and_speculation_resumes(target, e
         assert down and all("drafter_error" in tail[i].fallback for i in down)
         assert max(e.commit_len for e in tail[down[-1] + 1:]) > 1  # speculating again
     assert not fake.inconsistent and not restarted.inconsistent
+    assert fake.feeds >= 2  # each prompt's context went ahead of its first draft (prefill feed)
     assert restarted.fresh == 2 and restarted.batches > 0  # both resent in full, from 0
     assert stats.drafter_connected

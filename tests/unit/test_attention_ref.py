@@ -52,3 +52,25 @@ def test_tree_masks_gqa_and_windows_against_dense():
 def test_causal_bits_match_tril():
     for n in (1, 5, 31, 32, 33, 70):
         assert (mask_to_dense(_causal_bits(n), n) == np.tril(np.ones((n, n), bool))).all()
+
+
+def test_windowed_causal_chunk_in_row_tiles_against_dense(monkeypatch):
+    """A causal chunk under a window runs in TILE-row tiles (each over the keys it can see)."""
+    import specserve.attention.torch_ref as ref_mod
+
+    monkeypatch.setattr(ref_mod, "TILE", 7)
+    g = torch.Generator().manual_seed(3)
+    page, hkv, hq, d, ctx, n, window = 4, 2, 4, 8, 11, 30, 9
+    k_pool = torch.randn(16, page, hkv, d, generator=g, dtype=torch.float64)
+    v_pool = torch.randn(16, page, hkv, d, generator=g, dtype=torch.float64)
+    table = [int(p) for p in torch.randperm(16, generator=g)[:11]]
+    batch = AttnBatch.build([n], [ctx], [table], np.arange(ctx, ctx + n), page)
+    assert len(ref_mod.row_tiles(batch, 0, window)) == 5
+    q = torch.randn(n, hq, d, generator=g, dtype=torch.float64)
+    out = torch_ref_attention(q, k_pool, v_pool, batch, 0.25, window)
+    slots = [table[p // page] * page + p % page for p in range(ctx + n)]
+    k = k_pool.view(-1, hkv, d)[slots].repeat_interleave(2, 1)
+    v = v_pool.view(-1, hkv, d)[slots].repeat_interleave(2, 1)
+    qp, kp = torch.arange(ctx, ctx + n), torch.arange(ctx + n)
+    vis = (kp[None] <= qp[:, None]) & ((qp[:, None] - kp[None]) < window)
+    torch.testing.assert_close(out, _dense(q, k, v, vis, 0.25))

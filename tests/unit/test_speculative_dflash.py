@@ -76,6 +76,51 @@ def test_chain_matches_dflash_generate(dflash_pair, make_engine, page_size, monk
     assert total_accepted > 0  # the drafter's chains were accepted at least sometimes
 
 
+class _Recording(DFlashDrafter):
+    """Records the context rows each call brings: ("feed" | "draft", start, rows)."""
+
+    calls: list
+
+    def feed(self, requests):
+        self.calls += [("feed", r.start, r.context.shape[0]) for r in requests]
+        super().feed(requests)
+
+    def draft(self, requests):
+        self.calls += [("draft", r.start, 0 if r.context is None else r.context.shape[0])
+                       for r in requests if r.budget]  # (feed drafts at budget 0)
+        return super().draft(requests)
+
+
+def test_prefill_chunks_feed_the_drafter_and_chains_still_match(dflash_pair, make_engine,
+                                                                monkeypatch):
+    """Prefill in 7-token chunks: each chunk's context goes to the drafter as it is made (the
+    first draft carries none), and tokens and acceptance lengths still equal the reference's."""
+    import time
+
+    import dflash.model
+    from dflash.model import dflash_generate
+
+    monkeypatch.setattr(dflash.model, "_cuda_time", time.perf_counter)
+    tdir, target, ddir, draft = dflash_pair
+    engine = make_engine(tdir, max_draft_tokens=15, max_num_batched_tokens=7 + 16)
+    drafter = _Recording(load_dflash(ddir, tdir), num_pages=256, page_size=16, tree=False,
+                         poison=True)
+    drafter.calls = []
+    engine.set_drafter(drafter)
+    prompt = _prompts(1)[0] * 2  # 60 tokens: 3 chunks of 23, the last 14
+    ref = dflash_generate(draft, target, torch.tensor([prompt]), max_new_tokens=24,
+                          stop_token_ids=None, temperature=0.0, return_stats=True)
+    steps = []
+    engine.on_step = lambda rid, s: steps.append(s.commit_len)
+    ours = engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True), budget=15)
+    assert ours[0] == ref.output_ids[0, len(prompt):].tolist()
+    assert steps == ref.acceptance_lengths
+    feeds = [c for c in drafter.calls if c[0] == "feed"]
+    assert [(s, n) for _, s, n in feeds] == [(23, 23), (46, 23), (60, 14)]
+    first_draft = next(c for c in drafter.calls if c[0] == "draft")
+    assert first_draft == ("draft", 60, 0)
+
+
 @pytest.fixture(scope="module")
 def greedy_expected(dflash_pair):
     _, target, _, _ = dflash_pair
@@ -101,3 +146,30 @@ def test_greedy_lossless_8x128(dflash_pair, greedy_expected, make_engine, mode, 
     assert all(s.tree_size <= int(budget) and s.accepted_depth <= 15 for s in steps)
     assert engine.generate(prompts[:2], SamplingParams(max_tokens=128, ignore_eos=True)) == \
         expected[:2]  # the engine's own AR decoding gives the same tokens
+
+
+def test_warm_up_runs_every_tree_size_class_and_leaves_no_state(dflash_pair, make_engine):
+    """The services' compile-ahead: trees of every size class, an AR step, then nothing held
+    (make_engine checks no pages leak) and the engine's own drafter back in place."""
+    from specserve.engine.warmup import size_classes, warm_up_drafter, warm_up_engine
+
+    assert size_classes(64) == [1, 3, 7, 15, 31, 63, 64]
+    assert size_classes(15) == [1, 3, 7, 15] and size_classes(0) == []
+    tdir, _, ddir, _ = dflash_pair
+    engine = make_engine(tdir, max_draft_tokens=20, max_num_batched_tokens=40)
+    drafter = _drafter(tdir, ddir, tree=True)
+    engine.set_drafter(drafter)
+    sizes = []
+    engine.on_step = lambda rid, s: sizes.append(s.tree_size)
+    warm_up_engine(engine)
+    assert sizes[:6] == [1, 3, 7, 15, 20, 0] and engine.drafter is drafter
+    assert not engine.has_unfinished and not engine.requests
+    warm_up_drafter(drafter)
+    assert drafter.cache.length("__specserve_warmup__") == 0
+    prompt = _prompts(1)[0]
+    fresh = make_engine(tdir, max_draft_tokens=20)
+    fresh.set_drafter(_drafter(tdir, ddir, tree=True))
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine.on_step = None
+    assert engine.generate([prompt], params, budget=16) == fresh.generate([prompt], params,
+                                                                          budget=16)

@@ -1,0 +1,96 @@
+"""Compile-ahead: run the shape classes a server will meet before it takes requests.
+
+Triton compiles a kernel variant the first time a shape class reaches it (a rows bucket of the
+launch-config table, causal or tree, windowed or not: ≈ 0.3–1 s each on the H200). Without a
+warm-up the first requests pay that inside their steps: on the H200 the commit probe's first
+request ran 684 ms steps and hit the drafter deadline 5 times. `warm_up_engine` runs one
+throw-away request on the target (a prefill of a full chunk plus a remainder, verify steps with
+chains of every size class up to `max_draft_tokens`, an AR step); `warm_up_drafter` does the same
+for a DFlash drafter (a context chunk, then blocks of every depth class). Both leave no state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from specserve.drafters.base import DraftRequest
+from specserve.spec.tree import DraftTree, chain_tree
+from specserve.types import SamplingParams
+
+log = logging.getLogger(__name__)
+WARMUP_ID = "__specserve_warmup__"
+
+
+def size_classes(largest: int) -> list[int]:
+    """1, 3, 7, 15, … below `largest`, then `largest`: one tree per power-of-two row bucket."""
+    sizes, n = [], 1
+    while n < largest:
+        sizes.append(n)
+        n = 2 * n + 1
+    return sizes + [largest] if largest > 0 else []
+
+
+class _ChainDrafter:
+    """Proposes a chain of the next planned size per step (then none: AR steps)."""
+
+    needs_context = False
+
+    def __init__(self, sizes: list[int], vocab: int) -> None:
+        self.sizes, self.vocab = list(sizes), vocab
+
+    def draft(self, requests):
+        n = self.sizes.pop(0) if self.sizes else 0
+        return [chain_tree([(7 * i + 1) % self.vocab for i in range(min(n, r.max_depth))])
+                if n else DraftTree.empty() for r in requests]
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def warm_up_engine(engine) -> float:
+    """Run the warm-up request on `engine` (no drafter needed; its own is restored). Seconds."""
+    t0, cfg = time.perf_counter(), engine.config
+    sizes = size_classes(cfg.max_draft_tokens)
+    max_tokens = sum(sizes) + len(sizes) + 2
+    room = (engine.blocks.num_unreserved_pages - 1) * engine.blocks.page_size - max_tokens \
+        - cfg.max_draft_tokens - 1  # what the pool can take beside the generated tokens
+    prompt_len = max(1, min(cfg.max_num_batched_tokens + 37, room,
+                            engine.max_model_len - max_tokens - 1))
+    vocab = engine.model_config.vocab_size
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0))
+    previous = engine.drafter
+    engine.set_drafter(_ChainDrafter(sizes, vocab))
+    try:
+        engine.add_request(WARMUP_ID, prompt.tolist(),
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                           budget=cfg.max_draft_tokens)
+        while engine.has_unfinished:
+            engine.step()
+    finally:
+        engine.abort(WARMUP_ID)
+        engine.set_drafter(previous)
+    seconds = time.perf_counter() - t0
+    log.info("warm-up: prompt %d, trees %s, %.1f s", prompt_len, sizes, seconds)
+    return seconds
+
+
+def warm_up_drafter(drafter, context_rows: int = 300) -> float:
+    """Warm a DFlash drafter (`DFlashDrafter`): a context chunk, then a draft per depth class."""
+    t0, cfg = time.perf_counter(), drafter.model.config
+    weight = drafter.model.fc.weight
+    gen = torch.Generator().manual_seed(0)
+    width = cfg.num_taps * cfg.hidden_size
+    context = torch.randn(context_rows, width, generator=gen).to(weight.device, weight.dtype)
+    start = context_rows
+    try:
+        for depth in size_classes(cfg.block_size - 1):
+            drafter.draft([DraftRequest(WARMUP_ID, 1, start, 16, depth, context)])
+            context = None
+    finally:
+        drafter.release(WARMUP_ID)
+    seconds = time.perf_counter() - t0
+    log.info("drafter warm-up: %d context rows, %.1f s", context_rows, seconds)
+    return seconds
