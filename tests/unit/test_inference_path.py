@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.attention.base import AttnBatch, to_device
+from specserve.attention.base import AttnBatch, packed_offsets, to_device
 from specserve.kvcache.pool import KVPool, KVShape
 from specserve.models.config import RopeConfig
 from specserve.models.decoder import rms_norm
@@ -141,6 +141,12 @@ def test_build_with_packs_metadata_and_extras():
     assert batch.memo == {}
     got = to_device([np.zeros((0, 3), np.int32), np.ones(2, np.float32)], "cpu")
     assert got[0].shape == (0, 3) and got[1].dtype == torch.float32
+
+
+def test_packed_slots_are_16_byte_aligned():
+    """Triton specialises pointers on 16-byte divisibility: every packed view must keep it."""
+    offsets, total = packed_offsets([12, 8, 0, 4 * 3, 40, 1])
+    assert offsets == [0, 16, 32, 32, 48, 96] and total == 112
 
 
 @pytest.mark.parametrize("rope", [
