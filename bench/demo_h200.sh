@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a GPU machine: train the demo pair (`specserve train-demo --recipe full`) and run the commit
+# On a GPU machine: train the demo pair (`specserve train-demo --recipe cpu`) and run the commit
 # probe against the three services on it at 1k / 16k / 64k / 128k. Writes under ${OUT:-out}/.
 #   bash bench/demo_h200.sh [target_steps] [drafter_steps]     (default: the recipe's)
 #   CKPT=checkpoints bash bench/demo_h200.sh                    (probe a trained pair, no training)
@@ -11,7 +11,7 @@ DEV=${DEVICE:-cuda}; TMP=$(mktemp -d); CK=${CKPT:-$TMP/ckpt}; T="$CK/demo-target
 if [ -z "${CKPT:-}" ]; then
   steps=(); [ -n "${1:-}" ] && steps+=(--target-steps "$1"); [ -n "${2:-}" ] && steps+=(--drafter-steps "$2")
   echo "== train ${steps[*]:-recipe steps} $(date -u)"
-  python3 -m specserve.cli train-demo --recipe full --out "$CK" --device "$DEV" --seed 0 \
+  python3 -m specserve.cli train-demo --recipe cpu --out "$CK" --device "$DEV" --seed 0 \
     "${steps[@]}" 2>&1 | tee "$OUT/train.log" | grep -v "step .*[1-9]0/" || true
 fi
 ls -la "$T" "$D"

@@ -257,8 +257,7 @@ def _device_name(device: str) -> str:
 def run_from_args(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    recipe = RECIPES["quick" if args.quick else args.recipe or (
-        "full" if resolve_device(args.device).startswith("cuda") else "cpu")]
+    recipe = RECIPES["quick" if args.quick else args.recipe or "cpu"]
     for name in ("target_steps", "drafter_steps", "drafter_lr", "drafter_copy_frac"):
         if getattr(args, name) is not None:
             recipe = replace(recipe, **{name: getattr(args, name)})
