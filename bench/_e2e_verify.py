@@ -19,6 +19,8 @@ import torch
 from _e2e_common import kv_shape, median, time_ms
 
 from specserve.attention.base import AttnBatch
+from specserve.engine.graphs import StepGraphs
+from specserve.engine.runner import ForwardInput
 from specserve.kvcache.block_manager import pages_for
 from specserve.kvcache.pool import KVPool, num_pages_for_budget
 from specserve.spec.tree import DraftTree, verify_layout
@@ -69,7 +71,9 @@ def run_verify(b) -> None:
     b.log(f"verify: KV budget {budget / 2**30:.3g} GiB holds {cap} pages; allocating "
           f"{num_pages} ({num_pages * page * bpt / 2**30:.3g} GiB); batch ≤ "
           f"{sec['kv_pool']['max_batch_at_max_ctx']} fits at {top} tokens")
-    kv = KVPool(shape, num_pages, page, dev)
+    kv = KVPool(shape, num_pages + 1, page, dev)  # + the graphs' trash page (never in tables)
+    graphs = StepGraphs(model, kv, page, top + max(a.budgets) + 1, max(a.budgets) + 1,
+                        trash_page=num_pages) if dev.type == "cuda" and a.graphs else None
     gen = torch.Generator(device=dev).manual_seed(7)
     for t in kv.k + kv.v:
         t.normal_(0.0, 1.0, generator=gen)
@@ -84,7 +88,7 @@ def run_verify(b) -> None:
                 row["skipped"] = "time budget"
             else:
                 try:
-                    row.update(_measure(b, kv, perm, *p, bpt))
+                    row.update(_measure(b, kv, perm, *p, bpt, graphs))
                 except Exception as e:  # e.g. CUDA OOM: record, free, go on
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     traceback.print_exc()
@@ -98,7 +102,7 @@ def run_verify(b) -> None:
     sec["growth"] = growth(sec["rows"], min(a.ctxs), top)
 
 
-def _measure(b, kv, perm, ctx, batch, budget, bpt) -> dict:
+def _measure(b, kv, perm, ctx, batch, budget, bpt, graphs=None) -> dict:
     a, model, dev = b.args, b.target, b.device
     rng = np.random.default_rng(ctx * 1000 + budget)
     tree = random_tree(budget, model.config.vocab_size, rng)
@@ -125,14 +129,27 @@ def _measure(b, kv, perm, ctx, batch, budget, bpt) -> dict:
         q = torch.randn(len(ids), c.num_heads, c.head_dim, device=dev, dtype=b.dtype)
         attn_ms = median(time_ms(lambda: model.attn_backend(
             q, kv.k[0], kv.v[0], batch_meta, c.head_dim**-0.5), a.reps, a.warmup, dev))
+        graph_ms = median(time_ms(_graph_step(graphs, layout, ctx, tables), a.reps, a.warmup,
+                                  dev)) if graphs is not None else None
     rows = batch * (budget + 1)
     bytes_ = b.weight_bytes() + batch * (ctx + budget + 1) * bpt
     flops = (2 * (b.counts["total"] - b.counts["embed"]) * rows + b.attn_flops_per_pair()
              * batch * ((budget + 1) * ctx + (budget + 1) ** 2 / 2))
     floor, kind = b.floor_s(bytes_, flops)
-    return dict(ms=ms, attn_ms=attn_ms * c.num_layers, host_build_ms=host_ms,
-                floor_ms=floor * 1e3, bound=kind, x_floor=ms / (floor * 1e3),
+    best = graph_ms if graph_ms is not None else ms  # what the engine's decode step costs
+    return dict(ms=ms, graph_ms=graph_ms, step_ms=best, attn_ms=attn_ms * c.num_layers,
+                host_build_ms=host_ms, floor_ms=floor * 1e3, bound=kind,
+                x_floor=best / (floor * 1e3), x_floor_eager=ms / (floor * 1e3),
                 weight_GB=b.weight_bytes() / 1e9, kv_GB=batch * ctx * bpt / 1e9, TFLOP=flops / 1e12)
+
+
+def _graph_step(graphs, layout, ctx, tables):
+    """The engine's CUDA-graph step (engine/graphs.py): padded metadata to the device, replay,
+    logits of every row, argmax — host work included."""
+    inputs = [ForwardInput(f"r{i}", layout.token_ids, layout.positions, ctx, layout.mask)
+              for i in range(len(tables))]
+    rows = list(range(len(tables) * len(layout.token_ids)))
+    return lambda: graphs.run(inputs, tables, rows, ())[0].argmax(dim=-1)
 
 
 def growth(rows: list[dict], lo: int, hi: int) -> list[dict]:
@@ -143,7 +160,8 @@ def growth(rows: list[dict], lo: int, hi: int) -> list[dict]:
         if ctx == lo and (hi, batch, budget) in got:
             h = got[(hi, batch, budget)]
             out.append(dict(batch=batch, budget=budget, from_ctx=lo, to_ctx=hi,
-                            growth=h["ms"] / r["ms"], floor_growth=h["floor_ms"] / r["floor_ms"]))
+                            growth=h["step_ms"] / r["step_ms"],
+                            floor_growth=h["floor_ms"] / r["floor_ms"]))
     return out
 
 
@@ -151,21 +169,27 @@ def _line(r: dict) -> str:
     head = f"ctx={r['ctx']} batch={r['batch']} budget={r['budget']}: "
     if "ms" not in r:
         return head + str(r.get("skipped") or r.get("error"))
-    return head + (f"{r['ms']:.2f} ms (attn {r['attn_ms']:.2f}, floor {r['floor_ms']:.2f} "
-                   f"{r['bound']}, ×{r['x_floor']:.2f})")
+    return head + (f"{r['ms']:.2f} ms eager, {_f(r.get('graph_ms'))} graph (attn "
+                   f"{r['attn_ms']:.2f}, floor {r['floor_ms']:.2f} {r['bound']}, "
+                   f"×{r['x_floor']:.2f})")
+
+
+def _f(x) -> str:
+    return "–" if x is None else f"{x:.2f}"
 
 
 def table(sec: dict) -> str:
     growth_of = {(g["batch"], g["budget"]): g["growth"] for g in sec.get("growth", [])}
     top = sec.get("kv_pool", {}).get("max_ctx")
-    lines = ["| ctx | batch | budget | rows | step ms | attn ms (all layers) | floor ms | bound "
-             "| × floor | growth ×(max/min ctx) |", "|" + "---|" * 10]
+    lines = ["| ctx | batch | budget | rows | eager step ms | graph step ms | attn ms (all "
+             "layers) | floor ms | bound | × floor | growth ×(max/min ctx) |", "|" + "---|" * 11]
     for r in sec.get("rows", []):
         lead = f"| {r['ctx']} | {r['batch']} | {r['budget']} | {r['rows']} "
         if "ms" not in r:
-            lines.append(lead + f"| {r.get('skipped') or r.get('error')} | | | | | |")
+            lines.append(lead + f"| {r.get('skipped') or r.get('error')} | | | | | | |")
             continue
         g = growth_of.get((r["batch"], r["budget"])) if r["ctx"] == top else None
-        lines.append(lead + f"| {r['ms']:.2f} | {r['attn_ms']:.2f} | {r['floor_ms']:.2f} | "
+        lines.append(lead + f"| {r['ms']:.2f} | {_f(r.get('graph_ms'))} | {r['attn_ms']:.2f} | "
+                     f"{r['floor_ms']:.2f} | "
                      f"{r['bound']} | {r['x_floor']:.2f} | {'' if g is None else f'×{g:.2f}'} |")
     return "\n".join(lines)

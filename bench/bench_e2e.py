@@ -82,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--budgets", default="16,64,256")
     add("--batches", default="1,8")
     add("--page-size", type=int, default=16)
+    add("--no-graphs", dest="graphs", action="store_false",
+        help="verify: skip the CUDA-graph step (engine/graphs.py) next to the eager one")
     for name in ("chunk", "new_tokens", "peer_new", "reps", "warmup"):
         add("--" + name.replace("_", "-"), type=int, default=None)
     add("--kv-gb", type=float, default=0.0, help="verify KV budget (0: free memory - reserve)")

@@ -25,8 +25,13 @@ class EngineConfig:
     tap_layers: tuple[int, ...] = ()  # target layers whose outputs feed the drafter
     max_draft_tokens: int = 0  # largest tree budget; reserved as scratch per request
     poison_kv: bool = False  # fill the pool with NaN (tests)
+    # decode / verify steps as CUDA graphs (engine/graphs.py): auto = on CUDA; "on" on the CPU
+    # runs the same padded static path eagerly (its CPU twin)
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.page_size <= 0:

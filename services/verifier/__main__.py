@@ -47,6 +47,8 @@ FLAGS = [
          "Prometheus /metrics port (0 = none)"),
     Flag("--warmup", "SPECSERVE_WARMUP", "auto", str,
          "compile the GPU kernels before serving: auto (on cuda) | on | off"),
+    Flag("--cuda-graphs", "SPECSERVE_CUDA_GRAPHS", "auto", str,
+         "decode / verify steps as CUDA graphs: auto (on cuda) | on | off"),
     Flag("--trace-steps", "SPECSERVE_TRACE_STEPS", 1, int,
          "a span for every Nth step of a request (1 = all, 0 = none)"),
 ]
@@ -75,7 +77,8 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         drafter=args.drafter or None, drafter_timeout_s=args.drafter_timeout_s,
         draft_model=args.draft_model or None, tap_layers=taps, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, grace_s=args.grace_s,
-        trace_steps=args.trace_steps, metrics_port=args.metrics_port, warmup=args.warmup)
+        trace_steps=args.trace_steps, metrics_port=args.metrics_port, warmup=args.warmup,
+        cuda_graphs=args.cuda_graphs)
 
 
 def _write_port(path: str, port: int) -> None:

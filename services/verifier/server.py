@@ -54,8 +54,11 @@ class VerifierConfig:
     trace_steps: int = 1  # a `step` span for every Nth step of a request (0 = none)
     metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
     warmup: str = "auto"  # compile kernels before serving: auto (= on cuda) | on | off
+    cuda_graphs: str = "auto"  # decode / verify steps as CUDA graphs: auto (= on cuda) | on | off
 
     def __post_init__(self) -> None:
+        if self.cuda_graphs not in WARMUP:
+            raise ValueError(f"cuda_graphs must be one of {WARMUP}, got {self.cuda_graphs!r}")
         if self.warmup not in WARMUP:
             raise ValueError(f"warmup must be one of {WARMUP}, got {self.warmup!r}")
         if not self.model:
@@ -101,7 +104,7 @@ class VerifierConfig:
             model_dir=self.model, dtype=dtype, device=device, page_size=self.page_size,
             kv_memory_bytes=max(1, int(gb * (1 << 30))), max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            max_draft_tokens=self.max_draft_tokens)
+            max_draft_tokens=self.max_draft_tokens, cuda_graphs=self.cuda_graphs)
 
     def target_layer_ids(self) -> tuple[int, ...]:
         """Target layers whose outputs feed the drafter ((): no context, n-gram only)."""

@@ -15,6 +15,7 @@ import torch
 from specserve.attention import backend_for
 from specserve.attention.base import AttnBatch
 from specserve.config import EngineConfig
+from specserve.engine.graphs import StepGraphs
 from specserve.kvcache.block_manager import BlockManager
 from specserve.kvcache.pool import KVPool, KVShape, num_pages_for_budget
 from specserve.models.decoder import DecoderModel
@@ -48,8 +49,20 @@ class ModelRunner:
         num_pages = config.num_pages or num_pages_for_budget(
             shape, config.page_size, config.kv_memory_bytes or DEFAULT_KV_BYTES
         )
-        self.kv = KVPool(shape, num_pages, config.page_size, self.device, config.poison_kv)
+        graphs = config.cuda_graphs == "on" or (
+            config.cuda_graphs == "auto" and self.device.type == "cuda")
+        # with graphs, one extra page (never handed out) takes the padding's K/V writes
+        self.kv = KVPool(shape, num_pages + graphs, config.page_size, self.device,
+                         config.poison_kv)
         self.blocks = BlockManager(num_pages, config.page_size)
+        self.graphs = StepGraphs(
+            self.model, self.kv, config.page_size,
+            config.max_model_len or mc.max_position_embeddings, config.max_draft_tokens + 1,
+            trash_page=num_pages) if graphs else None
+
+    def padded_rows(self, n: int) -> int:
+        """K/V rows a tree of `n` rows occupies in a step (more under CUDA graphs: bucketed)."""
+        return self.graphs.padded_rows(n) if self.graphs is not None else n
 
     def set_taps(self, layers: Seq[int]) -> None:
         """Target layers whose outputs `forward(..., taps=True)` returns (DFlash context)."""
@@ -68,6 +81,9 @@ class ModelRunner:
         Returns logits `[len(logit_rows), V]` float32 for the flat rows asked for, and the tapped
         features `[T, n_taps * hidden]` of every row when `taps` (else None).
         """
+        if self.graphs is not None and self.graphs.fits(inputs):  # decode / verify only
+            return self.graphs.run(inputs, [self.blocks.page_table(x.request_id) for x in inputs],
+                                   logit_rows, self.tap_layers if taps else ())
         masks = [x.tree_mask for x in inputs]
         any_tree = any(m is not None for m in masks)
         ids = np.concatenate([np.asarray(x.token_ids, dtype=np.int64).reshape(-1)

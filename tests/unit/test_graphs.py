@@ -1,0 +1,103 @@
+"""The CUDA-graph step path's padding (engine/graphs.py), run eagerly on the CPU (its twin).
+
+On a GPU the same padded static buffers are captured and replayed; here the test proves the
+padding itself is invisible: greedy outputs equal transformers' for every drafter shape, logits
+of a mixed batch equal the unpadded forward's, and pad rows and dummy requests write nothing a
+real request reads (poisoned pool, NaN would surface).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from specserve.engine.graphs import BATCH_BUCKETS, bucket_of, row_buckets
+from specserve.engine.runner import ForwardInput
+from specserve.spec.tree import DraftTree, verify_layout
+from specserve.types import SamplingParams
+from tests.fakes import RandomDDTreeDrafter, RandomTreeDrafter
+from tests.helpers import hf_greedy, random_prompts
+from tests.unit.test_speculative import LENGTHS
+
+
+def test_buckets():
+    assert row_buckets(65) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65]
+    assert row_buckets(17)[-3:] == [9, 16, 17] and row_buckets(1) == [1]
+    assert bucket_of(18, row_buckets(65)) == 32 and bucket_of(66, row_buckets(65)) is None
+    assert bucket_of(3, BATCH_BUCKETS) == 4
+
+
+def test_padded_path_is_lossless(checkpoint_cache, make_engine):
+    path, hf = checkpoint_cache("qwen3-gqa4-yarn")
+    prompts = random_prompts(5, hf.config.vocab_size, LENGTHS[:5], seed=8)
+    expected = [hf_greedy(hf, p, 40) for p in prompts]
+    for drafter, budget in ((RandomTreeDrafter(hf.config.vocab_size, seed=2), 20),
+                            (RandomDDTreeDrafter(hf.config.vocab_size, depth=5, seed=1), 12),
+                            (None, 0)):
+        engine = make_engine(path, page_size=4, max_draft_tokens=20, cuda_graphs="on",
+                             max_num_batched_tokens=48)
+        assert engine.runner.graphs is not None and not engine.runner.graphs.capture
+        engine.set_drafter(drafter)
+        out = engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True), budget)
+        assert out == expected
+        assert engine.runner.graphs._graphs  # the padded path really ran
+
+
+def _trees_step(engines, hf, prompts, sizes, rng, tag):
+    """Prefill `prompts` in every engine, then one step of trees of `sizes` nodes: the inputs
+    and their rows (the same for every engine)."""
+    inputs, rows = [], []
+    for engine in engines:
+        for i, p in enumerate(prompts):  # prefill (eager in both), then pages for the trees
+            rid = f"{tag}{i}"
+            engine.blocks.reserve(rid, len(p) + 40)
+            engine.blocks.ensure(rid, len(p) + 32)
+            engine.runner.forward([ForwardInput(rid, p, range(len(p)), 0)], [len(p) - 1])
+    for i, (p, n) in enumerate(zip(prompts, sizes, strict=True)):
+        parents = np.array([rng.integers(0, j + 1) for j in range(n)], dtype=np.int32)
+        depths = np.zeros(n, dtype=np.int32)
+        for j, par in enumerate(parents):
+            depths[j] = 1 if par == 0 else depths[par - 1] + 1
+        tree = DraftTree(rng.choice(hf.config.vocab_size, n, replace=False).astype(np.int64),
+                         parents, depths)
+        lay = verify_layout(tree, int(rng.integers(hf.config.vocab_size)), len(p))
+        inputs.append(ForwardInput(f"{tag}{i}", lay.token_ids, lay.positions, len(p), lay.mask))
+        end = sum(len(x.token_ids) for x in inputs)
+        rows += list(range(end - len(lay.token_ids), end))
+    return inputs, rows
+
+
+def _padded_vs_unpadded(checkpoint_cache, make_engine, device, dtype, graphs, tol):
+    """3 requests (batch bucket 4: one dummy), trees of 1, 6 and 11 rows (rows bucket 16); then
+    the same bucket again at contexts 20× longer (a graph captured short replays long)."""
+    path, hf = checkpoint_cache("qwen3-gqa4-yarn")
+    rng = np.random.default_rng(4)
+    cfg = dict(page_size=4, max_draft_tokens=20, num_pages=1024, device=device, dtype=dtype)
+    eager = make_engine(path, cuda_graphs="off", **cfg)
+    padded = make_engine(path, cuda_graphs=graphs, **cfg)
+    for tag, lengths in (("a", [9, 14, 6]), ("b", [180, 290, 230])):
+        prompts = random_prompts(3, hf.config.vocab_size, lengths, seed=len(tag))
+        inputs, rows = _trees_step((eager, padded), hf, prompts, (0, 5, 10), rng, tag)
+        got_e, feat_e = eager.runner.forward(inputs, rows, taps=False)
+        got_p, feat_p = padded.runner.forward(inputs, rows, taps=False)
+        assert feat_e is None and feat_p is None and torch.isfinite(got_p).all()
+        torch.testing.assert_close(got_p, got_e, rtol=tol, atol=tol)
+        for engine in (eager, padded):
+            for i in range(3):
+                engine.blocks.free(f"{tag}{i}")
+    assert list(padded.runner.graphs._graphs) == [(4, 16, ())]  # one bucket, reused
+    return padded
+
+
+def test_padded_logits_equal_unpadded(checkpoint_cache, make_engine):
+    _padded_vs_unpadded(checkpoint_cache, make_engine, "cpu", "float32", "on", 1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or bool(os.environ.get("TRITON_INTERPRET")),
+                    reason="needs a CUDA device (and TRITON_INTERPRET unset)")
+def test_captured_graphs_equal_eager_on_gpu(checkpoint_cache, make_engine):
+    padded = _padded_vs_unpadded(checkpoint_cache, make_engine, "cuda", "float32", "auto", 2e-3)
+    assert next(iter(padded.runner.graphs._graphs.values())).graph is not None  # captured
