@@ -93,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--replay-budget", type=int, default=16)
     add("--commit-len", type=float, default=8.0)
     add("--replay-mode", default="geometric", choices=("geometric", "fixed"))
-    add("--max-passes", type=int, default=16)
+    add("--max-passes", type=int, default=32)
     add("--warm-steps", type=int, default=2)
     add("--std", type=float, default=0.02)
     add("--seed", type=int, default=0)

@@ -109,6 +109,9 @@ class DrafterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.batches = Counter("specserve_drafter_batches", "Draft batches served", registry=r)
+        self.feeds = Counter("specserve_drafter_feeds", "Prefill context feeds: budget-0 entries "
+                             "that only extend a request's context (not in batches / entries)",
+                             registry=r)
         self.entries = Counter("specserve_drafter_entries", "Draft entries, by drafter and "
                                "result", ["drafter", "result"], registry=r)
         self.batch_seconds = Histogram("specserve_drafter_batch_seconds", "One batch: decode, "

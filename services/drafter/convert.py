@@ -65,3 +65,9 @@ def request_ids(batch: pb.DraftBatch) -> list[str]:
 
 def release_ids(msg: pb.ReleaseRequest) -> list[str]:
     return list(msg.request_ids)
+
+
+def is_feed(batch: pb.DraftBatch) -> bool:
+    """A prefill context feed: every entry budget 0 with no new history (no tree wanted)."""
+    return bool(batch.entries) and all(e.budget == 0 and not e.new_history
+                                       for e in batch.entries)

@@ -97,7 +97,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         results, times = core.draft_timed(entries)
         reply = convert.tree_batch_to_pb(batch, results, times)
         self._spans(batch, results, times)
-        if self.metrics is not None:
+        if self.metrics is not None and convert.is_feed(batch):
+            self.metrics.feeds.inc(len(batch.entries))
+        elif self.metrics is not None:
             self._metrics(results, times, time.perf_counter() - t0)
         return reply
 

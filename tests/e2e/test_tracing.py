@@ -264,4 +264,5 @@ def test_prometheus_scrapes_agree_with_the_spans(traced):
     assert val(d, "specserve_drafter_entries_total", drafter="dflash", result="ok") == forwards
     assert val(d, "specserve_drafter_entries_total", drafter="ngram", result="ok") == lookups
     assert forwards + lookups == n == val(d, "specserve_drafter_batches_total")
+    assert val(d, "specserve_drafter_feeds_total") >= 1  # dflash prompts went ahead (feeds)
     assert val(d, "specserve_drafter_phase_seconds_count", phase="forward") == forwards
