@@ -146,8 +146,6 @@ class VerifierServer:
 async def _build(config: VerifierConfig, metrics: VerifierMetrics
                  ) -> tuple[StepLoop, RemoteDrafter | None]:
     engine = await asyncio.to_thread(Engine, config.engine_config())
-    if config.warmup == "on" or (config.warmup == "auto" and engine.runner.device.type == "cuda"):
-        await asyncio.to_thread(warm_up_engine, engine)
     tracer = StepTracer(config.trace_steps)
     drafter = None
     if config.drafter:
@@ -158,6 +156,9 @@ async def _build(config: VerifierConfig, metrics: VerifierMetrics
                         "n-gram drafting can work")
         engine.set_drafter(drafter)  # checks the tap layers against the target
         drafter.tracing = tracer
+    if config.warmup == "on" or (config.warmup == "auto" and engine.runner.device.type == "cuda"):
+        await asyncio.to_thread(warm_up_engine, engine)  # with the drafter's taps
+    if drafter is not None:
         await drafter.start()
     loop = StepLoop(engine, metrics=metrics, tracer=tracer)
     loop.start()

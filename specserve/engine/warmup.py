@@ -5,8 +5,10 @@ launch-config table, causal or tree, windowed or not: ≈ 0.3–1 s each on the 
 warm-up the first requests pay that inside their steps: on the H200 the commit probe's first
 request ran 684 ms steps and hit the drafter deadline 5 times. `warm_up_engine` runs one
 throw-away request on the target (a prefill of a full chunk plus a remainder, verify steps with
-chains of every size class up to `max_draft_tokens`, an AR step); `warm_up_drafter` does the same
-for a DFlash drafter (a context chunk, then blocks of every depth class). Both leave no state.
+chains of every size class up to `max_draft_tokens` — of every rows bucket, capturing their
+CUDA graphs for one request, when the engine uses them — and an AR step); `warm_up_drafter`
+does the same for a DFlash drafter (a context chunk, then blocks of every depth class). Both
+leave no state.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ def size_classes(largest: int) -> list[int]:
 
 
 class _ChainDrafter:
-    """Proposes a chain of the next planned size per step (then none: AR steps)."""
+    """Proposes a chain of the next planned size per step (then none: AR steps). It asks for the
+    same tap layers as the drafter it stands in for, so the forwards (and their CUDA graphs)
+    are the ones serving will run."""
 
-    needs_context = False
-
-    def __init__(self, sizes: list[int], vocab: int) -> None:
+    def __init__(self, sizes: list[int], vocab: int, taps: tuple[int, ...] = ()) -> None:
         self.sizes, self.vocab = list(sizes), vocab
+        self.needs_context, self.target_layer_ids = bool(taps), taps
 
     def draft(self, requests):
         n = self.sizes.pop(0) if self.sizes else 0
@@ -53,7 +56,9 @@ class _ChainDrafter:
 def warm_up_engine(engine) -> float:
     """Run the warm-up request on `engine` (no drafter needed; its own is restored). Seconds."""
     t0, cfg = time.perf_counter(), engine.config
-    sizes = size_classes(cfg.max_draft_tokens)
+    graphs = engine.runner.graphs  # with CUDA graphs: one tree per rows bucket (captures it)
+    sizes = [r - 1 for r in graphs.rows if r > 1] if graphs is not None else \
+        size_classes(cfg.max_draft_tokens)
     max_tokens = sum(sizes) + len(sizes) + 2
     room = (engine.blocks.num_unreserved_pages - 1) * engine.blocks.page_size - max_tokens \
         - cfg.max_draft_tokens - 1  # what the pool can take beside the generated tokens
@@ -62,7 +67,8 @@ def warm_up_engine(engine) -> float:
     vocab = engine.model_config.vocab_size
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0))
     previous = engine.drafter
-    engine.set_drafter(_ChainDrafter(sizes, vocab))
+    taps = tuple(previous.target_layer_ids) if getattr(previous, "needs_context", False) else ()
+    engine.set_drafter(_ChainDrafter(sizes, vocab, taps))
     try:
         engine.add_request(WARMUP_ID, prompt.tolist(),
                            SamplingParams(max_tokens=max_tokens, ignore_eos=True),

@@ -101,3 +101,18 @@ def test_padded_logits_equal_unpadded(checkpoint_cache, make_engine):
 def test_captured_graphs_equal_eager_on_gpu(checkpoint_cache, make_engine):
     padded = _padded_vs_unpadded(checkpoint_cache, make_engine, "cuda", "float32", "auto", 2e-3)
     assert next(iter(padded.runner.graphs._graphs.values())).graph is not None  # captured
+
+
+def test_warm_up_visits_every_rows_bucket(checkpoint_cache, make_engine):
+    """With graphs, the services' warm-up runs one tree per rows bucket (so each bucket's graph
+    is captured before the first request), then an AR step; it leaves no pages behind."""
+    from specserve.engine.warmup import warm_up_engine
+
+    path, _ = checkpoint_cache("qwen3-gqa4-yarn")
+    engine = make_engine(path, max_draft_tokens=20, max_num_batched_tokens=40, cuda_graphs="on")
+    sizes = []
+    engine.on_step = lambda rid, s: sizes.append(s.tree_size)
+    warm_up_engine(engine)
+    want = [r - 1 for r in row_buckets(21) if r > 1]
+    assert sizes[: len(want) + 1] == want + [0]
+    assert sorted(k[1] for k in engine.runner.graphs._graphs) == row_buckets(21)
