@@ -128,6 +128,20 @@ def test_wide_tree_two_mask_words_and_causal_none_mask():
           torch.bfloat16)
 
 
+@pytest.mark.parametrize("page,config", [(16, None), (1, None), (64, None),
+                                         (16, Config(16, 32, 4, 1))])
+def test_causal_chunks_without_mask_match_fp64(page, config):
+    """Prefill chunks (no tree mask, no window) at unaligned contexts: the rows of later blocks
+    take the keys before their first token in prefix-style tiles, the rest in tail tiles."""
+    q, k, v, batch = make_case(8, [37, 0, 5], [-41, -23, -30], page, 4, 1, 16, torch.bfloat16,
+                               trees=False)
+    ref = tree_attention_ref(q, k, v, batch, 0.3, None, fp64=True)
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        tree_attention_triton(q, k, v, batch, 0.3, num_splits=splits, config=config, out=out)
+        check(out, ref, torch.bfloat16)
+
+
 def test_naive_baseline_matches():
     from kernels.tree_attention.naive import tree_attention_naive
 
@@ -192,6 +206,15 @@ class TestGPU:
             check(tree_attention_triton(q, k, v, batch, d**-0.5, num_splits=splits), ref, dtype)
         ref = tree_attention_ref(q, k, v, batch, d**-0.5, 300, fp64=True)
         check(tree_attention_triton(q, k, v, batch, d**-0.5, 300), ref, dtype)
+
+    @pytest.mark.parametrize("page", [1, 16, 64])
+    def test_large_causal_prefill_chunks(self, page):
+        q, k, v, batch = make_case(13, [3001, 0, 77], [-700, -333, -129], page, 32, 8, 128,
+                                   torch.bfloat16, trees=False)
+        ref = tree_attention_ref(q, k, v, batch, 0.1, None, fp64=True)
+        for splits in (None, 1, 5):
+            check(tree_attention_triton(q, k, v, batch, 0.1, num_splits=splits), ref,
+                  torch.bfloat16)
 
     def test_cuda_graph_captured_short_replays_long(self):
         long_ctx = [5000, 300]
