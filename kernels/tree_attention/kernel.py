@@ -85,37 +85,6 @@ def _prefix_tile(
 
 
 @triton.jit
-def _causal_body(
-    q, m_i, l_i, acc, K, V, BlockTable, bt_row, lo, hi, q_pos, window, kv_head_off,
-    stride_kp, stride_ks,
-    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    """Keys [lo, hi) that every row of a causal chunk's block sees (its new tokens before the
-    block's first one) in prefix-style BLOCK_N tiles: a masked first tile up to the next
-    BLOCK_N boundary, unmasked aligned tiles, a masked last tile — instead of the tail's small
-    bitmask tiles (a prefill chunk's within-chunk attention at the prefix loop's speed)."""
-    first = tl.minimum(tl.cdiv(lo, BLOCK_N) * BLOCK_N, hi)  # end of the unaligned head
-    if lo < first:
-        m_i, l_i, acc = _prefix_tile(
-            q, m_i, l_i, acc, K, V, BlockTable, bt_row, lo // BLOCK_N * BLOCK_N, lo, first,
-            q_pos, window, kv_head_off, stride_kp, stride_ks,
-            HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, DOT_PREC)
-    full = first + tl.maximum(hi - first, 0) // BLOCK_N * BLOCK_N
-    for n in range(first, full, BLOCK_N):  # aligned, every key visible: no mask ops
-        m_i, l_i, acc = _prefix_tile(
-            q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, lo, hi, q_pos, window,
-            kv_head_off, stride_kp, stride_ks,
-            HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, DOT_PREC)
-    if full < hi:
-        m_i, l_i, acc = _prefix_tile(
-            q, m_i, l_i, acc, K, V, BlockTable, bt_row, full, lo, hi, q_pos, window,
-            kv_head_off, stride_kp, stride_ks,
-            HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, DOT_PREC)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _kv_offsets(BlockTable, bt_row, n, lo_key, hi_key, kv_head_off, stride_kp, stride_ks,
                 HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASKED: tl.constexpr):
@@ -231,18 +200,11 @@ def _tree_attn_kernel(
                         kv_head_off, stride_kp, stride_ks,
                         HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, DOT_PREC)
         else:  # ---- the tree tail: new tokens sit at ctx + j in the pool
-            j_start = 0
             if HAS_TREE:
                 n_keys = q_len
             else:  # causal: no key beyond the block's last token
                 n_keys = tl.minimum(q_len, (rb * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
-                if not SLIDING:  # new keys below the block's first token: seen by every row
-                    j_start = (rb * BLOCK_M) // GROUP
-                    m_i, l_i, acc = _causal_body(
-                        q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, ctx + j_start, q_pos,
-                        window, kv_head_off, stride_kp, stride_ks,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PREC)
-            for j0 in range(j_start, n_keys, TAIL_N):
+            for j0 in range(0, n_keys, TAIL_N):
                 offs_j = j0 + tl.arange(0, TAIL_N)
                 jmask = offs_j < n_keys
                 kpos = ctx + offs_j

@@ -131,8 +131,7 @@ def test_wide_tree_two_mask_words_and_causal_none_mask():
 @pytest.mark.parametrize("page,config", [(16, None), (1, None), (64, None),
                                          (16, Config(16, 32, 4, 1))])
 def test_causal_chunks_without_mask_match_fp64(page, config):
-    """Prefill chunks (no tree mask, no window) at unaligned contexts: the rows of later blocks
-    take the keys before their first token in prefix-style tiles, the rest in tail tiles."""
+    """Prefill chunks (no tree mask, no window) at unaligned contexts, over several blocks."""
     q, k, v, batch = make_case(8, [37, 0, 5], [-41, -23, -30], page, 4, 1, 16, torch.bfloat16,
                                trees=False)
     ref = tree_attention_ref(q, k, v, batch, 0.3, None, fp64=True)
