@@ -83,7 +83,10 @@ def start(name: str, tmp: Path, flags: list[str]) -> tuple[subprocess.Popen, str
     return proc, f"127.0.0.1:{int(port_file.read_text())}"
 
 
-async def over_grpc(gateway: str, verifier: str, batch: int, tokens: int) -> dict:
+async def over_grpc(gateway: str, verifier: str, batch: int, tokens: int,
+                    cpu_s=None) -> dict:
+    """`batch` concurrent n-gram generations of `tokens` through the gateway (after one warm-up):
+    wall time, verifier steps, tokens streamed, and `cpu_s()` seconds spent (when given)."""
     from services.common.server import channel
     from services.gateway import convert
     from specserve.types import SamplingParams
@@ -100,15 +103,16 @@ async def over_grpc(gateway: str, verifier: str, batch: int, tokens: int) -> dic
                 n += len(event[1].token_ids)
         return n
 
+    cpu = cpu_s or (lambda: 0.0)
     async with channel(gateway) as g, channel(verifier) as v:
         stub, stats = gateway_pb2_grpc.GatewayStub(g), verifier_pb2_grpc.VerifierStub(v)
         await one(stub, prompts(1)[0][:8])  # warm
         before = (await stats.Stats(verifier_pb2.StatsRequest(), timeout=10)).steps
-        t0 = time.perf_counter()
+        cpu0, t0 = cpu(), time.perf_counter()
         counts = await asyncio.gather(*(one(stub, p) for p in prompts(batch)))
-        wall = time.perf_counter() - t0
+        wall, cpu1 = time.perf_counter() - t0, cpu()
         after = (await stats.Stats(verifier_pb2.StatsRequest(), timeout=10)).steps
-    return {"wall_s": wall, "steps": after - before, "tokens": sum(counts)}
+    return {"wall_s": wall, "steps": after - before, "tokens": sum(counts), "cpu_s": cpu1 - cpu0}
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_services import ENV, make_model, prompts  # noqa: E402
+from bench.bench_services import ENV, make_model, over_grpc  # noqa: E402
 from tests.e2e.otlp_sink import OtlpSink  # noqa: E402
 
 QUIET = {"SPECSERVE_GATEWAY_METRICS_PORT": "0", "SPECSERVE_VERIFIER_METRICS_PORT": "0",
@@ -96,33 +96,12 @@ class Stack:
 
 
 async def round_(stack: Stack, batch: int, tokens: int) -> dict:
-    from services.common.server import channel
-    from services.gateway import convert
-    from specserve.types import SamplingParams
-    from specserve.v1 import gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-
-    async def one(stub, prompt) -> int:
-        req = convert.generate_request_to_pb(prompt, params, "ngram", 8)
-        n = 0
-        async for msg in stub.Generate(req, timeout=600):
-            event = convert.response_from_pb(msg)
-            if not isinstance(event, convert.GatewayFinal):
-                n += len(event[1].token_ids)
-        return n
-
-    async with channel(stack.gateway) as g, channel(stack.verifier) as v:
-        stub, stats = gateway_pb2_grpc.GatewayStub(g), verifier_pb2_grpc.VerifierStub(v)
-        await one(stub, prompts(1)[0][:8])  # warm
-        before = (await stats.Stats(verifier_pb2.StatsRequest(), timeout=10)).steps
-        cpu0, t0 = cpu_s(stack.procs), time.perf_counter()
-        counts = await asyncio.gather(*(one(stub, p) for p in prompts(batch)))
-        wall, cpu1 = time.perf_counter() - t0, cpu_s(stack.procs)
-        after = (await stats.Stats(verifier_pb2.StatsRequest(), timeout=10)).steps
-    steps = after - before
-    return {"wall_s": wall, "steps": steps, "tokens": sum(counts),
-            "ms_per_step": 1e3 * wall / steps, "cpu_ms_per_step": 1e3 * (cpu1 - cpu0) / steps}
+    got = await over_grpc(stack.gateway, stack.verifier, batch, tokens,
+                          cpu_s=lambda: cpu_s(stack.procs))
+    steps = got["steps"]
+    return {"wall_s": got["wall_s"], "steps": steps, "tokens": got["tokens"],
+            "ms_per_step": 1e3 * got["wall_s"] / steps,
+            "cpu_ms_per_step": 1e3 * got["cpu_s"] / steps}
 
 
 async def total_steps(stack: Stack) -> int:
