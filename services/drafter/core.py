@@ -81,22 +81,6 @@ def _entry_problem(entry: Entry, seen: set[str]) -> str | None:
     return None
 
 
-def _dflash_problem(drafter: DFlashDrafter, r: DraftRequest) -> str | None:
-    """Why the DFlash drafter would reject `r` (checked up front, so only `r` fails)."""
-    cfg = drafter.model.config
-    if r.bonus_token >= cfg.vocab_size:
-        return (f"request {r.request_id!r}: bonus token {r.bonus_token} outside the "
-                f"vocabulary ({cfg.vocab_size})")
-    width, ctx = cfg.num_taps * cfg.hidden_size, r.context
-    if ctx is not None and (ctx.ndim != 2 or ctx.shape[1] != width):
-        return f"request {r.request_id!r}: context must be [n_new, {width}], got {list(ctx.shape)}"
-    held, new = drafter.cache.length(r.request_id), 0 if ctx is None else int(ctx.shape[0])
-    if r.start - new != held:
-        return (f"request {r.request_id!r}: context covers positions [{r.start - new}, "
-                f"{r.start}) but the drafter holds [0, {held}); it must continue at {held}")
-    return None
-
-
 class DrafterCore:
     """The drafters of one drafter server and the per-request state they need."""
 
@@ -186,7 +170,7 @@ class DrafterCore:
             return (f"request {r.request_id!r}: drafter {kind!r} is not loaded here "
                     f"(available: {', '.join(sorted(self.drafters))}, none)")
         if kind == DFLASH:
-            problem = _dflash_problem(self.dflash, r)
+            problem = self.dflash.problem(r)
             return problem if problem else (kind, r)
         return kind, replace(r, history=history)
 

@@ -94,31 +94,33 @@ class DFlashDrafter:
     def _num_new(request: DraftRequest) -> int:
         return 0 if request.context is None else int(request.context.shape[0])
 
-    def _check(self, request: DraftRequest) -> None:
+    def problem(self, request: DraftRequest) -> str | None:
+        """Why `request` cannot be drafted here (None: it can). `draft` raises ValueError with
+        it; the drafter service checks each entry up front so only that entry fails."""
         cfg, rid = self.model.config, request.request_id
         if request.max_depth < 0:
-            raise ValueError(f"request {rid!r}: max_depth must be non-negative, "
-                             f"got {request.max_depth}")
+            return f"request {rid!r}: max_depth must be non-negative, got {request.max_depth}"
         if not 0 <= request.bonus_token < cfg.vocab_size:
-            raise ValueError(f"request {rid!r}: bonus token {request.bonus_token} outside the "
-                             f"vocabulary ({cfg.vocab_size})")
+            return (f"request {rid!r}: bonus token {request.bonus_token} outside the "
+                    f"vocabulary ({cfg.vocab_size})")
         width = cfg.num_taps * cfg.hidden_size
         ctx = request.context
         if ctx is not None and (ctx.ndim != 2 or ctx.shape[1] != width):
-            raise ValueError(f"request {rid!r}: context must be [n_new, {width}], "
-                             f"got {tuple(ctx.shape)}")
+            return f"request {rid!r}: context must be [n_new, {width}], got {tuple(ctx.shape)}"
         held, new = self.cache.length(rid), self._num_new(request)
         if request.start - new != held:
-            raise ValueError(
-                f"request {rid!r}: context covers positions [{request.start - new}, "
-                f"{request.start}) but the drafter holds [0, {held}); it must continue at {held}")
+            return (f"request {rid!r}: context covers positions [{request.start - new}, "
+                    f"{request.start}) but the drafter holds [0, {held}); it must continue at "
+                    f"{held}")
+        return None
 
     @torch.inference_mode()
     def _run(
         self, requests: Sequence[DraftRequest], block_lens: Sequence[int]
     ) -> list[torch.Tensor]:  # [n - 1, V] float32 per request
         for r in requests:
-            self._check(r)
+            if (why := self.problem(r)) is not None:
+                raise ValueError(why)
         step = self.cache.begin([StepItem(r.request_id, self._num_new(r), n)
                                  for r, n in zip(requests, block_lens, strict=True)])
         self._write_context(step, [r.context for r in requests if self._num_new(r)])
