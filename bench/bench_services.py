@@ -71,10 +71,14 @@ def in_process(model: Path, batch: int, tokens: int) -> dict:
     return {"wall_s": wall, "steps": steps, "tokens": committed}
 
 
-def start(name: str, tmp: Path, flags: list[str]) -> tuple[subprocess.Popen, str]:
+def start(name: str, tmp: Path, flags: list[str], env: dict | None = None
+          ) -> tuple[subprocess.Popen, str]:
+    """`python -m services.NAME` on a free port (`env`: default ENV); (process, address)."""
     port_file = tmp / f"{name}.port"
+    port_file.unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", f"services.{name}", "--port", "0",
-                             "--port-file", str(port_file), *flags], cwd=ROOT, env=ENV,
+                             "--port-file", str(port_file), *flags], cwd=ROOT,
+                            env=ENV if env is None else env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not port_file.exists():
         if proc.poll() is not None:

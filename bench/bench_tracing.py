@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -36,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_services import ENV, make_model, over_grpc  # noqa: E402
+from bench.bench_services import start as start_service  # noqa: E402
 from tests.e2e.otlp_sink import OtlpSink  # noqa: E402
 
 QUIET = {"SPECSERVE_GATEWAY_METRICS_PORT": "0", "SPECSERVE_VERIFIER_METRICS_PORT": "0",
@@ -45,17 +45,8 @@ MODES = {"off": 0, "on": 1, "every8": 8}  # mode -> --trace-steps (0: no exporte
 
 
 def start(name: str, tmp: Path, flags: list[str], env: dict) -> tuple[subprocess.Popen, str]:
-    port_file = tmp / f"{name}.port"
-    port_file.unlink(missing_ok=True)
     env = {**env, "OTEL_SERVICE_NAME": f"{name}.{env['MODE']}"}  # spans tell their stack
-    proc = subprocess.Popen([sys.executable, "-m", f"services.{name}", "--port", "0",
-                             "--port-file", str(port_file), *flags], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not port_file.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}")
-        time.sleep(0.05)
-    return proc, f"127.0.0.1:{int(port_file.read_text())}"
+    return start_service(name, tmp, flags, env)
 
 
 def cpu_s(procs) -> float:
