@@ -15,6 +15,10 @@ engine verifies root-only trees and records why); a per-entry error yields an em
 reported through `take_entry_errors`. Reconnects run in the background, at most one attempt per
 `reconnect_s`, so steps never wait for one.
 
+During prefill, `feed` sends each chunk's context rows at once (budget-0 entries whose reply is
+not waited for; a later release waits for feeds in flight), so the drafter builds its context
+while the target prefills.
+
 With a `tracing` StepTracer set, each entry of a traced step carries the W3C context of its
 request's `draft` span (`DraftEntry.trace_context`), so the drafter's spans nest under it.
 """
@@ -45,6 +49,7 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
                      ("grpc.min_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 500)]
 MAX_CHUNKS = 64  # context chunks kept per request before they are merged into one tensor
+FEED_DEADLINE = 10  # a prefill feed's deadline, in draft deadlines (timeout_s)
 
 
 class DrafterUnavailable(Exception):
@@ -179,7 +184,9 @@ class RemoteDrafter:
     async def _feed(self, step_id: int, epoch: int, batch, release: list[str],
                     ids: list[str]) -> None:
         try:
-            reply = await self._exchange(step_id, epoch, batch, release)
+            # a prefill chunk's rows take longer than a step's draft: FEED_DEADLINE × timeout_s
+            reply = await self._exchange(step_id, epoch, batch, release,
+                                         FEED_DEADLINE * self.timeout_s)
             failed = [rid for rid, tree in convert.trees_from_pb(reply).items()
                       if not isinstance(tree, DraftTree)]
         except Exception:  # noqa: BLE001 — any failure: the next draft resends everything
@@ -262,15 +269,16 @@ class RemoteDrafter:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _exchange(self, step_id: int, epoch: int, batch, release: list[str]):
-        call = self._call
+    async def _exchange(self, step_id: int, epoch: int, batch, release: list[str],
+                        timeout_s: float | None = None):
+        call, timeout_s = self._call, timeout_s or self.timeout_s
         if call is None or epoch != self._epoch:
             self._maybe_reconnect()
             raise DrafterUnavailable(f"no stream to the drafter at {self.address}")
         reply = self._loop.create_future()
         self._pending[step_id] = reply
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(timeout_s):
                 async with self._write_lock:  # one write at a time on the stream (feeds, steps)
                     if release:
                         await self._stub.Release(convert.release_to_pb(release),
@@ -279,7 +287,7 @@ class RemoteDrafter:
                 return await reply
         except TimeoutError:
             self._drop(call, "deadline exceeded")  # a drafter behind: flush its backlog
-            raise DrafterTimeout(f"no reply within {self.timeout_s} s") from None
+            raise DrafterTimeout(f"no reply within {timeout_s} s") from None
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
             self._drop(call, f"stream failed: {e}")
             raise DrafterUnavailable(f"the drafter stream to {self.address} broke") from None
