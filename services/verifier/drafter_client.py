@@ -2,8 +2,8 @@
 bidi `Draft` stream to the drafter service.
 
 Owns what the verifier knows about the drafter's copy of each request. The engine thread calls
-`draft` synchronously; the stream itself lives on the asyncio loop (grpc.aio objects stay on
-their loop), reached with `run_coroutine_threadsafe` and waited on with a deadline. Only NEW
+`draft` synchronously; the stream itself (`drafter_stream.DrafterStream`) lives on the asyncio
+loop, reached with `run_coroutine_threadsafe` and waited on with a deadline. Only NEW
 context rows and history tokens go out per step, but every context row and the whole history are
 kept here: after a reconnect (a new drafter process has no state), a timeout or an entry error,
 the request is released on the drafter and resent in full from position 0 — the DFlash drafter
@@ -29,35 +29,19 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
-import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
-from services.common.server import CHANNEL_OPTIONS, INTERNAL_MESSAGE_BYTES, with_message_limit
 from services.verifier import convert
+from services.verifier.drafter_stream import DrafterStream, DrafterTimeout, DrafterUnavailable
 from specserve.drafters.base import DraftRequest
 from specserve.spec.tree import DraftTree
-from specserve.v1 import drafter_pb2_grpc
 
-log = logging.getLogger(__name__)
-# a restarted drafter is found within about reconnect_s (grpc's own default backoff reaches 120 s)
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
-                     ("grpc.min_reconnect_backoff_ms", 100),
-                     ("grpc.max_reconnect_backoff_ms", 500)]
 MAX_CHUNKS = 64  # context chunks kept per request before they are merged into one tensor
 FEED_DEADLINE = 10  # a prefill feed's deadline, in draft deadlines (timeout_s)
-
-
-class DrafterUnavailable(Exception):
-    """No usable stream to the drafter (down, connecting, or the stream broke)."""
-
-
-class DrafterTimeout(Exception):
-    """The drafter did not answer a step within the deadline."""
+__all__ = ["DrafterTimeout", "DrafterUnavailable", "RemoteDrafter"]
 
 
 @dataclass(eq=False)
@@ -92,28 +76,26 @@ class RemoteDrafter:
         if timeout_s <= 0 or reconnect_s <= 0:
             raise ValueError(f"timeout_s and reconnect_s must be positive, got "
                              f"{timeout_s}, {reconnect_s}")
-        self.address, self.timeout_s, self.reconnect_s = address, timeout_s, reconnect_s
+        self.address, self.timeout_s = address, timeout_s
         self.target_layer_ids = tuple(int(t) for t in target_layer_ids)
         self.needs_context = bool(self.target_layer_ids)  # else only n-gram drafting works
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._channel = self._stub = self._call = None
-        self._connecting: asyncio.Future | None = None
-        self._tasks: set[asyncio.Future] = set()
-        self._last_attempt = -float("inf")
-        self._epoch = 0
-        self._pending: dict[int, asyncio.Future] = {}  # step id → its reply
-        self._feeding: set[asyncio.Future] = set()  # feeds in flight (releases wait for them)
+        self.stream = DrafterStream(address, timeout_s, reconnect_s)
         self._feed_failed: set[str] = set()  # requests whose feed failed: resend in full
         self._step_ids = itertools.count(1)
         self._states: dict[str, _State] = {}
         self._entry_errors: dict[str, str] = {}
-        self._releases: set[str] = set()
-        self._closed = False
         self.tracing = None  # a StepTracer: each entry carries its request's `draft` span
 
     @property
     def connected(self) -> bool:
-        return self._call is not None
+        return self.stream.connected
+
+    async def start(self) -> None:
+        """Bind to the running loop and try to connect once (failure: retried in background)."""
+        await self.stream.start()
+
+    async def close(self) -> None:
+        await self.stream.close()
 
     # ---- engine thread -----------------------------------------------------------------------
     def set_kind(self, request_id: str, kind: str | None) -> None:
@@ -126,9 +108,10 @@ class RemoteDrafter:
         return errors
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
-        if self._loop is None or self._closed:
+        stream = self.stream
+        if stream.loop is None or stream.closed:
             raise DrafterUnavailable("the drafter client is not running")
-        epoch, entries, marks, release = self._epoch, [], {}, []
+        epoch, entries, marks, release = stream.epoch, [], {}, []
         for req in requests:
             st = self._states.setdefault(req.request_id, _State(None))
             entry = self._entry(req, st, epoch, release)
@@ -138,7 +121,7 @@ class RemoteDrafter:
         step_id = next(self._step_ids)
         batch = convert.draft_batch_to_pb(step_id, entries)
         done = asyncio.run_coroutine_threadsafe(
-            self._exchange(step_id, epoch, batch, release), self._loop)
+            stream.exchange(step_id, epoch, batch, release), stream.loop)
         try:
             reply = done.result(self.timeout_s + 1.0)
         except BaseException as e:
@@ -158,12 +141,13 @@ class RemoteDrafter:
         rows = [r for r in requests if r.context is not None and r.context.shape[0]]
         if not rows:
             return
-        if self._loop is None or self._closed or self._call is None:
+        stream = self.stream
+        if stream.loop is None or stream.closed or not stream.connected:
             for req in rows:  # no stream: keep the rows for the first draft
                 if not self._absorb(req, self._states.setdefault(req.request_id, _State(None))):
                     self._states[req.request_id].resend = True
             return
-        epoch, entries, release = self._epoch, [], []
+        epoch, entries, release = stream.epoch, [], []
         for req in rows:
             st = self._states.setdefault(req.request_id, _State(None))
             if st.kind == "ngram":  # the n-gram drafter takes no context
@@ -177,16 +161,15 @@ class RemoteDrafter:
             step_id = next(self._step_ids)
             batch = convert.draft_batch_to_pb(step_id, entries)
             ids = [r.request_id for r in rows]
-            self._loop.call_soon_threadsafe(
-                lambda: self._feeding.add(self._spawn(self._feed(step_id, epoch, batch, release,
-                                                                 ids))))
+            stream.loop.call_soon_threadsafe(
+                lambda: stream.feed(self._feed(step_id, epoch, batch, release, ids)))
 
     async def _feed(self, step_id: int, epoch: int, batch, release: list[str],
                     ids: list[str]) -> None:
         try:
             # a prefill chunk's rows take longer than a step's draft: FEED_DEADLINE × timeout_s
-            reply = await self._exchange(step_id, epoch, batch, release,
-                                         FEED_DEADLINE * self.timeout_s)
+            reply = await self.stream.exchange(step_id, epoch, batch, release,
+                                               FEED_DEADLINE * self.timeout_s)
             failed = [rid for rid, tree in convert.trees_from_pb(reply).items()
                       if not isinstance(tree, DraftTree)]
         except Exception:  # noqa: BLE001 — any failure: the next draft resends everything
@@ -248,124 +231,7 @@ class RemoteDrafter:
 
     def release(self, request_id: str) -> None:
         """Forget the request here and (fire-and-forget) on the drafter."""
-        st = self._states.pop(request_id, None)
-        if st is not None and st.sent_once and self._loop is not None and not self._closed:
+        st, stream = self._states.pop(request_id, None), self.stream
+        if st is not None and st.sent_once and stream.loop is not None and not stream.closed:
             with contextlib.suppress(RuntimeError):  # the loop is closed
-                self._loop.call_soon_threadsafe(self._queue_release, request_id)
-
-    # ---- asyncio loop ------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Bind to the running loop and try to connect once (failure: retried in background)."""
-        self._loop = asyncio.get_running_loop()
-        self._write_lock = asyncio.Lock()
-        await self._connect()
-
-    async def close(self) -> None:
-        self._closed = True
-        if self._connecting is not None:
-            self._connecting.cancel()
-        if self._call is not None:
-            self._drop(self._call, "closed")
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _exchange(self, step_id: int, epoch: int, batch, release: list[str],
-                        timeout_s: float | None = None):
-        call, timeout_s = self._call, timeout_s or self.timeout_s
-        if call is None or epoch != self._epoch:
-            self._maybe_reconnect()
-            raise DrafterUnavailable(f"no stream to the drafter at {self.address}")
-        reply = self._loop.create_future()
-        self._pending[step_id] = reply
-        try:
-            async with asyncio.timeout(timeout_s):
-                async with self._write_lock:  # one write at a time on the stream (feeds, steps)
-                    if release:
-                        await self._stub.Release(convert.release_to_pb(release),
-                                                 timeout=self.timeout_s)
-                    await call.write(batch)
-                return await reply
-        except TimeoutError:
-            self._drop(call, "deadline exceeded")  # a drafter behind: flush its backlog
-            raise DrafterTimeout(f"no reply within {timeout_s} s") from None
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
-            self._drop(call, f"stream failed: {e}")
-            raise DrafterUnavailable(f"the drafter stream to {self.address} broke") from None
-        finally:
-            self._pending.pop(step_id, None)
-
-    def _maybe_reconnect(self) -> None:
-        busy = self._connecting is not None and not self._connecting.done()
-        if self._closed or busy or time.monotonic() - self._last_attempt < self.reconnect_s:
-            return
-        self._connecting = self._spawn(self._connect())
-
-    async def _connect(self) -> bool:
-        self._last_attempt = time.monotonic()
-        options = with_message_limit(CHANNEL_OPTIONS, INTERNAL_MESSAGE_BYTES)
-        channel = grpc.aio.insecure_channel(self.address, options=options + RECONNECT_OPTIONS)
-        try:
-            await asyncio.wait_for(channel.channel_ready(), max(self.timeout_s, 1.0))
-        except (TimeoutError, grpc.aio.AioRpcError):
-            await channel.close()
-            return False
-        if self._closed:
-            await channel.close()
-            return False
-        stub = drafter_pb2_grpc.DrafterStub(channel)
-        # The stream lives as long as the connection; each step has its own deadline (timeout_s).
-        call = stub.Draft()
-        self._epoch += 1  # every request is resent in full on the new stream
-        self._channel, self._stub, self._call = channel, stub, call
-        self._spawn(self._read(call))
-        log.info("drafter stream to %s open", self.address)
-        return True
-
-    async def _read(self, call) -> None:
-        try:
-            while (reply := await call.read()) is not grpc.aio.EOF:
-                waiter = self._pending.get(reply.step_id)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(reply)  # a late reply to a timed-out step is dropped
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
-            log.warning("drafter stream to %s ended: %s", self.address,
-                        getattr(e, "code", lambda: "cancelled")())
-        finally:
-            self._drop(call, "stream ended")
-
-    def _drop(self, call, why: str) -> None:
-        """Forget a dead (or abandoned) stream; waiting steps fail at once."""
-        if self._call is not call:
-            return
-        channel, self._channel, self._stub, self._call = self._channel, None, None, None
-        call.cancel()
-        for waiter in self._pending.values():
-            if not waiter.done():
-                waiter.set_exception(DrafterUnavailable(f"the drafter stream {why}"))
-        self._pending.clear()
-        if channel is not None:
-            self._spawn(channel.close())
-
-    def _queue_release(self, request_id: str) -> None:
-        if not self._releases:
-            self._spawn(self._flush_releases())
-        self._releases.add(request_id)
-
-    async def _flush_releases(self) -> None:
-        await asyncio.sleep(0)  # batch the releases of one step into one call
-        self._feeding = {f for f in self._feeding if not f.done()}
-        if self._feeding:  # a release must not overtake a feed (it would leave state behind)
-            await asyncio.gather(*self._feeding, return_exceptions=True)
-        ids, self._releases = self._releases, set()
-        if self._stub is None or not ids:
-            return  # no drafter: its state went with the connection
-        try:
-            await self._stub.Release(convert.release_to_pb(ids), timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as e:
-            log.debug("release of %d requests failed: %s", len(ids), e.code())
-
-    def _spawn(self, coro) -> asyncio.Future:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+                stream.loop.call_soon_threadsafe(stream.queue_release, request_id)

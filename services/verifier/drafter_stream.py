@@ -1,0 +1,175 @@
+"""The asyncio side of the verifier's drafter client: ONE long-lived bidi `Draft` stream.
+
+Owns the connection (channel, stub, the stream call, its epoch — bumped on every new stream, so
+the engine side knows the drafter's copy of each request is gone), the replies in flight by step
+id, the write lock (feeds and steps share the stream), background reconnects (at most one per
+`reconnect_s`, so no step waits for one) and batched releases (which wait for feeds in flight).
+Everything here runs on the server's event loop; grpc.aio objects never leave it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from services.common.server import CHANNEL_OPTIONS, INTERNAL_MESSAGE_BYTES, with_message_limit
+from services.verifier import convert
+from specserve.v1 import drafter_pb2_grpc
+
+log = logging.getLogger(__name__)
+# a restarted drafter is found within about reconnect_s (grpc's own default backoff reaches 120 s)
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
+                     ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 500)]
+
+
+class DrafterUnavailable(Exception):
+    """No usable stream to the drafter (down, connecting, or the stream broke)."""
+
+
+class DrafterTimeout(Exception):
+    """The drafter did not answer a step within the deadline."""
+
+
+class DrafterStream:
+    def __init__(self, address: str, timeout_s: float, reconnect_s: float) -> None:
+        self.address, self.timeout_s, self.reconnect_s = address, timeout_s, reconnect_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.epoch = 0
+        self.closed = False
+        self._channel = self._stub = self._call = None
+        self._connecting: asyncio.Future | None = None
+        self._tasks: set[asyncio.Future] = set()
+        self._last_attempt = -float("inf")
+        self._pending: dict[int, asyncio.Future] = {}  # step id → its reply
+        self._feeding: set[asyncio.Future] = set()  # feeds in flight (releases wait for them)
+        self._releases: set[str] = set()
+
+    @property
+    def connected(self) -> bool:
+        return self._call is not None
+
+    async def start(self) -> None:
+        """Bind to the running loop and try to connect once (failure: retried in background)."""
+        self.loop = asyncio.get_running_loop()
+        self._write_lock = asyncio.Lock()
+        await self._connect()
+
+    async def close(self) -> None:
+        self.closed = True
+        if self._connecting is not None:
+            self._connecting.cancel()
+        if self._call is not None:
+            self._drop(self._call, "closed")
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def exchange(self, step_id: int, epoch: int, batch, release: list[str],
+                       timeout_s: float | None = None):
+        """Release `release`, write `batch`, wait for its reply (raises DrafterUnavailable /
+        DrafterTimeout; a timeout drops the stream: a drafter behind flushes its backlog)."""
+        call, timeout_s = self._call, timeout_s or self.timeout_s
+        if call is None or epoch != self.epoch:
+            self._maybe_reconnect()
+            raise DrafterUnavailable(f"no stream to the drafter at {self.address}")
+        reply = self.loop.create_future()
+        self._pending[step_id] = reply
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._write_lock:  # one write at a time on the stream (feeds, steps)
+                    if release:
+                        await self._stub.Release(convert.release_to_pb(release),
+                                                 timeout=self.timeout_s)
+                    await call.write(batch)
+                return await reply
+        except TimeoutError:
+            self._drop(call, "deadline exceeded")
+            raise DrafterTimeout(f"no reply within {timeout_s} s") from None
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+            self._drop(call, f"stream failed: {e}")
+            raise DrafterUnavailable(f"the drafter stream to {self.address} broke") from None
+        finally:
+            self._pending.pop(step_id, None)
+
+    def feed(self, coro) -> None:
+        """Run a feed's exchange in the background; later releases wait for it."""
+        self._feeding.add(self.spawn(coro))
+
+    def queue_release(self, request_id: str) -> None:
+        if not self._releases:
+            self.spawn(self._flush_releases())
+        self._releases.add(request_id)
+
+    def spawn(self, coro) -> asyncio.Future:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _maybe_reconnect(self) -> None:
+        busy = self._connecting is not None and not self._connecting.done()
+        if self.closed or busy or time.monotonic() - self._last_attempt < self.reconnect_s:
+            return
+        self._connecting = self.spawn(self._connect())
+
+    async def _connect(self) -> bool:
+        self._last_attempt = time.monotonic()
+        options = with_message_limit(CHANNEL_OPTIONS, INTERNAL_MESSAGE_BYTES)
+        channel = grpc.aio.insecure_channel(self.address, options=options + RECONNECT_OPTIONS)
+        try:
+            await asyncio.wait_for(channel.channel_ready(), max(self.timeout_s, 1.0))
+        except (TimeoutError, grpc.aio.AioRpcError):
+            await channel.close()
+            return False
+        if self.closed:
+            await channel.close()
+            return False
+        stub = drafter_pb2_grpc.DrafterStub(channel)
+        # The stream lives as long as the connection; each step has its own deadline (timeout_s).
+        call = stub.Draft()
+        self.epoch += 1  # every request is resent in full on the new stream
+        self._channel, self._stub, self._call = channel, stub, call
+        self.spawn(self._read(call))
+        log.info("drafter stream to %s open", self.address)
+        return True
+
+    async def _read(self, call) -> None:
+        try:
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                waiter = self._pending.get(reply.step_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(reply)  # a late reply to a timed-out step is dropped
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            log.warning("drafter stream to %s ended: %s", self.address,
+                        getattr(e, "code", lambda: "cancelled")())
+        finally:
+            self._drop(call, "stream ended")
+
+    def _drop(self, call, why: str) -> None:
+        """Forget a dead (or abandoned) stream; waiting steps fail at once."""
+        if self._call is not call:
+            return
+        channel, self._channel, self._stub, self._call = self._channel, None, None, None
+        call.cancel()
+        for waiter in self._pending.values():
+            if not waiter.done():
+                waiter.set_exception(DrafterUnavailable(f"the drafter stream {why}"))
+        self._pending.clear()
+        if channel is not None:
+            self.spawn(channel.close())
+
+    async def _flush_releases(self) -> None:
+        await asyncio.sleep(0)  # batch the releases of one step into one call
+        self._feeding = {f for f in self._feeding if not f.done()}
+        if self._feeding:  # a release must not overtake a feed (it would leave state behind)
+            await asyncio.gather(*self._feeding, return_exceptions=True)
+        ids, self._releases = self._releases, set()
+        if self._stub is None or not ids:
+            return  # no drafter: its state went with the connection
+        try:
+            await self._stub.Release(convert.release_to_pb(ids), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            log.debug("release of %d requests failed: %s", len(ids), e.code())
