@@ -165,10 +165,9 @@ class Engine:
         t_draft = time.time_ns()
         # scratch rows for the tree, within the request's reservation (under CUDA graphs every
         # tree of the step is padded to the step's rows bucket)
-        span = self.runner.padded_rows(max((p.layout.num_rows for p in plans), default=0))
+        span = self.runner.step_rows([p.layout.num_rows for p in plans])
         for p in plans:
-            self.blocks.ensure(p.seq.request_id, p.start + max(p.layout.num_rows, span
-                                                               if self.runner.graphs else 0))
+            self.blocks.ensure(p.seq.request_id, p.start + max(p.layout.num_rows, span))
         inputs = [p.forward_input() for p in plans] + [self._chunk_input(w) for w in chunks]
         ends = list(itertools.accumulate(len(x.token_ids) for x in inputs))
         rows = [r for p, e in zip(plans, ends, strict=False)

@@ -60,9 +60,12 @@ class ModelRunner:
             config.max_model_len or mc.max_position_embeddings, config.max_draft_tokens + 1,
             trash_page=num_pages) if graphs else None
 
-    def padded_rows(self, n: int) -> int:
-        """K/V rows a tree of `n` rows occupies in a step (more under CUDA graphs: bucketed)."""
-        return self.graphs.padded_rows(n) if self.graphs is not None else n
+    def step_rows(self, tree_rows: Seq[int]) -> int:
+        """K/V rows every tree of a step occupies under CUDA graphs (the step's rows bucket);
+        0 without graphs (each tree takes its own rows)."""
+        if self.graphs is None or not tree_rows:
+            return 0
+        return self.graphs.padded_rows(max(tree_rows))
 
     def set_taps(self, layers: Seq[int]) -> None:
         """Target layers whose outputs `forward(..., taps=True)` returns (DFlash context)."""
