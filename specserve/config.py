@@ -9,6 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 DEFAULT_KV_BYTES_CPU = 256 << 20
+SWITCH = ("auto", "on", "off")  # a GPU-only feature: auto = on where the work runs on CUDA
+
+
+def check_switch(name: str, value: str) -> None:
+    if value not in SWITCH:
+        raise ValueError(f"{name} must be one of {SWITCH}, got {value!r}")
+
+
+def switched_on(value: str, device: str) -> bool:
+    """Whether an auto / on / off `value` is on for work on `device` ("cpu", "cuda:1", …)."""
+    return value == "on" or (value == "auto" and str(device).startswith("cuda"))
 
 
 @dataclass(frozen=True)
@@ -30,8 +41,7 @@ class EngineConfig:
     cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.cuda_graphs not in ("auto", "on", "off"):
-            raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
+        check_switch("cuda_graphs", self.cuda_graphs)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.page_size <= 0:

@@ -23,12 +23,12 @@ from services.common.server import INTERNAL_MESSAGE_BYTES, mark_serving, start_s
 from services.common.settings import DEFAULT_HOST, DRAFTER_PORT
 from services.drafter.core import DrafterCore
 from services.drafter.servicer import DrafterServicer
+from specserve.config import check_switch, switched_on
 from specserve.engine.warmup import warm_up_drafter
 from specserve.v1 import drafter_pb2_grpc
 
 SERVICE_NAME = "specserve.v1.Drafter"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-WARMUP = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,7 @@ class DrafterConfig:
     warmup: str = "auto"  # compile kernels before serving: auto (= on cuda) | on | off
 
     def __post_init__(self) -> None:
-        if self.warmup not in WARMUP:
-            raise ValueError(f"warmup must be one of {WARMUP}, got {self.warmup!r}")
+        check_switch("warmup", self.warmup)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 <= self.metrics_port <= 65535:
@@ -83,8 +82,7 @@ def load_core(config: DrafterConfig) -> DrafterCore:
     core = DrafterCore.load(config.draft_model, config.model, dtype=config.resolved_dtype,
                             device=config.resolved_device, num_pages=config.num_pages,
                             page_size=config.page_size)
-    on_gpu = config.resolved_device.startswith("cuda")
-    if core.dflash is not None and (config.warmup == "on" or (config.warmup == "auto" and on_gpu)):
+    if core.dflash is not None and switched_on(config.warmup, config.resolved_device):
         warm_up_drafter(core.dflash)
     return core
 

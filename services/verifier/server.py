@@ -22,7 +22,7 @@ from services.verifier.drafter_client import RemoteDrafter
 from services.verifier.loop import StepLoop
 from services.verifier.servicer import VerifierServicer
 from services.verifier.tracing import StepTracer
-from specserve.config import EngineConfig
+from specserve.config import EngineConfig, check_switch, switched_on
 from specserve.engine.engine import Engine
 from specserve.engine.warmup import warm_up_engine
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
@@ -30,7 +30,6 @@ from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 log = logging.getLogger(__name__)
 SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name  # specserve.v1.Verifier
 DEFAULT_KV_GB = {"cpu": 1.0, "cuda": 16.0}
-WARMUP = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -57,10 +56,8 @@ class VerifierConfig:
     cuda_graphs: str = "auto"  # decode / verify steps as CUDA graphs: auto (= on cuda) | on | off
 
     def __post_init__(self) -> None:
-        if self.cuda_graphs not in WARMUP:
-            raise ValueError(f"cuda_graphs must be one of {WARMUP}, got {self.cuda_graphs!r}")
-        if self.warmup not in WARMUP:
-            raise ValueError(f"warmup must be one of {WARMUP}, got {self.warmup!r}")
+        check_switch("cuda_graphs", self.cuda_graphs)
+        check_switch("warmup", self.warmup)
         if not self.model:
             raise ValueError("model (the target checkpoint directory) is required")
         if not 0 <= self.port <= 65535:
@@ -156,7 +153,7 @@ async def _build(config: VerifierConfig, metrics: VerifierMetrics
                         "n-gram drafting can work")
         engine.set_drafter(drafter)  # checks the tap layers against the target
         drafter.tracing = tracer
-    if config.warmup == "on" or (config.warmup == "auto" and engine.runner.device.type == "cuda"):
+    if switched_on(config.warmup, engine.runner.device.type):
         await asyncio.to_thread(warm_up_engine, engine)  # with the drafter's taps
     if drafter is not None:
         await drafter.start()

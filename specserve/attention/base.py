@@ -42,7 +42,7 @@ def to_device(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[
     for a, off in zip(arrays, offsets, strict=True):
         host[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
     buf = staging.to(device, non_blocking=True)
-    return [buf[off : off + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
+    return [buf[off : off + a.nbytes].view(torch_dtype(a.dtype)).view(a.shape)
             for a, off in zip(arrays, offsets, strict=True)]
 
 
@@ -58,7 +58,8 @@ def packed_offsets(sizes) -> tuple[list[int], int]:
     return offsets, total
 
 
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of a numpy dtype."""
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 

@@ -23,7 +23,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from specserve.attention.base import AttnBatch, packed_offsets
+from specserve.attention.base import AttnBatch, packed_offsets, torch_dtype
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -112,8 +112,7 @@ class StepGraphs:
         dev = torch.zeros(total, dtype=torch.uint8, device=self.device)
         hnp, views = host.numpy(), {}
         for (name, (shape, dtype)), off, size in zip(spec.items(), offsets, sizes, strict=True):
-            tdt = torch.from_numpy(np.empty(0, dtype)).dtype
-            views[name] = (dev[off : off + size].view(tdt).view(shape),
+            views[name] = (dev[off : off + size].view(torch_dtype(dtype)).view(shape),
                            hnp[off : off + size].view(dtype).reshape(shape))
         views["cu"][1][:] = np.arange(bb + 1, dtype=np.int32) * nb
         d = {k: v[0] for k, v in views.items()}

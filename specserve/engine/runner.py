@@ -14,7 +14,7 @@ import torch
 
 from specserve.attention import backend_for
 from specserve.attention.base import AttnBatch
-from specserve.config import EngineConfig
+from specserve.config import EngineConfig, switched_on
 from specserve.engine.graphs import StepGraphs
 from specserve.kvcache.block_manager import BlockManager
 from specserve.kvcache.pool import KVPool, KVShape, num_pages_for_budget
@@ -49,8 +49,7 @@ class ModelRunner:
         num_pages = config.num_pages or num_pages_for_budget(
             shape, config.page_size, config.kv_memory_bytes or DEFAULT_KV_BYTES
         )
-        graphs = config.cuda_graphs == "on" or (
-            config.cuda_graphs == "auto" and self.device.type == "cuda")
+        graphs = switched_on(config.cuda_graphs, self.device.type)
         # with graphs, one extra page (never handed out) takes the padding's K/V writes
         self.kv = KVPool(shape, num_pages + graphs, config.page_size, self.device,
                          config.poison_kv)

@@ -69,11 +69,6 @@ class Sequence:
     spec_stats: object | None = None  # RequestSpecStats
 
     @property
-    def all_ids(self) -> list[int]:
-        """A copy of prompt + output (O(context): hot paths use `ids` or `last_token`)."""
-        return self.prompt_ids + self.output_ids
-
-    @property
     def ids(self) -> TokenView:
         return TokenView(self.prompt_ids, self.output_ids)
 

@@ -23,6 +23,16 @@ from tests.helpers import hf_greedy, random_prompts
 from tests.unit.test_speculative import LENGTHS
 
 
+def test_switches():
+    """auto / on / off: GPU-only features (CUDA graphs, warm-up) are on for CUDA under auto."""
+    from specserve.config import EngineConfig, switched_on
+
+    assert switched_on("auto", "cuda:1") and not switched_on("auto", "cpu")
+    assert switched_on("on", "cpu") and not switched_on("off", "cuda")
+    with pytest.raises(ValueError, match="cuda_graphs must be one of"):
+        EngineConfig("m", cuda_graphs="yes")
+
+
 def test_buckets():
     assert row_buckets(65) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65]
     assert row_buckets(17)[-3:] == [9, 16, 17] and row_buckets(1) == [1]
