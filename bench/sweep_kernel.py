@@ -79,18 +79,19 @@ def main() -> None:
         floor_fl = 4 * n * hq * (ctx + n) * d / mm * 1e6
         floor = max(floor_mem, floor_fl)
         results = []
-        for c, s in variants:
+        for c, s, *rest in variants:
             cfg = Config(*c)
-            rec = dict(ctx=ctx, n=n, config=list(c), splits=s,
+            opts = rest[0] if rest else {}
+            rec = dict(ctx=ctx, n=n, config=list(c), splits=s, options=opts,
                        floor_mem_us=floor_mem, floor_flop_us=floor_fl)
             try:
                 out = K.tree_attention_triton(qs[0], *sets[0], d**-0.5, num_splits=s,
-                                              config=cfg)
+                                              config=cfg, options=opts)
                 err = float((out.float() - ref).abs().max() / ref.abs().max())
                 graph = torch.cuda.CUDAGraph()  # the same call replayed from a graph
                 with torch.cuda.graph(graph):
                     g_out = K.tree_attention_triton(qs[0], *sets[0], d**-0.5, num_splits=s,
-                                                    config=cfg)
+                                                    config=cfg, options=opts)
                 g_out.fill_(float("nan"))
                 graph.replay()
                 torch.cuda.synchronize()
@@ -100,11 +101,11 @@ def main() -> None:
                 if h is not None:
                     rec.update(n_regs=h.n_regs, n_spills=h.n_spills,
                                shared=h.metadata.shared)
-                us, mode = _bench([lambda q=q, st=st, s=s, cfg=cfg: K.tree_attention_triton(
-                    q, *st, d**-0.5, num_splits=s, config=cfg)
+                us, mode = _bench([lambda q=q, st=st, s=s, cfg=cfg, o=opts: K.tree_attention_triton(
+                    q, *st, d**-0.5, num_splits=s, config=cfg, options=o)
                     for q, st in zip(qs, sets, strict=True)], torch, triton)
                 rec.update(us=us, err=err, pct_floor=100 * floor / us, timing=mode)
-                print(f"{tag:>12} cfg={c} S={s:<3} {us:8.1f} µs  "
+                print(f"{tag:>12} cfg={c} S={s:<3} {opts} {us:8.1f} µs  "
                       f"{100 * floor / us:5.1f}% "
                       f"err={err:.1e} regs={rec.get('n_regs')} spills={rec.get('n_spills')}"
                       f" smem={rec.get('shared')}", flush=True)
@@ -120,10 +121,11 @@ def main() -> None:
         del sets, qs, ref
         torch.cuda.empty_cache()
     print(f"\n{len(rows_out)} variants in {time.time() - t0:.0f} s\n")
-    print("| ctx | N | best config (M, N, warps, stages) | S | µs | floor µs | % floor |")
-    print("|---|---|---|---|---|---|---|")
+    print("| ctx | N | best config (M, N, warps, stages) | S | options | µs | floor µs | % floor |")
+    print("|---|---|---|---|---|---|---|---|")
     for b in best:
-        print(f"| {b['ctx']} | {b['n']} | {tuple(b['config'])} | {b['splits']} | {b['us']:.1f} "
+        print(f"| {b['ctx']} | {b['n']} | {tuple(b['config'])} | {b['splits']} | {b['options']} "
+              f"| {b['us']:.1f} "
               f"| {max(b['floor_mem_us'], b['floor_flop_us']):.1f} | {b['pct_floor']:.0f}% |")
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / "sweep.json")
     out.parent.mkdir(parents=True, exist_ok=True)

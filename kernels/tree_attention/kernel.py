@@ -145,93 +145,162 @@ def _tree_attn_kernel(
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
-    HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, REM_M: tl.constexpr,
+    FOLD_TAIL: tl.constexpr, PART_AXIS: tl.constexpr,
 ):
     rb = tl.program_id(0)
-    part = tl.program_id(1)
-    num_splits = tl.num_programs(1) - 1  # the last part is the tree tail
-    b = tl.program_id(2) // h_kv
-    h = tl.program_id(2) % h_kv
+    if PART_AXIS == 2:  # grid (row block, b · kv head, part): parts outermost
+        bh = tl.program_id(1)
+        part = tl.program_id(2)
+        num_parts = tl.num_programs(2)
+    else:  # grid (row block, part, b · kv head)
+        part = tl.program_id(1)
+        bh = tl.program_id(2)
+        num_parts = tl.num_programs(1)
+    b = bh // h_kv
+    h = bh % h_kv
     q0 = tl.load(CuQ + b)
     q_len = tl.load(CuQ + b + 1) - q0
-    if rb * BLOCK_M < q_len * GROUP:
-        rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (token, head) rows
-        tok = rows // GROUP
-        head = h * GROUP + rows % GROUP
-        valid = tok < q_len
-        flat = q0 + tok
-        q = _load_q(Q, q0, tok, head, valid, sm_scale_log2, stride_qt, stride_qh, HEAD_DIM)
-        ctx = tl.load(CtxLens + b)
-        offs_d = tl.arange(0, HEAD_DIM)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        bt_row = b * stride_bt
-        kv_head_off = h * stride_kh
-        if SLIDING:
-            q_pos = tl.load(Positions + flat, mask=valid, other=2**31 - 1).to(tl.int32)
+    row0 = rb * BLOCK_M
+    n_rows = q_len * GROUP - row0  # rows of this request from row0 on
+    if n_rows > 0:
+        if REM_M > 0 and n_rows <= REM_M:  # a request's last, small row block: small tiles
+            _attend(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
+                    sm_scale_log2, window, b, h, q0, q_len, row0, part, num_parts,
+                    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
+                    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                    GROUP, HEAD_DIM, PAGE_SIZE, REM_M, BLOCK_N, TAIL_N, SLIDING, HAS_TREE,
+                    DOT_PREC, FOLD_TAIL)
         else:
-            q_pos = tok
-        if part < num_splits:  # ---- a split of the paged prefix
-            if SLIDING:  # noqa: SIM108 — keys below every row's window are never read
-                start = tl.minimum(tl.maximum(tl.min(q_pos, 0) - window + 1, 0), ctx)
-            else:
-                start = 0
-            base = start // BLOCK_N * BLOCK_N
-            chunk = tl.cdiv(tl.cdiv(ctx - base, num_splits), BLOCK_N) * BLOCK_N
-            lo = base + part * chunk
-            hi = tl.minimum(lo + chunk, ctx)
-            if SLIDING:
-                for n in range(lo, hi, BLOCK_N):
-                    m_i, l_i, acc = _prefix_tile(
-                        q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, start, hi, q_pos, window,
-                        kv_head_off, stride_kp, stride_ks,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, True, DOT_PREC)
-            else:
-                full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-                for n in range(lo, full, BLOCK_N):  # the hot loop: no mask ops
-                    m_i, l_i, acc = _prefix_tile(
-                        q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, lo, hi, q_pos, window,
-                        kv_head_off, stride_kp, stride_ks,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, DOT_PREC)
-                if full < hi:
-                    m_i, l_i, acc = _prefix_tile(
-                        q, m_i, l_i, acc, K, V, BlockTable, bt_row, full, lo, hi, q_pos, window,
-                        kv_head_off, stride_kp, stride_ks,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, DOT_PREC)
-        else:  # ---- the tree tail: new tokens sit at ctx + j in the pool
-            if HAS_TREE:
-                n_keys = q_len
-            else:  # causal: no key beyond the block's last token
-                n_keys = tl.minimum(q_len, (rb * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
-            for j0 in range(0, n_keys, TAIL_N):
-                offs_j = j0 + tl.arange(0, TAIL_N)
-                jmask = offs_j < n_keys
-                kpos = ctx + offs_j
-                page = tl.load(BlockTable + bt_row + kpos // PAGE_SIZE, mask=jmask, other=0)
-                tok_off = page * stride_kp + (kpos % PAGE_SIZE) * stride_ks + kv_head_off
-                offs = tok_off[:, None] + offs_d[None, :]
-                k = tl.load(K + offs, mask=jmask[:, None], other=0.0)
-                v = tl.load(V + offs, mask=jmask[:, None], other=0.0)
-                s = _dot(q, tl.trans(k), DOT_PREC)  # [BLOCK_M, TAIL_N]
-                if HAS_TREE:
-                    w_ptrs = TreeMask + flat[:, None] * stride_mt + (offs_j >> 5)[None, :]
-                    words = tl.load(w_ptrs, mask=valid[:, None] & jmask[None, :], other=0)
-                    vis = ((words >> (offs_j & 31)[None, :]) & 1) != 0
-                else:
-                    vis = offs_j[None, :] <= tok[:, None]
-                vis = vis & jmask[None, :]
-                if SLIDING:
-                    k_pos = tl.load(Positions + q0 + offs_j, mask=jmask, other=0)
-                    vis = vis & ((q_pos[:, None] - k_pos[None, :]) < window)
-                s = tl.where(vis, s, float("-inf"))
-                m_i, l_i, acc = _online_update(s, m_i, l_i, acc, v, True, DOT_PREC)
-        has = l_i > 0.0
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        o_ptrs = OPart + part * stride_os + flat[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(o_ptrs + offs_d[None, :], o, mask=valid[:, None])
-        tl.store(LsePart + part * stride_ls + flat * stride_lt + head, lse, mask=valid)
+            _attend(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
+                    sm_scale_log2, window, b, h, q0, q_len, row0, part, num_parts,
+                    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
+                    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                    GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, SLIDING, HAS_TREE,
+                    DOT_PREC, FOLD_TAIL)
+
+
+@triton.jit
+def _attend(
+    Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
+    sm_scale_log2, window, b, h, q0, q_len, row0, part, num_parts,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
+    HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, FOLD_TAIL: tl.constexpr,
+):
+    """One part of BLOCK_M packed rows from row0: a prefix split and/or the tree tail; writes
+    the part's normalised partial O and LSE."""
+    rows = row0 + tl.arange(0, BLOCK_M)  # packed (token, head) rows
+    tok = rows // GROUP
+    head = h * GROUP + rows % GROUP
+    valid = tok < q_len
+    flat = q0 + tok
+    q = _load_q(Q, q0, tok, head, valid, sm_scale_log2, stride_qt, stride_qh, HEAD_DIM)
+    ctx = tl.load(CtxLens + b)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = b * stride_bt
+    kv_head_off = h * stride_kh
+    if SLIDING:
+        q_pos = tl.load(Positions + flat, mask=valid, other=2**31 - 1).to(tl.int32)
+    else:
+        q_pos = tok
+    if FOLD_TAIL:  # noqa: SIM108 — every part is a prefix split; the last also takes the tail
+        num_splits = num_parts
+    else:  # parts < S are prefix splits, part S the tree tail
+        num_splits = num_parts - 1
+    if part < num_splits:
+        m_i, l_i, acc = _prefix_split(
+            q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, q_pos, window, kv_head_off, part,
+            num_splits, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, SLIDING, DOT_PREC)
+    if part == num_parts - 1:
+        m_i, l_i, acc = _tree_tail(
+            q, m_i, l_i, acc, K, V, BlockTable, TreeMask, Positions, bt_row, ctx, q0, q_len,
+            row0, tok, flat, valid, q_pos, window, kv_head_off, stride_kp, stride_ks, stride_mt,
+            GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, TAIL_N, SLIDING, HAS_TREE, DOT_PREC)
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    offs_d = tl.arange(0, HEAD_DIM)
+    o_ptrs = OPart + part * stride_os + flat[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(o_ptrs + offs_d[None, :], o, mask=valid[:, None])
+    tl.store(LsePart + part * stride_ls + flat * stride_lt + head, lse, mask=valid)
+
+
+@triton.jit
+def _prefix_split(q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, q_pos, window, kv_head_off,
+                  part, num_splits, stride_kp, stride_ks,
+                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SLIDING: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Split `part` of `num_splits` of the paged prefix [0, ctx), range derived on device."""
+    if SLIDING:  # noqa: SIM108 — keys below every row's window are never read
+        start = tl.minimum(tl.maximum(tl.min(q_pos, 0) - window + 1, 0), ctx)
+    else:
+        start = 0
+    base = start // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(ctx - base, num_splits), BLOCK_N) * BLOCK_N
+    lo = base + part * chunk
+    hi = tl.minimum(lo + chunk, ctx)
+    if SLIDING:
+        for n in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _prefix_tile(
+                q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, start, hi, q_pos, window,
+                kv_head_off, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, True,
+                DOT_PREC)
+    else:
+        full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        for n in range(lo, full, BLOCK_N):  # the hot loop: no mask ops
+            m_i, l_i, acc = _prefix_tile(
+                q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, lo, hi, q_pos, window,
+                kv_head_off, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False,
+                DOT_PREC)
+        if full < hi:
+            m_i, l_i, acc = _prefix_tile(
+                q, m_i, l_i, acc, K, V, BlockTable, bt_row, full, lo, hi, q_pos, window,
+                kv_head_off, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False,
+                DOT_PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _tree_tail(q, m_i, l_i, acc, K, V, BlockTable, TreeMask, Positions, bt_row, ctx, q0, q_len,
+               row0, tok, flat, valid, q_pos, window, kv_head_off, stride_kp, stride_ks,
+               stride_mt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               BLOCK_M: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
+               HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The new tokens as keys (they sit at ctx + j in the pool) under the ancestor bitmask, or
+    causal without one."""
+    if HAS_TREE:  # noqa: SIM108 — constexpr branches
+        n_keys = q_len
+    else:  # causal: no key beyond the block's last token
+        n_keys = tl.minimum(q_len, (row0 + BLOCK_M - 1) // GROUP + 1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for j0 in range(0, n_keys, TAIL_N):
+        offs_j = j0 + tl.arange(0, TAIL_N)
+        jmask = offs_j < n_keys
+        kpos = ctx + offs_j
+        page = tl.load(BlockTable + bt_row + kpos // PAGE_SIZE, mask=jmask, other=0)
+        tok_off = page * stride_kp + (kpos % PAGE_SIZE) * stride_ks + kv_head_off
+        offs = tok_off[:, None] + offs_d[None, :]
+        k = tl.load(K + offs, mask=jmask[:, None], other=0.0)
+        v = tl.load(V + offs, mask=jmask[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), DOT_PREC)  # [BLOCK_M, TAIL_N]
+        if HAS_TREE:
+            w_ptrs = TreeMask + flat[:, None] * stride_mt + (offs_j >> 5)[None, :]
+            words = tl.load(w_ptrs, mask=valid[:, None] & jmask[None, :], other=0)
+            vis = ((words >> (offs_j & 31)[None, :]) & 1) != 0
+        else:
+            vis = offs_j[None, :] <= tok[:, None]
+        vis = vis & jmask[None, :]
+        if SLIDING:
+            k_pos = tl.load(Positions + q0 + offs_j, mask=jmask, other=0)
+            vis = vis & ((q_pos[:, None] - k_pos[None, :]) < window)
+        s = tl.where(vis, s, float("-inf"))
+        m_i, l_i, acc = _online_update(s, m_i, l_i, acc, v, True, DOT_PREC)
+    return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["num_parts", "stride_ls", "stride_lt"])
@@ -296,6 +365,7 @@ def tree_attention_triton(
     max_ctx_len: int | None = None,
     config: Config | None = None,
     out: torch.Tensor | None = None,  # [T, Hq, D] written in place when given
+    options: dict | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Tree-verify attention; see the module docstring.
 
@@ -319,12 +389,13 @@ def tree_attention_triton(
                          f"{out.dtype} {tuple(out.shape)}")
     if t == 0:
         return out
+    opts = tuple(sorted((options or {}).items()))
     key = ("plan", q.shape, k_pool.shape, q.dtype, q.device, sliding_window, num_splits,
-           max_ctx_len, config)
+           max_ctx_len, config, opts)
     plan = batch.memo.get(key)
     if plan is None:
         plan = batch.memo[key] = _plan(q, k_pool, batch, sliding_window, num_splits,
-                                       max_ctx_len, config)
+                                       max_ctx_len, config, dict(opts))
     o_part, lse_part = _scratch(batch, plan.parts, t, hq, d, q.device)
     cfg, hkv, tree = plan.config, plan.hkv, plan.tree
     LAST_LAUNCH["attn"] = _tree_attn_kernel[plan.grid](
@@ -337,7 +408,8 @@ def tree_attention_triton(
         lse_part.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, PAGE_SIZE=k_pool.shape[1], BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, TAIL_N=plan.tail_n, SLIDING=sliding_window is not None,
-        HAS_TREE=batch.tree_mask is not None, DOT_PREC=plan.dot_prec,
+        HAS_TREE=batch.tree_mask is not None, DOT_PREC=plan.dot_prec, REM_M=plan.rem_m,
+        FOLD_TAIL=plan.fold_tail, PART_AXIS=plan.part_axis,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _combine_kernel[(t, hq)](
@@ -362,10 +434,13 @@ class _Plan:
     tail_n: int
     block_s: int
     lse_block: int
+    rem_m: int
+    fold_tail: bool
+    part_axis: int
     tree: torch.Tensor  # the batch's tree mask, or a dummy (cu_q) when causal
 
 
-def _plan(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, config) -> _Plan:
+def _plan(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, config, opts) -> _Plan:
     t, hq, d = q.shape
     hkv = k_pool.shape[2]
     if not q.is_cuda:
@@ -377,21 +452,25 @@ def _plan(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, config) -> 
             config = pick_config(arch, d, rows, q.element_size())
         else:
             config = INTERPRET_CONFIG
+    rem_m = int(opts.get("rem_m", 0))
+    fold_tail = bool(opts.get("fold_tail", False))
+    part_axis = int(opts.get("part_axis", 1))
     nb = batch.batch_size
     row_blocks = triton.cdiv(rows, config.block_m)
     if num_splits is None:
         longest = max(batch.ctx_lens) if max_ctx_len is None else max_ctx_len
         num_splits = default_num_splits(longest, rows, nb * hkv * row_blocks, sm_count(q.device),
                                         ctas_per_sm(config))
-    parts = int(num_splits) + 1
+    parts = int(num_splits) + (0 if fold_tail else 1)
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     if not q.is_cuda:
         dot_prec = "interpret"
     block_s, lse_block = combine_block_s(parts, d, fixed=q.is_cuda)
-    return _Plan(config=config, grid=(row_blocks, parts, nb * hkv), parts=parts, hkv=hkv,
+    grid = (row_blocks, nb * hkv, parts) if part_axis == 2 else (row_blocks, parts, nb * hkv)
+    return _Plan(config=config, grid=grid, parts=parts, hkv=hkv,
                  window=int(sliding_window) if sliding_window is not None else 0,
                  dot_prec=dot_prec, tail_n=tail_block_n(config), block_s=block_s,
-                 lse_block=lse_block,
+                 lse_block=lse_block, rem_m=rem_m, fold_tail=fold_tail, part_axis=part_axis,
                  tree=batch.tree_mask if batch.tree_mask is not None else batch.cu_q)
 
 
