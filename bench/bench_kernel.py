@@ -66,8 +66,7 @@ def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
         for extra in variants:
             fn = K._tree_attn_kernel
             cons = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                        TAIL_N=tail_block_n(cfg), DOT_PREC=prec, REM_M=0, FOLD_TAIL=False,
-                        PART_AXIS=1, **extra)
+                        TAIL_N=tail_block_n(cfg), DOT_PREC=prec, USE_PDL=True, **extra)
             sig = {}
             for name in fn.arg_names:
                 if name in cons:

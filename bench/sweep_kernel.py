@@ -44,11 +44,28 @@ SHAPES = [
 ]
 
 
+OFF = {"pdl": False}
+B128, M64, S64 = (128, 128, 8, 5), (64, 64, 4, 5), (16, 64, 4, 5)
+# the fifth H200 grid: programmatic dependent launch off / on, split counts for 65-node trees
+RUN5 = [
+    (32768, 1, [(S64, 32, OFF), (S64, 32), (S64, 16), (S64, 64)]),
+    (32768, 16, [(M64, 32, OFF), (M64, 32), (M64, 16)]),
+    (32768, 64, [(B128, 8, OFF), (B128, 8), (B128, 4)]),
+    (32768, 256, [(B128, 2, OFF), (B128, 2)]),
+    (131072, 1, [(S64, 32, OFF), (S64, 32)]),
+    (131072, 16, [(M64, 32, OFF), (M64, 32)]),
+    (131072, 65, [(B128, 4), (B128, 8), (B128, 16), (M64, 16), (M64, 32)]),
+    (32768, 65, [(B128, 4), (B128, 8), (M64, 8), (M64, 16)]),
+]
+GRIDS = {"run2": SHAPES, "run5": RUN5}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="substring of 'ctx/N' shapes to run")
     ap.add_argument("--shapes", default=None, help="python literal replacing SHAPES")
+    ap.add_argument("--grid", default="run2", choices=sorted(GRIDS), help="a named grid")
     args = ap.parse_args()
 
     import numpy as np
@@ -64,7 +81,7 @@ def main() -> None:
     copy_bw, mm = _copy_bw(torch, triton), _matmul_rate(torch, triton)
     print(f"# {torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s, "
           f"bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
-    shapes = eval(args.shapes) if args.shapes else SHAPES  # noqa: S307 — our own CLI
+    shapes = eval(args.shapes) if args.shapes else GRIDS[args.grid]  # noqa: S307 — our CLI
     rows_out, best = [], []
     t0 = time.time()
     for si, (ctx, n, variants) in enumerate(shapes):

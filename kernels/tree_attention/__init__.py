@@ -1,6 +1,7 @@
 """Tree-verify attention over a paged KV pool: public entry point `tree_attention`.
 
-Owns the input contract (`check_inputs`: ValueError on misuse; the kernels check nothing) and the
+Owns the input contract (`check_inputs`: ValueError on misuse; the kernels check nothing), the
+CPU interpreter fix both kernels need (`fix_interpreter_index`) and the
 dispatch between the Triton kernel (kernel.py: split-KV prefix with GQA packing + tree
 tail/combine, kernels.md §6) and the torch reference (ref.py). Semantics are those of
 `specserve.attention.torch_ref` (AttnBatch: ragged new tokens over a paged prefix, ancestor
@@ -76,6 +77,27 @@ def _check_batch(batch, t, device) -> None:
                              f"{x.dtype} on {x.device}")
 
 
+_INTERPRETER_FIXED = False
+
+
+def fix_interpreter_index() -> None:
+    """Triton 3.6's CPU interpreter holds scalars as 1-element arrays and turns them into loop
+    bounds with `int(array)`, which numpy ≥ 2.3 rejects; take the element instead (idempotent)."""
+    global _INTERPRETER_FIXED
+    if _INTERPRETER_FIXED:
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    _INTERPRETER_FIXED = True
+
+
 _TRITON = None  # kernel.tree_attention_triton, imported on first use
 
 
@@ -111,4 +133,4 @@ def tree_attention(
     raise ValueError(f"impl must be 'auto', 'triton' or 'ref', got {impl!r}")
 
 
-__all__ = ["check_inputs", "tree_attention"]
+__all__ = ["check_inputs", "fix_interpreter_index", "tree_attention"]

@@ -1,17 +1,19 @@
 """Triton tree-verify attention over a paged KV pool: split-KV prefix + tree tail, then combine.
 
-Owns the two kernels and their launcher (kernels.md §6). Kernel A (`_tree_attn_kernel`), grid
-(row-block r, part s, request b · kv head h) with r fastest, so the R row blocks of one KV chunk
-run side by side and share it through L2. Rows are GQA-packed (new token, q head in group), head
-fastest, so each prefix K/V tile is read once per kv head for all rows of a block. Parts
-s < S are prefix splits: the split range is computed on device from ctx_lens (chunk =
-round_up(cdiv(span, S), BLOCK_N)); full prefix tiles carry no mask ops; empty splits write
-lse = −inf. Part s = S is the tree tail: the request's new tokens as keys under the ancestor
-bitmask (causal without one). Every part writes a normalised fp32 partial O and its log2-domain
-LSE. Kernel B (`_combine_kernel`), grid (token, q head): loads the S + 1 LSEs at once, then
-merges the partials by log-sum-exp in chunks of BLOCK_S parts (independent loads, no serial
-chain) and writes O in the input dtype. Scores live in the log2 domain (q pre-scaled by
-scale·log2 e), accumulation is fp32.
+Owns the attention kernel and the launcher (kernels.md §6); the merge is `combine.py`. Kernel A
+(`_tree_attn_kernel`), grid (row-block r, request b · kv head h, part s) with r fastest, so the
+R row blocks of one KV chunk run side by side and share it through L2, and parts outermost, so
+the short tree-tail programs are scheduled after every prefix split (interleaved with them, a
+tail could hold an SM that a prefix split of a one-wave grid then waits for: 113 → 98 µs at 32k
+for 64-node trees on the H200). Rows are GQA-packed (new token, q head in group), head fastest,
+so each prefix K/V tile is read once per kv head for all rows of a block. Parts s < S are prefix
+splits: the split range is computed on device from ctx_lens (chunk = round_up(cdiv(span, S),
+BLOCK_N)); full prefix tiles carry no mask ops; empty splits write lse = −inf. Part s = S is the
+tree tail: the request's new tokens as keys under the ancestor bitmask (causal without one).
+Every part writes a normalised fp32 partial O and its log2-domain LSE; kernel B merges them. On
+sm_90+ both kernels use programmatic dependent launch: each waits (griddepcontrol.wait) for the
+kernel before it, then lets the next one become resident, so their launch gaps overlap work.
+Scores live in the log2 domain (q pre-scaled by scale·log2 e), accumulation is fp32.
 
 Pipelining: K/V addresses come from a block-table load, and Triton's pipeliner splits num_stages
 over that indirection — each load gets (num_stages − 1) // 2 iterations of latency. At 3 stages
@@ -27,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tree_attention import check_inputs
+from kernels.tree_attention import check_inputs, fix_interpreter_index
+from kernels.tree_attention.combine import combine
 from kernels.tree_attention.configs import (
     INTERPRET_CONFIG,
     Config,
@@ -145,53 +148,40 @@ def _tree_attn_kernel(
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
-    HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, REM_M: tl.constexpr,
-    FOLD_TAIL: tl.constexpr, PART_AXIS: tl.constexpr,
+    HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the combine may become resident (it waits)
     rb = tl.program_id(0)
-    if PART_AXIS == 2:  # grid (row block, b · kv head, part): parts outermost
-        bh = tl.program_id(1)
-        part = tl.program_id(2)
-        num_parts = tl.num_programs(2)
-    else:  # grid (row block, part, b · kv head)
-        part = tl.program_id(1)
-        bh = tl.program_id(2)
-        num_parts = tl.num_programs(1)
+    bh = tl.program_id(1)
+    part = tl.program_id(2)  # parts outermost: the tree tails are scheduled last
     b = bh // h_kv
     h = bh % h_kv
     q0 = tl.load(CuQ + b)
     q_len = tl.load(CuQ + b + 1) - q0
     row0 = rb * BLOCK_M
-    n_rows = q_len * GROUP - row0  # rows of this request from row0 on
-    if n_rows > 0:
-        if REM_M > 0 and n_rows <= REM_M:  # a request's last, small row block: small tiles
-            _attend(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
-                    sm_scale_log2, window, b, h, q0, q_len, row0, part, num_parts,
-                    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
-                    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                    GROUP, HEAD_DIM, PAGE_SIZE, REM_M, BLOCK_N, TAIL_N, SLIDING, HAS_TREE,
-                    DOT_PREC, FOLD_TAIL)
-        else:
-            _attend(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
-                    sm_scale_log2, window, b, h, q0, q_len, row0, part, num_parts,
-                    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
-                    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                    GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, SLIDING, HAS_TREE,
-                    DOT_PREC, FOLD_TAIL)
+    if row0 < q_len * GROUP:
+        _attend(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
+                sm_scale_log2, window, b, h, q0, q_len, row0, part, tl.num_programs(2) - 1,
+                stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, SLIDING, HAS_TREE,
+                DOT_PREC)
 
 
 @triton.jit
 def _attend(
     Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
-    sm_scale_log2, window, b, h, q0, q_len, row0, part, num_parts,
+    sm_scale_log2, window, b, h, q0, q_len, row0, part, num_splits,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
-    HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, FOLD_TAIL: tl.constexpr,
+    HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """One part of BLOCK_M packed rows from row0: a prefix split and/or the tree tail; writes
-    the part's normalised partial O and LSE."""
+    """Part `part` of BLOCK_M packed rows from row0 — prefix split `part` < S, or the tree tail
+    (part S) — written as a normalised partial O and its LSE."""
     rows = row0 + tl.arange(0, BLOCK_M)  # packed (token, head) rows
     tok = rows // GROUP
     head = h * GROUP + rows % GROUP
@@ -208,15 +198,11 @@ def _attend(
         q_pos = tl.load(Positions + flat, mask=valid, other=2**31 - 1).to(tl.int32)
     else:
         q_pos = tok
-    if FOLD_TAIL:  # noqa: SIM108 — every part is a prefix split; the last also takes the tail
-        num_splits = num_parts
-    else:  # parts < S are prefix splits, part S the tree tail
-        num_splits = num_parts - 1
     if part < num_splits:
         m_i, l_i, acc = _prefix_split(
             q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, q_pos, window, kv_head_off, part,
             num_splits, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, SLIDING, DOT_PREC)
-    if part == num_parts - 1:
+    else:
         m_i, l_i, acc = _tree_tail(
             q, m_i, l_i, acc, K, V, BlockTable, TreeMask, Positions, bt_row, ctx, q0, q_len,
             row0, tok, flat, valid, q_pos, window, kv_head_off, stride_kp, stride_ks, stride_mt,
@@ -303,57 +289,6 @@ def _tree_tail(q, m_i, l_i, acc, K, V, BlockTable, TreeMask, Positions, bt_row, 
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_parts", "stride_ls", "stride_lt"])
-def _combine_kernel(
-    OPart, LsePart, Out, num_parts,
-    stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_qt, stride_qh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, LSE_BLOCK: tl.constexpr,
-):
-    t = tl.program_id(0)
-    hd = tl.program_id(1)
-    lse_base = LsePart + t * stride_lt + hd
-    offs_all = tl.arange(0, LSE_BLOCK)  # every part's LSE at once (LSE_BLOCK ≥ num_parts)
-    lse_all = tl.load(lse_base + offs_all * stride_ls, mask=offs_all < num_parts,
-                      other=float("-inf"))
-    m = tl.max(lse_all, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    l_sum = tl.sum(tl.exp2(lse_all - m), 0)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    o_base = OPart + t * stride_ot + hd * stride_oh
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, num_parts, BLOCK_S):  # independent loads: no chain through `acc`
-        sp = s0 + offs_s
-        smask = sp < num_parts
-        w = tl.exp2(tl.load(lse_base + sp * stride_ls, mask=smask, other=float("-inf")) - m)
-        o = tl.load(o_base + sp[:, None] * stride_os + offs_d[None, :], mask=smask[:, None],
-                    other=0.0)
-        acc += tl.sum(o * w[:, None], 0)
-    out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)
-    tl.store(Out + t * stride_qt + hd * stride_qh + offs_d, out.to(Out.dtype.element_ty))
-
-
-_INTERPRETER_FIXED = False
-
-
-def _fix_interpreter_index() -> None:
-    """Triton 3.6's CPU interpreter holds scalars as 1-element arrays and turns them into loop
-    bounds with `int(array)`, which numpy ≥ 2.3 rejects; take the element instead (idempotent)."""
-    global _INTERPRETER_FIXED
-    if _INTERPRETER_FIXED:
-        return
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    _INTERPRETER_FIXED = True
-
-
 def tree_attention_triton(
     q: torch.Tensor,  # [T, Hq, D]
     k_pool: torch.Tensor,  # [P, page_size, Hkv, D] (new tokens' K already written)
@@ -365,7 +300,7 @@ def tree_attention_triton(
     max_ctx_len: int | None = None,
     config: Config | None = None,
     out: torch.Tensor | None = None,  # [T, Hq, D] written in place when given
-    options: dict | None = None,
+    options: dict | None = None,  # {"pdl": False}: no programmatic dependent launch (A/B runs)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Tree-verify attention; see the module docstring.
 
@@ -408,16 +343,10 @@ def tree_attention_triton(
         lse_part.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, PAGE_SIZE=k_pool.shape[1], BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, TAIL_N=plan.tail_n, SLIDING=sliding_window is not None,
-        HAS_TREE=batch.tree_mask is not None, DOT_PREC=plan.dot_prec, REM_M=plan.rem_m,
-        FOLD_TAIL=plan.fold_tail, PART_AXIS=plan.part_axis,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_TREE=batch.tree_mask is not None, DOT_PREC=plan.dot_prec, USE_PDL=plan.use_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **plan.launch,
     )
-    _combine_kernel[(t, hq)](
-        o_part, lse_part, out, plan.parts,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-        lse_part.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_S=plan.block_s, LSE_BLOCK=plan.lse_block, num_warps=4, num_stages=1,
-    )
+    combine(o_part, lse_part, out, plan.parts, plan.block_s, plan.lse_block, plan.use_pdl)
     return out
 
 
@@ -434,9 +363,8 @@ class _Plan:
     tail_n: int
     block_s: int
     lse_block: int
-    rem_m: int
-    fold_tail: bool
-    part_axis: int
+    use_pdl: bool  # programmatic dependent launch (sm_90+): launch gaps hidden
+    launch: dict  # extra launch options of the attention kernel
     tree: torch.Tensor  # the batch's tree mask, or a dummy (cu_q) when causal
 
 
@@ -444,7 +372,7 @@ def _plan(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, config, opt
     t, hq, d = q.shape
     hkv = k_pool.shape[2]
     if not q.is_cuda:
-        _fix_interpreter_index()
+        fix_interpreter_index()
     rows = max(batch.q_lens) * (hq // hkv)
     if config is None:
         if q.device.type == "cuda":
@@ -452,25 +380,24 @@ def _plan(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, config, opt
             config = pick_config(arch, d, rows, q.element_size())
         else:
             config = INTERPRET_CONFIG
-    rem_m = int(opts.get("rem_m", 0))
-    fold_tail = bool(opts.get("fold_tail", False))
-    part_axis = int(opts.get("part_axis", 1))
+    use_pdl = bool(opts.get("pdl", True)) and q.is_cuda and torch.cuda.get_device_capability(
+        q.device)[0] >= 9
     nb = batch.batch_size
     row_blocks = triton.cdiv(rows, config.block_m)
     if num_splits is None:
         longest = max(batch.ctx_lens) if max_ctx_len is None else max_ctx_len
         num_splits = default_num_splits(longest, rows, nb * hkv * row_blocks, sm_count(q.device),
                                         ctas_per_sm(config))
-    parts = int(num_splits) + (0 if fold_tail else 1)
+    parts = int(num_splits) + 1
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     if not q.is_cuda:
         dot_prec = "interpret"
     block_s, lse_block = combine_block_s(parts, d, fixed=q.is_cuda)
-    grid = (row_blocks, nb * hkv, parts) if part_axis == 2 else (row_blocks, parts, nb * hkv)
-    return _Plan(config=config, grid=grid, parts=parts, hkv=hkv,
+    return _Plan(config=config, grid=(row_blocks, nb * hkv, parts), parts=parts, hkv=hkv,
                  window=int(sliding_window) if sliding_window is not None else 0,
                  dot_prec=dot_prec, tail_n=tail_block_n(config), block_s=block_s,
-                 lse_block=lse_block, rem_m=rem_m, fold_tail=fold_tail, part_axis=part_axis,
+                 lse_block=lse_block, use_pdl=use_pdl,
+                 launch={"launch_pdl": True} if use_pdl else {},
                  tree=batch.tree_mask if batch.tree_mask is not None else batch.cu_q)
 
 

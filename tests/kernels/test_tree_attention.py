@@ -257,3 +257,25 @@ def test_strided_q_rows_and_per_batch_memo():
     gapped = torch.randn(t, 2 * hq, d, dtype=q.dtype, device=q.device)[:, ::2]
     with pytest.raises(ValueError, match="contiguous"):  # heads not packed: stride(1) = 2·D
         tree_attention_triton(gapped, k, v, batch, 0.25)
+
+
+@pytest.mark.parametrize("parts,block_s", [(7, 4), (5, 8), (1, 2)])
+def test_combine_chunked_and_one_shot(parts, block_s):
+    """The LSE merge against softmax weighting in float64, both in one load (parts ≤ BLOCK_S)
+    and in chunks of BLOCK_S parts. An empty split (LSE −inf, O 0) adds nothing; the 2 parts
+    past `parts` (NaN O, huge LSE) must not be read."""
+    from kernels.tree_attention.combine import combine
+
+    g = torch.Generator().manual_seed(parts)
+    t, hq, d = 3, 5, 16
+    o_part = torch.randn(parts + 2, t, hq, d, generator=g)
+    lse = torch.randn(parts + 2, t, hq, generator=g) * 4
+    o_part[parts:], lse[parts:] = float("nan"), 1e4
+    if parts > 1:
+        lse[1, 0], o_part[1, 0] = float("-inf"), 0.0
+    out = torch.full((t, hq, d), float("nan"), device=DEV)
+    combine(o_part.to(DEV), lse.to(DEV), out, parts, block_s,
+            max(2, 1 << (parts - 1).bit_length()), use_pdl=False)
+    w = torch.softmax(lse[:parts].double() * np.log(2), dim=0)  # log2-domain LSEs
+    ref = (w[..., None] * o_part[:parts].double()).sum(0)
+    assert torch.allclose(out.double().cpu(), ref, atol=1e-5)

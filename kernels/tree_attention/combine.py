@@ -1,0 +1,81 @@
+"""The combine kernel of the tree attention: log-sum-exp merge of the per-part partial results.
+
+Owns `_combine_kernel`, grid (token, q head). Each program merges the S + 1 parts' normalised
+fp32 partial O `[D]` and log2-domain LSEs of one (token, q head) and writes O in the input dtype.
+ONE_SHOT (S + 1 ≤ BLOCK_S, the common case): every part's LSE and partial O in one round of
+loads, issued together. Otherwise all LSEs in one load, then the partials in chunks of BLOCK_S
+parts (independent loads, no serial chain). With USE_PDL the kernel is launched as a
+programmatic dependent of the attention kernel: it becomes resident while that kernel runs and
+waits (griddepcontrol.wait) for its results, so the launch gap between the two is hidden.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.tree_attention import fix_interpreter_index
+
+
+@triton.jit(do_not_specialize=["num_parts", "stride_ls", "stride_lt"])
+def _combine_kernel(
+    OPart, LsePart, Out, num_parts,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_qt, stride_qh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, LSE_BLOCK: tl.constexpr,
+    ONE_SHOT: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the attention kernel's partials are complete and visible
+        tl.extra.cuda.gdc_launch_dependents()
+    t = tl.program_id(0)
+    hd = tl.program_id(1)
+    lse_base = LsePart + t * stride_lt + hd
+    o_base = OPart + t * stride_ot + hd * stride_oh
+    offs_d = tl.arange(0, HEAD_DIM)
+    if ONE_SHOT:
+        offs_s = tl.arange(0, BLOCK_S)
+        smask = offs_s < num_parts
+        lse = tl.load(lse_base + offs_s * stride_ls, mask=smask, other=float("-inf"))
+        o = tl.load(o_base + offs_s[:, None] * stride_os + offs_d[None, :], mask=smask[:, None],
+                    other=0.0)  # [BLOCK_S, HEAD_DIM]
+        m = tl.max(lse, 0)
+        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+        l_sum = tl.sum(w, 0)
+        acc = tl.sum(o * w[:, None], 0)
+    else:
+        offs_all = tl.arange(0, LSE_BLOCK)  # every part's LSE at once (LSE_BLOCK ≥ num_parts)
+        lse_all = tl.load(lse_base + offs_all * stride_ls, mask=offs_all < num_parts,
+                          other=float("-inf"))
+        m = tl.max(lse_all, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        l_sum = tl.sum(tl.exp2(lse_all - m), 0)
+        offs_s = tl.arange(0, BLOCK_S)
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        for s0 in range(0, num_parts, BLOCK_S):  # independent loads: no chain through `acc`
+            sp = s0 + offs_s
+            smask = sp < num_parts
+            w = tl.exp2(tl.load(lse_base + sp * stride_ls, mask=smask, other=float("-inf")) - m)
+            o = tl.load(o_base + sp[:, None] * stride_os + offs_d[None, :], mask=smask[:, None],
+                        other=0.0)
+            acc += tl.sum(o * w[:, None], 0)
+    out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)
+    tl.store(Out + t * stride_qt + hd * stride_qh + offs_d, out.to(Out.dtype.element_ty))
+
+
+def combine(o_part, lse_part, out, parts: int, block_s: int, lse_block: int,
+            use_pdl: bool) -> None:
+    """Merge `parts` partials `o_part [≥parts, T, Hq, D]`, `lse_part [≥parts, T, Hq]` into
+    `out [T, Hq, D]`."""
+    if not out.is_cuda:
+        fix_interpreter_index()
+    t, hq, d = out.shape
+    _combine_kernel[(t, hq)](
+        o_part, lse_part, out, parts,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
+        lse_part.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=d, BLOCK_S=block_s, LSE_BLOCK=lse_block, ONE_SHOT=parts <= block_s,
+        USE_PDL=use_pdl, num_warps=4, num_stages=1, launch_pdl=use_pdl,
+    )
+
+
+__all__ = ["combine"]
