@@ -4,9 +4,10 @@ Owns the kernels.md §7 measurement in one run: copy bandwidth (D2D, bytes read 
 bf16 matmul rate, then per point (ctx L, tree rows N, (Hq, Hkv), page size, page order) the
 µs of: ours (auto splits), ours with S=1, the naive Triton baseline (naive.py), gather + SDPA
 with a bool mask, SDPA over pre-gathered contiguous KV, and the KV-read floor (bytes / copy BW).
-Each point is checked against the fp32 reference first; KV pools (≥ 3, each K and V ≥ 64 MB) are
-rotated so L2 (60 MB on H200) does not flatter. Timings: `triton.testing.do_bench` median over a
-CUDA graph replaying one call per pool (eager fallback), divided by the number of pools.
+Each point is checked against the fp32 reference first; KV pools (≥ 3, each K and V ≥ 64 MB,
+together ≥ 192 MB of K/V read) are rotated so L2 (60 MB on H200) does not flatter. Timings:
+`triton.testing.do_bench` median over a CUDA graph of 36 calls cycling through the pools (one
+per layer of the 8B shape; eager fallback), divided by 36.
 
     python bench/bench_kernel.py [--out PATH] [--quick]     # markdown table + JSON
     python bench/bench_kernel.py --sm120-check [--quick]    # cross-compile every sm_120 config
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 D = 128
 POOL_BYTES = 64 << 20  # each K and each V pool is at least this large
+L2_ROTATE = 192 << 20  # the pools one timed graph cycles through hold ≥ this (3 × the H200 L2)
 
 
 def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
@@ -52,7 +54,8 @@ def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
         raise RuntimeError(f"no triton CUDA backend / ptxas: {e}") from e
     gpu_name = "sm_120a" if arch == 120 else "sm_90a"
     ptr_types = {"BlockTable": "*i32", "CuQ": "*i32", "CtxLens": "*i32", "Positions": "*i64",
-                 "TreeMask": "*i32", "OPart": "*fp32", "LsePart": "*fp32"}
+                 "TreeMask": "*i32", "LsePart": "*fp32",
+                 "OPart": "*fp32"}
     report = []
     for head_dim, cfg, elem in configs or all_configs(arch):
         if quick and elem == 4:
@@ -71,7 +74,7 @@ def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
             for name in fn.arg_names:
                 if name in cons:
                     sig[name] = "constexpr"
-                elif name in ("Q", "K", "V", "Out"):
+                elif name in ("Q", "K", "V") or (name == "OPart" and arch == 90):  # launcher
                     sig[name] = "*" + dt
                 elif name in ptr_types:
                     sig[name] = ptr_types[name]
@@ -115,18 +118,23 @@ def sm120_check(quick: bool = False) -> list[dict]:
     return report
 
 
+LAYERS = 36  # calls per timed CUDA graph: one per layer of the Qwen3-8B shape
+
+
 def _bench(calls, torch, triton) -> tuple[float, str]:
-    """µs per call: median of a CUDA graph replaying `calls` (one per pool), else eager."""
+    """µs per call: median of a CUDA graph replaying LAYERS calls that cycle through `calls`
+    (one per pool, so consecutive calls never share a pool), else eager. A graph of 36 calls is
+    how a model's forward runs them: one graph launch per forward, not per call."""
     for c in calls:
         c()  # compile / warm up
     torch.cuda.synchronize()
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for c in calls:
-                c()
+            for i in range(LAYERS):
+                calls[i % len(calls)]()
         ms = triton.testing.do_bench(graph.replay, return_mode="median")
-        return ms * 1e3 / len(calls), "graph"
+        return ms * 1e3 / LAYERS, "graph"
     except Exception:  # noqa: BLE001 — not capturable: eager, rotating pools
         torch.cuda.synchronize()
         it = iter(range(1 << 62))
@@ -150,7 +158,9 @@ def _matmul_rate(torch, triton) -> float:
 
 
 def _point(ctx, n_rows, hq, hkv, page, shuffled, seed, torch, np):
-    """≥ 3 (k_pool, v_pool, batch) sets for one request of `n_rows` tree rows over `ctx`."""
+    """(k_pool, v_pool, batch) sets for one request of `n_rows` tree rows over `ctx`: ≥ 3, and
+    enough that the K/V they read together is ≥ L2_ROTATE (a 36-call graph never finds the next
+    call's K/V in L2)."""
     from specserve.attention.base import AttnBatch
     from specserve.spec.tree import DraftTree, verify_layout
 
@@ -165,7 +175,8 @@ def _point(ctx, n_rows, hq, hkv, page, shuffled, seed, torch, np):
     page_bytes = page * hkv * D * 2
     num_pages = max(need, -(-POOL_BYTES // page_bytes))
     sets = []
-    for _ in range(3):
+    used = 2 * (ctx + n_rows) * hkv * D * 2  # K + V bytes one call reads
+    for _ in range(min(LAYERS, max(3, -(-L2_ROTATE // used)))):
         if shuffled:
             table = rng.permutation(num_pages)[:need]
         else:

@@ -135,15 +135,26 @@ def ctas_per_sm(cfg: Config) -> int:
 
 def default_num_splits(max_ctx_len: int, rows: int, programs: int, sm_count: int,
                        ctas: int = 2) -> int:
-    """Splits S (power of two ≤ 64): the most with S·`programs` ≤ one wave (`ctas` CTAs on each
-    of `sm_count` SMs) and chunks ≥ max(256, 16·rows) tokens.
+    """Splits S of the prefix for `programs` (request, kv head, row block) programs.
 
-    The chunk floor keeps partial-result traffic (S·rows·(D+1)·8 B per kv head, written and
-    read) ≲ 12% of the KV it replaces. Measured on the H200 (32/8 heads, D = 128): 32k and 128k
-    contexts with 4 or 64 rows are fastest at S = 32 (256 CTAs, 2 per SM), 256 rows at S = 8 and
-    1024 rows at S = 2 (128 CTAs of 128 rows, 1 per SM).
+    Chunks stay ≥ max(256, 16·rows) tokens: the floor keeps partial-result traffic
+    (S·rows·(D+1) values per kv head, written and read) ≲ 12% of the KV it replaces.
+    2 CTAs per SM (≤ 64-row blocks, memory-bound): the most S, a power of two ≤ 64, with
+    S·`programs` ≤ one wave — measured on the H200 (32/8 heads, D = 128): 32k and 128k contexts
+    with 4 or 64 rows are fastest at S = 32 (256 CTAs, 2 per SM).
+    1 CTA per SM (128-row blocks, compute-bound): the S ≤ 64 that keeps the most SMs busy over
+    its waves (S·programs / (waves · SMs)), the smallest on a tie within 1%: 256 rows → S = 8
+    (128 CTAs), 1024 rows → S = 2, and 260 rows (a 65-node tree: 3 row blocks) → S = 11 at 128k
+    (264 CTAs: two full waves) where a one-wave power of two left 36 of 132 SMs idle (S = 4:
+    651 µs vs S = 16: 496 µs on the H200).
     """
     min_chunk = max(256, 16 * rows)
+    s_max = max(1, min(64, max_ctx_len // min_chunk))
+    if ctas == 1:
+        def busy(s: int) -> float:
+            return s * programs / (-(-s * programs // sm_count) * sm_count)
+        best = max(busy(s) for s in range(1, s_max + 1))
+        return min(s for s in range(1, s_max + 1) if busy(s) >= best - 0.01)
     s = 1
     while s < 64 and 2 * s * programs <= ctas * sm_count and max_ctx_len // (2 * s) >= min_chunk:
         s *= 2

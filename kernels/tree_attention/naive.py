@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tree_attention import check_inputs
-from kernels.tree_attention.kernel import LOG2E, _dot, _fix_interpreter_index
+from kernels.tree_attention import check_inputs, fix_interpreter_index
+from kernels.tree_attention.kernel import LOG2E, _dot
 
 
 @triton.jit
@@ -87,7 +87,7 @@ def tree_attention_naive(
         return out
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     if not q.is_cuda:
-        _fix_interpreter_index()
+        fix_interpreter_index()
         dot_prec, block_n = "interpret", 16
     hq, d = q.shape[1], q.shape[2]
     tree = batch.tree_mask if batch.tree_mask is not None else batch.cu_q
