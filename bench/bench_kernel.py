@@ -74,7 +74,7 @@ def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
             for name in fn.arg_names:
                 if name in cons:
                     sig[name] = "constexpr"
-                elif name in ("Q", "K", "V") or (name == "OPart" and arch == 90):  # launcher
+                elif name in ("Q", "K", "V"):
                     sig[name] = "*" + dt
                 elif name in ptr_types:
                     sig[name] = ptr_types[name]

@@ -1,7 +1,7 @@
 """The combine kernel of the tree attention: log-sum-exp merge of the per-part partial results.
 
 Owns `_combine_kernel`, grid (token, q head). Each program merges the S + 1 parts' normalised
-partial O `[D]` (input dtype) and fp32 log2-domain LSEs of one (token, q head) and writes O in
+fp32 partial O `[D]` and log2-domain LSEs of one (token, q head) and writes O in
 the input dtype.
 ONE_SHOT (S + 1 ≤ BLOCK_S, the common case): every part's LSE and partial O in one round of
 loads, issued together. Otherwise all LSEs in one load, then the partials in chunks of BLOCK_S
@@ -38,7 +38,7 @@ def _combine_kernel(
         smask = offs_s < num_parts
         lse = tl.load(lse_base + offs_s * stride_ls, mask=smask, other=float("-inf"))
         o = tl.load(o_base + offs_s[:, None] * stride_os + offs_d[None, :], mask=smask[:, None],
-                    other=0.0).to(tl.float32)  # [BLOCK_S, HEAD_DIM]
+                    other=0.0)  # [BLOCK_S, HEAD_DIM]
         m = tl.max(lse, 0)
         w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
         l_sum = tl.sum(w, 0)
@@ -57,7 +57,7 @@ def _combine_kernel(
             smask = sp < num_parts
             w = tl.exp2(tl.load(lse_base + sp * stride_ls, mask=smask, other=float("-inf")) - m)
             o = tl.load(o_base + sp[:, None] * stride_os + offs_d[None, :], mask=smask[:, None],
-                        other=0.0).to(tl.float32)
+                        other=0.0)
             acc += tl.sum(o * w[:, None], 0)
     out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)
     tl.store(Out + t * stride_qt + hd * stride_qh + offs_d, out.to(Out.dtype.element_ty))

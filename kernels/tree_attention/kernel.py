@@ -10,8 +10,7 @@ so each prefix K/V tile is read once per kv head for all rows of a block. Parts 
 splits: the split range is computed on device from ctx_lens (chunk = round_up(cdiv(span, S),
 BLOCK_N)); full prefix tiles carry no mask ops; empty splits write lse = −inf. Part s = S is the
 tree tail: the request's new tokens as keys under the ancestor bitmask (causal without one).
-Every part writes a normalised partial O (input dtype) and its fp32 log2-domain LSE; kernel B
-merges them. On
+Every part writes a normalised fp32 partial O and its log2-domain LSE; kernel B merges them. On
 sm_90+ both kernels use programmatic dependent launch: each waits (griddepcontrol.wait) for the
 kernel before it, then lets the next one become resident, so their launch gaps overlap work.
 Scores live in the log2 domain (q pre-scaled by scale·log2 e), accumulation is fp32.
@@ -213,7 +212,7 @@ def _attend(
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     offs_d = tl.arange(0, HEAD_DIM)
     o_ptrs = OPart + part * stride_os + flat[:, None] * stride_ot + head[:, None] * stride_oh
-    tl.store(o_ptrs + offs_d[None, :], o.to(OPart.dtype.element_ty), mask=valid[:, None])
+    tl.store(o_ptrs + offs_d[None, :], o, mask=valid[:, None])
     tl.store(LsePart + part * stride_ls + flat * stride_lt + head, lse, mask=valid)
 
 
@@ -301,7 +300,7 @@ def tree_attention_triton(
     max_ctx_len: int | None = None,
     config: Config | None = None,
     out: torch.Tensor | None = None,  # [T, Hq, D] written in place when given
-    options: dict | None = None,  # A/B runs: {"pdl": False}, {"narrow_partials": False}
+    options: dict | None = None,  # {"pdl": False}: no programmatic dependent launch (A/B runs)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Tree-verify attention; see the module docstring.
 
@@ -332,7 +331,7 @@ def tree_attention_triton(
     if plan is None:
         plan = batch.memo[key] = _plan(q, k_pool, batch, sliding_window, num_splits,
                                        max_ctx_len, config, dict(opts))
-    o_part, lse_part = _scratch(batch, plan.parts, t, hq, d, plan.partial_dtype, q.device)
+    o_part, lse_part = _scratch(batch, plan.parts, t, hq, d, q.device)
     cfg, hkv, tree = plan.config, plan.hkv, plan.tree
     LAST_LAUNCH["attn"] = _tree_attn_kernel[plan.grid](
         q, k_pool, v_pool, batch.block_table, batch.cu_q, batch.ctx_lens_t, batch.positions,
@@ -365,7 +364,6 @@ class _Plan:
     block_s: int
     lse_block: int
     use_pdl: bool  # programmatic dependent launch (sm_90+): launch gaps hidden
-    partial_dtype: torch.dtype  # of the partial O: the input dtype on sm_90, else fp32
     launch: dict  # extra launch options of the attention kernel
     tree: torch.Tensor  # the batch's tree mask, or a dummy (cu_q) when causal
 
@@ -382,10 +380,8 @@ def _plan(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, config, opt
             config = pick_config(arch, d, rows, q.element_size())
         else:
             config = INTERPRET_CONFIG
-    cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else (0, 0)
-    use_pdl = bool(opts.get("pdl", True)) and cap[0] >= 9
-    # input-dtype partials halve their traffic; on sm_120 the conversion made ptxas spill
-    narrow = opts.get("narrow_partials", arch_key(cap) == 90 and q.is_cuda)
+    use_pdl = bool(opts.get("pdl", True)) and q.is_cuda and torch.cuda.get_device_capability(
+        q.device)[0] >= 9
     nb = batch.batch_size
     row_blocks = triton.cdiv(rows, config.block_m)
     if num_splits is None:
@@ -401,24 +397,20 @@ def _plan(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, config, opt
                  window=int(sliding_window) if sliding_window is not None else 0,
                  dot_prec=dot_prec, tail_n=tail_block_n(config), block_s=block_s,
                  lse_block=lse_block, use_pdl=use_pdl,
-                 partial_dtype=q.dtype if narrow else torch.float32,
                  launch={"launch_pdl": True} if use_pdl else {},
                  tree=batch.tree_mask if batch.tree_mask is not None else batch.cu_q)
 
 
-def _scratch(batch, parts, t, hq, d, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch's partial O `[parts, T, Hq, D]` (`dtype`) and fp32 LSE `[parts, T, Hq]` (grown on
-    demand; plans with fewer parts use a leading slice — same strides, same base).
-
-    A partial O is a convex combination of V rows (|o| ≤ max |v|), so the input dtype holds it
-    without overflow and rounds it no worse than the output will be; it halves the partial
-    traffic of bf16 (written by every part, read by the combine: 8.6 MB of fp32 at 32k context
-    and 16 tree nodes, ~7% of the KV bytes)."""
-    key = ("scratch", t, hq, d, dtype, device)
+def _scratch(batch, parts, t, hq, d, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's fp32 partial O `[parts, T, Hq, D]` and LSE `[parts, T, Hq]` (grown on demand;
+    plans with fewer parts use a leading slice — same strides, same base). Partials in the input
+    dtype were measured slower on the H200 (the store's conversion: 32k / 16 nodes 44.7 → 46.9
+    µs) and made ptxas spill on sm_120."""
+    key = ("scratch", t, hq, d, device)
     got = batch.memo.get(key)
     if got is None or got[0].shape[0] < parts:
         got = batch.memo[key] = (
-            torch.empty((parts, t, hq, d), dtype=dtype, device=device),
+            torch.empty((parts, t, hq, d), dtype=torch.float32, device=device),
             torch.empty((parts, t, hq), dtype=torch.float32, device=device))
     if got[0].shape[0] == parts:
         return got
