@@ -52,6 +52,18 @@ _SM120 = {
     256: {16: Config(16, 32, 8, 3), 32: Config(32, 32, 8, 3), 64: Config(32, 32, 8, 3),
           128: Config(32, 32, 8, 3)},
 }
+# sm_120 fp32 (elem_size 4): ieee dots run on FMAs (no mma.sync), so registers, not shared memory,
+# bound the tile. Measured (bench_kernel.py --sm120-check cross-compile, all 3 variants): the
+# halved rule spilled 276-1492 B at D = 64 and 540-2420 B at D = 128 (4-warp and BLOCK_M ≥ 32 x
+# BLOCK_N 32 tiles worst); 8 warps with a 16-row or 16-key tile and 4-5 stages (K/V staged
+# through shared memory) compile with 0 spills: D = 64 (16, 32, 8, 5) 182 regs, (32, 16, 8, 5)
+# 214; D = 128 (16, 16, 8, 5) 216 (3-4 stages: 24 B in the sliding variant). D = 256 spills even
+# at the smallest tile (16, 16, 8, 3): 564 B (2, 16 warps and 1-7 stages are worse).
+_SM120_FP32 = {
+    64: dict.fromkeys(ROW_BUCKETS[1:], Config(32, 16, 8, 5)) | {16: Config(16, 32, 8, 5)},
+    128: dict.fromkeys(ROW_BUCKETS, Config(16, 16, 8, 5)),
+    256: dict.fromkeys(ROW_BUCKETS, Config(16, 16, 8, 3)),
+}
 TABLES = {90: _SM90, 120: _SM120}
 INTERPRET_CONFIG = Config(16, 16, 4, 1)  # CPU interpreter: tiny tiles, tiny test shapes
 
@@ -95,11 +107,11 @@ def pick_config(arch: int, head_dim: int, rows: int, elem_size: int) -> Config:
     """Config for `rows` packed rows at `head_dim` (64/128/256; smaller dims use the 64 row).
 
     fp32 inputs (elem_size 4) double every tile in shared memory: halve BLOCK_N (≥ 16) and use
-    one stage fewer (≥ 1) so sm_120 entries still fit.
+    one stage fewer (≥ 1); sm_120 has its own fp32 table (_SM120_FP32: register-bound FMA dots).
     """
-    table = TABLES[arch]
+    table = _SM120_FP32 if arch == 120 and elem_size == 4 else TABLES[arch]
     cfg = table[min((d for d in table if d >= head_dim), default=max(table))][rows_bucket(rows)]
-    if elem_size == 4:
+    if elem_size == 4 and arch != 120:
         cfg = Config(cfg.block_m, max(16, cfg.block_n // 2), cfg.num_warps,
                      max(1, cfg.num_stages - 1))
     return cfg
