@@ -1,12 +1,13 @@
 """Where a tree-attention call's time goes at one shape (H200 diagnostics, issue 5).
 
 For each shape (ctx, tree nodes N; 32/8 heads, head_dim 128, page 16, shuffled pages) prints, in
-one run next to each other: the KV-read floor (bytes / copy bandwidth of a 1 GiB copy); a plain
-Triton streaming read of the same K/V bytes (one launch, no attention: what one kernel of this
-size reaches); our call timed in a CUDA graph of 3 calls (bench_kernel.py's harness) and of 36
+one run next to each other: the KV-read floor (bytes / copy bandwidth of a 1 GiB copy); our call
+timed in a CUDA graph of 3 calls (bench_kernel.py's harness) and of 36
 calls (one per layer of an 8B model: the pools rotate, so L2 never holds the next one); and,
 from torch.profiler over graph replays, the GPU time of each of our two kernels (attention,
-combine) — the rest of the per-call time is launch gaps.
+combine) — the rest of the per-call time is launch gaps. With programmatic dependent launch on
+(the sm_90 default) the combine's time includes its wait for the attention kernel: split the
+two with `--options "{'pdl': False}"`.
 
     python bench/diag_kernel.py [--out PATH] [--shapes "[(32768, 1), (32768, 16)]"]
 """
@@ -23,19 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-
-@triton.jit
-def _stream_read(K, V, Out, n_per, BLOCK: tl.constexpr):
-    """Each program sums its contiguous share of K and V (BLOCK elements per load)."""
-    pid = tl.program_id(0)
-    base = pid.to(tl.int64) * n_per
-    acc = tl.zeros([BLOCK], tl.float32)
-    for i in range(0, n_per, BLOCK):
-        offs = base + i + tl.arange(0, BLOCK)
-        acc += tl.load(K + offs).to(tl.float32) + tl.load(V + offs).to(tl.float32)
-    tl.store(Out + pid, tl.sum(acc, 0))
 
 
 def _graph_us(calls, reps, torch) -> float:
@@ -91,9 +79,9 @@ def main() -> None:
     copy_bw = _copy_bw(torch, triton)
     print(f"# {torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s; options {opts}")
     rows = []
-    print("| ctx | N | floor µs | stream read µs | ours graph×3 µs | ours graph×36 µs | "
-          "attn kernel µs | combine µs | gaps µs |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| ctx | N | floor µs | ours graph×3 µs | ours graph×36 µs | attn kernel µs | "
+          "combine µs | gaps µs |")
+    print("|---|---|---|---|---|---|---|---|")
     for ctx, n in eval(args.shapes):  # noqa: S307
         sets = _point(ctx, n, hq, hkv, page, True, 7, torch, np)
         qs = [torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16) for _ in sets]
@@ -101,23 +89,17 @@ def main() -> None:
                  for q, s in zip(qs, sets, strict=True)]
         kv_bytes = 2 * ctx * hkv * d * 2
         floor = kv_bytes / copy_bw * 1e6
-        sink = torch.empty(264, device="cuda")
-        n_el = ctx * hkv * d
-        n_per = n_el // 264 // 1024 * 1024
-        reads = [lambda kf=k, vf=v, out=sink, n_per=n_per: _stream_read[(264,)](  # contiguous
-            kf, vf, out, n_per, BLOCK=1024, num_warps=4, num_stages=4) for k, v, _ in sets]
-        stream = _graph_us(reads, 1, torch) * (n_el / (n_per * 264))
         g3 = _graph_us(calls, 1, torch)
         g36 = _graph_us(calls, 12, torch)
         kt = _kernel_times(calls, torch)
         attn = sum(v for k, v in kt.items() if "tree_attn" in k)
         comb = sum(v for k, v in kt.items() if "combine" in k)
-        row = dict(ctx=ctx, n=n, floor_us=floor, stream_us=stream, graph3_us=g3, graph36_us=g36,
+        row = dict(ctx=ctx, n=n, floor_us=floor, graph3_us=g3, graph36_us=g36,
                    attn_us=attn, combine_us=comb, kernels=kt, options=opts)
         rows.append(row)
-        print(f"| {ctx} | {n} | {floor:.1f} | {stream:.1f} | {g3:.1f} | {g36:.1f} | {attn:.1f} "
+        print(f"| {ctx} | {n} | {floor:.1f} | {g3:.1f} | {g36:.1f} | {attn:.1f} "
               f"| {comb:.1f} | {g3 - attn - comb:.1f} |", flush=True)
-        del sets, qs, calls, reads
+        del sets, qs, calls
         torch.cuda.empty_cache()
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / "diag.json")
     out.write_text(json.dumps(dict(copy_GBps=copy_bw / 1e9, rows=rows), indent=1))
