@@ -54,8 +54,7 @@ def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
         raise RuntimeError(f"no triton CUDA backend / ptxas: {e}") from e
     gpu_name = "sm_120a" if arch == 120 else "sm_90a"
     ptr_types = {"BlockTable": "*i32", "CuQ": "*i32", "CtxLens": "*i32", "Positions": "*i64",
-                 "TreeMask": "*i32", "LsePart": "*fp32",
-                 "OPart": "*fp32"}
+                 "TreeMask": "*i32", "OPart": "*fp32", "LsePart": "*fp32"}
     report = []
     for head_dim, cfg, elem in configs or all_configs(arch):
         if quick and elem == 4:

@@ -1,9 +1,8 @@
 """The combine kernel of the tree attention: log-sum-exp merge of the per-part partial results.
 
 Owns `_combine_kernel`, grid (token, q head). Each program merges the S + 1 parts' normalised
-fp32 partial O `[D]` and log2-domain LSEs of one (token, q head) and writes O in
-the input dtype.
-ONE_SHOT (S + 1 ≤ BLOCK_S, the common case): every part's LSE and partial O in one round of
+fp32 partial O `[D]` and log2-domain LSEs of one (token, q head) and writes O in the input
+dtype. ONE_SHOT (S + 1 ≤ BLOCK_S, the common case): every part's LSE and partial O in one round of
 loads, issued together. Otherwise all LSEs in one load, then the partials in chunks of BLOCK_S
 parts (independent loads, no serial chain). With USE_PDL the kernel is launched as a
 programmatic dependent of the attention kernel: it becomes resident while that kernel runs and

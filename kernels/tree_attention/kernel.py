@@ -344,7 +344,7 @@ def tree_attention_triton(
         GROUP=hq // hkv, HEAD_DIM=d, PAGE_SIZE=k_pool.shape[1], BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, TAIL_N=plan.tail_n, SLIDING=sliding_window is not None,
         HAS_TREE=batch.tree_mask is not None, DOT_PREC=plan.dot_prec, USE_PDL=plan.use_pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **plan.launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=plan.use_pdl,
     )
     combine(o_part, lse_part, out, plan.parts, plan.block_s, plan.lse_block, plan.use_pdl)
     return out
@@ -364,7 +364,6 @@ class _Plan:
     block_s: int
     lse_block: int
     use_pdl: bool  # programmatic dependent launch (sm_90+): launch gaps hidden
-    launch: dict  # extra launch options of the attention kernel
     tree: torch.Tensor  # the batch's tree mask, or a dummy (cu_q) when causal
 
 
@@ -374,14 +373,11 @@ def _plan(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, config, opt
     if not q.is_cuda:
         fix_interpreter_index()
     rows = max(batch.q_lens) * (hq // hkv)
+    cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     if config is None:
-        if q.device.type == "cuda":
-            arch = arch_key(torch.cuda.get_device_capability(q.device))
-            config = pick_config(arch, d, rows, q.element_size())
-        else:
-            config = INTERPRET_CONFIG
-    use_pdl = bool(opts.get("pdl", True)) and q.is_cuda and torch.cuda.get_device_capability(
-        q.device)[0] >= 9
+        config = INTERPRET_CONFIG if cap is None else pick_config(arch_key(cap), d, rows,
+                                                                   q.element_size())
+    use_pdl = bool(opts.get("pdl", True)) and cap is not None and cap[0] >= 9
     nb = batch.batch_size
     row_blocks = triton.cdiv(rows, config.block_m)
     if num_splits is None:
@@ -397,7 +393,6 @@ def _plan(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, config, opt
                  window=int(sliding_window) if sliding_window is not None else 0,
                  dot_prec=dot_prec, tail_n=tail_block_n(config), block_s=block_s,
                  lse_block=lse_block, use_pdl=use_pdl,
-                 launch={"launch_pdl": True} if use_pdl else {},
                  tree=batch.tree_mask if batch.tree_mask is not None else batch.cu_q)
 
 
