@@ -33,8 +33,69 @@ L2_ROTATE = 192 << 20  # the pools one timed graph cycles through hold ≥ this 
 def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
     """Cross-compile kernel configs for sm_`arch` (90 or 120; no GPU needed) and read shared
     memory, registers and spill bytes (ptxas -v). `configs`: [(head_dim, Config, elem_size)],
-    default every config the launcher can pick on `arch`. RuntimeError when triton's CUDA
-    backend or its ptxas is missing."""
+    default every config the launcher can pick on `arch`, each for bf16 and fp16 (elem 2) or
+    fp32, in the page-16, page-64 and page-1 + sliding-window variants, plus the combine kernel
+    (one-shot and chunked) per head_dim. `quick`: bf16 page 16 only, no combine. RuntimeError
+    when triton's CUDA backend or its ptxas is missing."""
+    from kernels.tree_attention import kernel as K
+    from kernels.tree_attention.combine import _combine_kernel
+    from kernels.tree_attention.configs import all_configs, combine_block_s, tail_block_n
+
+    ptxas = _ptxas(arch)
+    report = []
+    for head_dim, cfg, elem in configs or all_configs(arch):
+        dts = ["bf16"] if quick else (["bf16", "fp16"] if elem == 2 else ["fp32"])
+        variants = [dict(PAGE_SIZE=16, SLIDING=False, HAS_TREE=True)]
+        if not quick:
+            variants += [dict(PAGE_SIZE=64, SLIDING=False, HAS_TREE=True),
+                         dict(PAGE_SIZE=1, SLIDING=True, HAS_TREE=True)]
+        for dt in (d for d in dts if not (quick and elem == 4)):
+            for extra in variants:
+                cons = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                            TAIL_N=tail_block_n(cfg), DOT_PREC="ieee" if elem == 4 else "tf32",
+                            MASK_ALL=elem == 4, USE_PDL=True, **extra)
+                got = _compile(K._tree_attn_kernel, dt, cons, cfg.num_warps, cfg.num_stages,
+                               arch, ptxas)
+                report.append(dict(kernel="_tree_attn_kernel", arch=arch, head_dim=head_dim,
+                                   dtype=dt, block_m=cfg.block_m, block_n=cfg.block_n,
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                   variant=str(extra), **got))
+                print(report[-1], flush=True)
+    for head_dim in [] if quick else sorted({c[0] for c in configs or all_configs(arch)}):
+        seen = []
+        for parts in (2, 65):  # one-shot, and chunked where 65 parts exceed BLOCK_S
+            block_s, lse_block = combine_block_s(parts, head_dim)
+            cons = dict(HEAD_DIM=head_dim, BLOCK_S=block_s, LSE_BLOCK=lse_block,
+                        ONE_SHOT=parts <= block_s, USE_PDL=True)
+            if cons in seen:
+                continue
+            seen.append(cons)
+            got = _compile(_combine_kernel, "bf16", cons, 4, 1, arch, ptxas)
+            report.append(dict(kernel="_combine_kernel", arch=arch, head_dim=head_dim,
+                               dtype="bf16", variant=str(cons), **got))
+            print(report[-1], flush=True)
+    return report
+
+
+def _ptxas(arch: int) -> str:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(arch).path
+    except Exception as e:  # noqa: BLE001 — any failure means: no CUDA backend here
+        raise RuntimeError(f"no triton CUDA backend / ptxas: {e}") from e
+
+
+_PTR_TYPES = {"BlockTable": "*i32", "CuQ": "*i32", "CtxLens": "*i32", "Positions": "*i64",
+              "TreeMask": "*i32", "OPart": "*fp32", "LsePart": "*fp32"}
+_ALIGNED = ("stride_qt", "stride_kp", "stride_ks", "stride_kh", "stride_os", "stride_ot",
+            "stride_oh")
+
+
+def _compile(fn, dt: str, cons: dict, num_warps: int, num_stages: int, arch: int,
+             ptxas: str) -> dict:
+    """triton.compile `fn` for GPUTarget("cuda", arch, 32) with inputs of dtype `dt`; its
+    shared memory (bytes), registers and spill bytes (ptxas -v on the PTX)."""
     import re
     import subprocess
     import tempfile
@@ -43,66 +104,30 @@ def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.tree_attention import kernel as K
-    from kernels.tree_attention.configs import all_configs, tail_block_n
-
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        ptxas = get_ptxas(arch).path
-    except Exception as e:  # noqa: BLE001 — any failure means: no CUDA backend here
-        raise RuntimeError(f"no triton CUDA backend / ptxas: {e}") from e
-    gpu_name = "sm_120a" if arch == 120 else "sm_90a"
-    ptr_types = {"BlockTable": "*i32", "CuQ": "*i32", "CtxLens": "*i32", "Positions": "*i64",
-                 "TreeMask": "*i32", "OPart": "*fp32", "LsePart": "*fp32"}
-    report = []
-    for head_dim, cfg, elem in configs or all_configs(arch):
-        if quick and elem == 4:
-            continue
-        dt = "bf16" if elem == 2 else "fp32"
-        prec = "tf32" if elem == 2 else "ieee"
-        variants = [dict(PAGE_SIZE=16, SLIDING=False, HAS_TREE=True)]
-        if not quick:
-            variants += [dict(PAGE_SIZE=64, SLIDING=False, HAS_TREE=True),
-                         dict(PAGE_SIZE=1, SLIDING=True, HAS_TREE=True)]
-        for extra in variants:
-            fn = K._tree_attn_kernel
-            cons = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                        TAIL_N=tail_block_n(cfg), DOT_PREC=prec, USE_PDL=True, **extra)
-            sig = {}
-            for name in fn.arg_names:
-                if name in cons:
-                    sig[name] = "constexpr"
-                elif name in ("Q", "K", "V"):
-                    sig[name] = "*" + dt
-                elif name in ptr_types:
-                    sig[name] = ptr_types[name]
-                else:
-                    sig[name] = "fp32" if name == "sm_scale_log2" else "i32"
-            attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
-                     for n, t in sig.items() if t.startswith("*")}
-            for n in ("stride_qt", "stride_kp", "stride_ks", "stride_kh", "stride_os",
-                      "stride_ot", "stride_oh"):
-                attrs[(fn.arg_names.index(n),)] = [["tt.divisibility", 16]]
-            compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs),
-                                      target=GPUTarget("cuda", arch, 32),
-                                      options=dict(num_warps=cfg.num_warps,
-                                                   num_stages=cfg.num_stages))
-            with tempfile.TemporaryDirectory() as tmp:
-                ptx = Path(tmp) / "k.ptx"
-                ptx.write_text(compiled.asm["ptx"])
-                log = subprocess.run([ptxas, "-v", f"--gpu-name={gpu_name}", str(ptx), "-o",
-                                      str(Path(tmp) / "k.o")], capture_output=True, text=True,
-                                     check=True).stderr
-            spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
-            regs = int(re.search(r"Used (\d+) registers", log).group(1))
-            row = dict(kernel=fn.__name__, arch=arch, head_dim=head_dim, dtype=dt,
-                       block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps,
-                       num_stages=cfg.num_stages, variant=str(extra),
-                       shared=compiled.metadata.shared, regs=regs, spills=spills)
-            report.append(row)
-            print(row, flush=True)
-    return report
+    sig = {}
+    for name in fn.arg_names:
+        if name in cons:
+            sig[name] = "constexpr"
+        elif name in ("Q", "K", "V", "Out"):
+            sig[name] = "*" + dt
+        elif name in _PTR_TYPES:
+            sig[name] = _PTR_TYPES[name]
+        else:
+            sig[name] = "fp32" if name == "sm_scale_log2" else "i32"
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+             for n, t in sig.items() if t.startswith("*") or n in _ALIGNED}
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", str(ptx), "-o",
+                              str(Path(tmp) / "k.o")], capture_output=True, text=True,
+                             check=True).stderr
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    return dict(shared=compiled.metadata.shared, regs=regs, spills=spills)
 
 
 def sm120_check(quick: bool = False) -> list[dict]:

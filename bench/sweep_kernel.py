@@ -57,7 +57,27 @@ RUN5 = [
     (131072, 65, [(B128, 4), (B128, 8), (B128, 16), (M64, 16), (M64, 32)]),
     (32768, 65, [(B128, 4), (B128, 8), (M64, 8), (M64, 16)]),
 ]
-GRIDS = {"run2": SHAPES, "run5": RUN5}
+M32, M32_8 = (32, 64, 4, 5), (32, 64, 8, 5)
+# the sixth H200 grid: 64-row trees (N = 16) as two 32-row blocks (each KV tile read by both
+# from L2, half the split count: half the fp32 partial traffic) or four 16-row blocks
+RUN6 = [
+    (32768, 16, [(M64, 32), (M32, 16), (M32, 32), (M32_8, 16), ((32, 32, 4, 7), 16),
+                 ((32, 64, 4, 7), 16), (S64, 8), (S64, 16)]),
+    (131072, 16, [(M64, 32), (M32, 16), (M32, 32), (S64, 8), (S64, 16)]),
+    (32768, 8, [(M32, 32), (M32, 16), (S64, 16), (S64, 32)]),
+    (131072, 8, [(M32, 32), (M32, 16), (S64, 16)]),
+]
+# the seventh H200 grid: the engine's tree sizes (budget + root = 17 / 65 nodes: 68 / 260 packed
+# rows, one past a row bucket) at short and long contexts; 1k: split counts below the
+# 16·rows-token chunk floor (latency-bound: 24 or 8 CTAs at S = 1)
+RUN7 = [
+    (1024, 65, [(B128, 1), (B128, 2), (B128, 4), (B128, 8), (M64, 1), (M64, 2), (M64, 4)]),
+    (1024, 17, [(B128, 1), (B128, 2), (B128, 4), (B128, 8), (M64, 1), (M64, 2), (M64, 4)]),
+    (32768, 17, [(B128, 16), (B128, 32), (M64, 8), (M64, 16), (M64, 32)]),
+    (131072, 17, [(B128, 16), (B128, 32), (M64, 16), (M64, 32)]),
+    (32768, 65, [(B128, 8), (B128, 11), (B128, 16), (M64, 8), (M64, 16)]),
+]
+GRIDS = {"run2": SHAPES, "run5": RUN5, "run6": RUN6, "run7": RUN7}
 
 
 def main() -> None:

@@ -2,11 +2,13 @@
 
 Owns `_combine_kernel`, grid (token, q head). Each program merges the S + 1 parts' normalised
 fp32 partial O `[D]` and log2-domain LSEs of one (token, q head) and writes O in the input
-dtype. ONE_SHOT (S + 1 ≤ BLOCK_S, the common case): every part's LSE and partial O in one round of
-loads, issued together. Otherwise all LSEs in one load, then the partials in chunks of BLOCK_S
-parts (independent loads, no serial chain). With USE_PDL the kernel is launched as a
-programmatic dependent of the attention kernel: it becomes resident while that kernel runs and
-waits (griddepcontrol.wait) for its results, so the launch gap between the two is hidden.
+dtype. ONE_SHOT (S + 1 ≤ BLOCK_S, the common case): every part's LSE and partial O in one round
+of loads, issued together. Otherwise all LSEs in one load, then the partials in chunks of BLOCK_S
+parts (independent loads, no serial chain). Parts with lse = −inf (empty splits, e.g. a graph
+planned for a long context replayed at a short one) load no partial O. With USE_PDL the kernel
+is launched as a programmatic dependent of the attention kernel: it becomes resident while that
+kernel runs and waits (griddepcontrol.wait) for its results, so the launch gap between the two
+is hidden.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def _combine_kernel(
         offs_s = tl.arange(0, BLOCK_S)
         smask = offs_s < num_parts
         lse = tl.load(lse_base + offs_s * stride_ls, mask=smask, other=float("-inf"))
-        o = tl.load(o_base + offs_s[:, None] * stride_os + offs_d[None, :], mask=smask[:, None],
+        live = lse > float("-inf")  # empty parts (short contexts, graph plans) read no O
+        o = tl.load(o_base + offs_s[:, None] * stride_os + offs_d[None, :], mask=live[:, None],
                     other=0.0)  # [BLOCK_S, HEAD_DIM]
         m = tl.max(lse, 0)
         w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
@@ -54,9 +57,10 @@ def _combine_kernel(
         for s0 in range(0, num_parts, BLOCK_S):  # independent loads: no chain through `acc`
             sp = s0 + offs_s
             smask = sp < num_parts
-            w = tl.exp2(tl.load(lse_base + sp * stride_ls, mask=smask, other=float("-inf")) - m)
-            o = tl.load(o_base + sp[:, None] * stride_os + offs_d[None, :], mask=smask[:, None],
-                        other=0.0)
+            lse = tl.load(lse_base + sp * stride_ls, mask=smask, other=float("-inf"))
+            w = tl.exp2(lse - m)
+            o = tl.load(o_base + sp[:, None] * stride_os + offs_d[None, :],
+                        mask=(lse > float("-inf"))[:, None], other=0.0)
             acc += tl.sum(o * w[:, None], 0)
     out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)
     tl.store(Out + t * stride_qt + hd * stride_qh + offs_d, out.to(Out.dtype.element_ty))

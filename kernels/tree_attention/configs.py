@@ -44,25 +44,27 @@ _SM90 = {
 }
 # sm_120: ≤ 101,376 B of shared memory per block; D ≥ 128 uses 8 warps (K/V tiles pass through
 # registers: 4 warps spilled in the cross-compile check).
+# Cross-compile checked (bench_kernel.py --sm120-check, page 16 / 64 / 1 + sliding): spill-free
+# replacements of (16, 64, 8, 5) at D = 128 (16 B at page 64) and (32, 32, 8, 3) at D = 256 (20 B
+# in the sliding variant; (32, 32, 8, 4) too).
 _SM120 = {
     64: {16: Config(16, 64, 4, 5), 32: Config(32, 64, 4, 5), 64: Config(64, 32, 4, 5),
          128: Config(64, 64, 8, 5)},
-    128: {16: Config(16, 64, 8, 5), 32: Config(32, 32, 8, 5), 64: Config(64, 16, 8, 5),
+    128: {16: Config(16, 64, 4, 5), 32: Config(32, 32, 8, 5), 64: Config(64, 16, 8, 5),
           128: Config(64, 16, 8, 5)},  # (64, 32, 8, 5) spills 16 B
-    256: {16: Config(16, 32, 8, 3), 32: Config(32, 32, 8, 3), 64: Config(32, 32, 8, 3),
-          128: Config(32, 32, 8, 3)},
+    256: {16: Config(16, 32, 8, 3), 32: Config(32, 16, 8, 5), 64: Config(32, 16, 8, 5),
+          128: Config(32, 16, 8, 5)},
 }
 # sm_120 fp32 (elem_size 4): ieee dots run on FMAs (no mma.sync), so registers, not shared memory,
-# bound the tile. Measured (bench_kernel.py --sm120-check cross-compile, all 3 variants): the
-# halved rule spilled 276-1492 B at D = 64 and 540-2420 B at D = 128 (4-warp and BLOCK_M ≥ 32 x
-# BLOCK_N 32 tiles worst); 8 warps with a 16-row or 16-key tile and 4-5 stages (K/V staged
-# through shared memory) compile with 0 spills: D = 64 (16, 32, 8, 5) 182 regs, (32, 16, 8, 5)
-# 214; D = 128 (16, 16, 8, 5) 216 (3-4 stages: 24 B in the sliding variant). D = 256 spills even
-# at the smallest tile (16, 16, 8, 3): 564 B (2, 16 warps and 1-7 stages are worse).
+# bound the tile. With an unmasked hot loop beside the masked last tile the FMA kernels needed
+# ~2x the registers (D = 256 spilled 564 B even at (16, 16, 8, 3)); fp32 kernels therefore run
+# every prefix tile masked through one loop body (kernel.py: MASK_ALL) and compile spill-free at
+# 64-110 registers: D = 64 (16, 32, 8, 5) / (32, 16, 8, 5), D = 128 (16, 32, 8, 5) (its (16, 16,
+# 8, 5) spills 8 B), D = 256 (16, 16, 8, 5).
 _SM120_FP32 = {
     64: dict.fromkeys(ROW_BUCKETS[1:], Config(32, 16, 8, 5)) | {16: Config(16, 32, 8, 5)},
-    128: dict.fromkeys(ROW_BUCKETS, Config(16, 16, 8, 5)),
-    256: dict.fromkeys(ROW_BUCKETS, Config(16, 16, 8, 3)),
+    128: dict.fromkeys(ROW_BUCKETS, Config(16, 32, 8, 5)),
+    256: dict.fromkeys(ROW_BUCKETS, Config(16, 16, 8, 5)),
 }
 TABLES = {90: _SM90, 120: _SM120}
 INTERPRET_CONFIG = Config(16, 16, 4, 1)  # CPU interpreter: tiny tiles, tiny test shapes

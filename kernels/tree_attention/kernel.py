@@ -148,7 +148,8 @@ def _tree_attn_kernel(
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
-    HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_TREE: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel before
         tl.extra.cuda.gdc_wait()
@@ -167,7 +168,7 @@ def _tree_attn_kernel(
                 stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                 GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, SLIDING, HAS_TREE,
-                DOT_PREC)
+                MASK_ALL, DOT_PREC)
 
 
 @triton.jit
@@ -178,7 +179,7 @@ def _attend(
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
-    HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_TREE: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Part `part` of BLOCK_M packed rows from row0 — prefix split `part` < S, or the tree tail
     (part S) — written as a normalised partial O and its LSE."""
@@ -201,7 +202,8 @@ def _attend(
     if part < num_splits:
         m_i, l_i, acc = _prefix_split(
             q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, q_pos, window, kv_head_off, part,
-            num_splits, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, SLIDING, DOT_PREC)
+            num_splits, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, SLIDING, MASK_ALL,
+            DOT_PREC)
     else:
         m_i, l_i, acc = _tree_tail(
             q, m_i, l_i, acc, K, V, BlockTable, TreeMask, Positions, bt_row, ctx, q0, q_len,
@@ -220,8 +222,11 @@ def _attend(
 def _prefix_split(q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, q_pos, window, kv_head_off,
                   part, num_splits, stride_kp, stride_ks,
                   HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SLIDING: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Split `part` of `num_splits` of the paged prefix [0, ctx), range derived on device."""
+                  SLIDING: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Split `part` of `num_splits` of the paged prefix [0, ctx), range derived on device.
+    MASK_ALL (fp32 inputs): no unmasked hot loop beside the masked last tile — one loop body;
+    the FMA-dot (ieee) kernels then need half the registers (sm_120, D = 256: 255 + 564 B of
+    spill → 103, none)."""
     if SLIDING:  # noqa: SIM108 — keys below every row's window are never read
         start = tl.minimum(tl.maximum(tl.min(q_pos, 0) - window + 1, 0), ctx)
     else:
@@ -230,11 +235,11 @@ def _prefix_split(q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, q_pos, window
     chunk = tl.cdiv(tl.cdiv(ctx - base, num_splits), BLOCK_N) * BLOCK_N
     lo = base + part * chunk
     hi = tl.minimum(lo + chunk, ctx)
-    if SLIDING:
+    if SLIDING or MASK_ALL:  # one loop body, every tile masked
         for n in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _prefix_tile(
                 q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, start, hi, q_pos, window,
-                kv_head_off, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, True,
+                kv_head_off, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, SLIDING,
                 DOT_PREC)
     else:
         full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
@@ -343,7 +348,8 @@ def tree_attention_triton(
         lse_part.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, PAGE_SIZE=k_pool.shape[1], BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, TAIL_N=plan.tail_n, SLIDING=sliding_window is not None,
-        HAS_TREE=batch.tree_mask is not None, DOT_PREC=plan.dot_prec, USE_PDL=plan.use_pdl,
+        HAS_TREE=batch.tree_mask is not None, MASK_ALL=q.dtype == torch.float32,
+        DOT_PREC=plan.dot_prec, USE_PDL=plan.use_pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=plan.use_pdl,
     )
     combine(o_part, lse_part, out, plan.parts, plan.block_s, plan.lse_block, plan.use_pdl)

@@ -176,26 +176,30 @@ def test_launcher_validation():
 
 
 def test_sm120_configs_compile_and_fit(tmp_path):
-    """Cross-compiles the bf16 sm_120 configs (no GPU needed) in a process without the
-    interpreter: shared memory ≤ 101,376 B and no spills (the full set: bench --sm120-check)."""
+    """Cross-compiles every config the launcher can pick on sm_120 (no GPU needed) in a process
+    without the interpreter — attention kernel in bf16 / fp16 / fp32, pages 16 / 64 / 1 +
+    sliding window, and the combine kernel: shared memory ≤ 101,376 B and no spills."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).resolve().parents[2] / "bench" / "bench_kernel.py"
     out = tmp_path / "sm120.json"
-    proc = subprocess.run([sys.executable, str(script), "--sm120-check", "--quick", "--out",
+    proc = subprocess.run([sys.executable, str(script), "--sm120-check", "--out",
                            str(out)], env=env, capture_output=True, text=True, timeout=600)
     if "no triton CUDA backend" in proc.stderr:
         pytest.skip("triton has no CUDA backend / Blackwell ptxas here")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())["sm120"]
     assert report and all(r["shared"] <= 101_376 and r["spills"] == 0 for r in report)
+    from kernels.tree_attention.configs import all_configs
+    assert len([r for r in report if r["kernel"] == "_tree_attn_kernel"]) == 3 * sum(
+        2 if elem == 2 else 1 for _, _, elem in all_configs(120))  # every variant compiled
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (and TRITON_INTERPRET unset)")
 class TestGPU:
     @pytest.mark.parametrize("page", [1, 16, 64])
-    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
     @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (28, 4, 128), (16, 2, 256), (8, 8, 64)])
     def test_large(self, page, dtype, hq, hkv, d):
         q, k, v, batch = make_case(11, [4000, 0, 1500, 777], [63, -17, 15, 120], page, hq, hkv,
@@ -262,8 +266,8 @@ def test_strided_q_rows_and_per_batch_memo():
 @pytest.mark.parametrize("parts,block_s", [(7, 4), (5, 8), (1, 2)])
 def test_combine_chunked_and_one_shot(parts, block_s):
     """The LSE merge against softmax weighting in float64, both in one load (parts ≤ BLOCK_S)
-    and in chunks of BLOCK_S parts. An empty split (LSE −inf, O 0) adds nothing; the 2 parts
-    past `parts` (NaN O, huge LSE) must not be read."""
+    and in chunks of BLOCK_S parts. An empty split (LSE −inf, O poisoned with NaN) adds nothing
+    and its O is not read; the 2 parts past `parts` (NaN O, huge LSE) must not be read."""
     from kernels.tree_attention.combine import combine
 
     g = torch.Generator().manual_seed(parts)
@@ -272,10 +276,10 @@ def test_combine_chunked_and_one_shot(parts, block_s):
     lse = torch.randn(parts + 2, t, hq, generator=g) * 4
     o_part[parts:], lse[parts:] = float("nan"), 1e4
     if parts > 1:
-        lse[1, 0], o_part[1, 0] = float("-inf"), 0.0
+        lse[1, 0], o_part[1, 0] = float("-inf"), float("nan")
     out = torch.full((t, hq, d), float("nan"), device=DEV)
     combine(o_part.to(DEV), lse.to(DEV), out, parts, block_s,
             max(2, 1 << (parts - 1).bit_length()), use_pdl=False)
     w = torch.softmax(lse[:parts].double() * np.log(2), dim=0)  # log2-domain LSEs
-    ref = (w[..., None] * o_part[:parts].double()).sum(0)
+    ref = (w[..., None] * o_part[:parts].double().nan_to_num(0.0)).sum(0)
     assert torch.allclose(out.double().cpu(), ref, atol=1e-5)
