@@ -12,6 +12,7 @@ F.linear / F.rms_norm directly (no module call overhead), normalises and rotates
 heads in one pass (RoPE by `roll` with the sign folded into sin: 4 kernels for q and k together
 instead of 7 each), and — after `fuse_projections()` — runs q/k/v as one GEMM and gate/up as one.
 Rounding follows HF: RMSNorm normalises in fp32, rounds to the activation dtype, then × weight.
+On CUDA the lean path runs `fused_layer` instead: these ops fused into 3 kernels per layer.
 """
 
 from __future__ import annotations
@@ -231,7 +232,12 @@ class DecoderModel(nn.Module):
 
     def _forward_inference(self, input_ids, batch, kv, taps):
         """The same function as the module path with about half the kernel launches (module
-        docstring); one python loop over layers, nothing recomputed per layer that is per step."""
+        docstring); one python loop over layers, nothing recomputed per layer that is per step.
+        On CUDA: the same math with each layer's small ops in 3 Triton kernels (fused_layer)."""
+        if input_ids.is_cuda:
+            from specserve.models.fused_layer import forward_fused
+
+            return forward_fused(self, input_ids, batch, kv, taps)
         backbone, attn_fn = self.model, self.attn_backend
         x = F.embedding(input_ids, backbone.embed_tokens.weight)
         cos, sin = self.rotary.rolled_tables(batch.positions, x.dtype)  # [T, 1, D], once

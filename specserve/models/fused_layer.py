@@ -1,0 +1,92 @@
+"""The inference forward with each layer's small ops fused: 3 kernels (kernels/fused) in place
+of the ~18 elementwise / norm / RoPE / index_copy kernels of `decoder._layer_inference`.
+
+Same math and rounding as that torch path (its CPU twin), restructured around one idea: the
+residual add waits. A layer returns its MLP output and the stream before it, unadded; the next
+RMSNorm kernel adds them as it reads them (`add_rms_norm`: x_new = x + residual, h = norm), so
+every add of the residual stream happens inside a norm kernel — the next layer's input norm, the
+post-attention norm, the final norm. A tapped layer's output is added (materialised) there, as
+the drafter reads it. Per layer: input norm, q|k|v GEMM, `qk_norm_rope_kv` (q/k norm, RoPE,
+K/V cache write), attention, o_proj, post-attention norm, gate|up GEMM, `silu_mul`, down GEMM.
+
+A layer the fused kernels do not cover — projections not fused (`fuse_projections` not called),
+q and k norms with different eps, a cache dtype other than the activations' — runs the torch
+layer instead. `DecoderModel._forward_inference` calls this on CUDA; tests call it anywhere
+(impl="triton" under the CPU interpreter, impl="ref" for the torch ops in this structure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kernels.fused import FusedOps, fused_ops
+from specserve.attention.base import AttnBatch
+from specserve.kvcache.pool import KVPool
+from specserve.models.decoder import DecoderLayer, DecoderModel, _Fused, _layer_inference
+
+
+def forward_fused(
+    model: DecoderModel,
+    input_ids: torch.Tensor,  # [T] int64
+    batch: AttnBatch,
+    kv: KVPool,
+    taps: Sequence[int] = (),
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # final-norm hidden [T, hidden], taps or None
+    """`DecoderModel.forward` with autograd off, the small ops fused (`impl`: see `fused_ops`)."""
+    ops = fused_ops(impl, input_ids.device)
+    backbone, attn_fn = model.model, model.attn_backend
+    x = F.embedding(input_ids, backbone.embed_tokens.weight)
+    cos, sin = model.rotary.rolled_tables(batch.positions, x.dtype)  # [T, 1, D], once
+    res = None  # pending residual: the stream is x + res
+    tapped: dict[int, torch.Tensor] = {}
+    wanted = set(taps)
+    for i, layer in enumerate(backbone.layers):
+        f = model._fused[i] if model._fused is not None else None
+        if f is not None and not f.valid(layer):  # weights replaced since: fuse again
+            model.fuse_projections()
+            f = model._fused[i]
+        if _covered(layer, f, kv, x.dtype):
+            x, res = _layer_fused(ops, layer, f, x, res, cos, sin, batch, kv, attn_fn)
+        else:
+            x, res = _layer_inference(layer, f, _added(x, res), cos, sin, batch, kv, attn_fn), None
+        if i in wanted:
+            x, res = _added(x, res), None
+            tapped[i] = x
+    features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
+    norm = backbone.norm
+    return ops.add_rms_norm(x, res, norm.weight, norm.eps)[0], features
+
+
+def _added(x: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
+    return x if res is None else x + res
+
+
+def _covered(layer: DecoderLayer, f: _Fused | None, kv: KVPool, dtype: torch.dtype) -> bool:
+    """Whether the fused kernels cover this layer (else it runs `_layer_inference`)."""
+    a = layer.self_attn
+    return (f is not None and (a.q_norm is None or f.qk_norm_w is not None)
+            and kv.shape.dtype == dtype)
+
+
+def _layer_fused(ops: FusedOps, layer: DecoderLayer, f: _Fused, x, res, cos, sin, batch, kv,
+                 attn_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer on the stream x + res; returns (MLP output, stream after attention): the
+    layer's output is their sum, left for the next norm kernel to add."""
+    a, t = layer.self_attn, x.shape[0]
+    ln = layer.input_layernorm
+    h, x = ops.add_rms_norm(x, res, ln.weight, ln.eps)  # x: the layer's input, materialised
+    qkv = F.linear(h, f.qkv_w, f.qkv_b)  # [T, (Hq + 2·Hkv)·D], bias in the GEMM
+    eps = a.q_norm.eps if a.q_norm is not None else 0.0
+    k_cache, v_cache = kv.k[a.layer], kv.v[a.layer]
+    q = ops.qk_norm_rope_kv(qkv, f.qk_norm_w, cos, sin, batch.slot_mapping, k_cache, v_cache,
+                            a.num_heads, a.num_kv_heads, eps)
+    o = attn_fn(q, k_cache, v_cache, batch, a.scale, a.window)
+    attn_out = F.linear(o.reshape(t, -1), a.o_proj.weight, a.o_proj.bias)
+    ln = layer.post_attention_layernorm
+    h, x = ops.add_rms_norm(attn_out, x, ln.weight, ln.eps)  # x + attention, normalised
+    mlp_out = F.linear(ops.silu_mul(F.linear(h, f.gate_up_w)), layer.mlp.down_proj.weight)
+    return mlp_out, x
