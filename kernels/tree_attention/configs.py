@@ -17,6 +17,12 @@ import torch
 
 SM120_SMEM_LIMIT = 101_376  # bytes of shared memory per block on sm_120 / sm_121
 ROW_BUCKETS = (16, 32, 64, 128)  # packed query rows per KV head, rounded up (last = "more")
+# Plans for contexts ≤ this are latency-bound: > 64 rows use the 64-row bucket's config (2 CTAs
+# per SM) instead of the 128-row one and may split into chunks as short as a quarter of the
+# context. H200, bench/sweep_kernel.py --grid run7, 1k context: 65 nodes 27.1 µs (64 rows,
+# S = 4) vs 30.0 (128 rows, S = 4), 35.7 (S = 1); 17 nodes 15.1 vs 16.5, 28.8. The engine's CUDA
+# graphs plan a class of short steps for it (specserve/engine/graphs.py).
+SHORT_CONTEXT = 4096
 
 
 @dataclass(frozen=True)
@@ -105,13 +111,17 @@ def arch_key(capability: tuple[int, int]) -> int:
     return 120 if capability[0] == 12 else 90
 
 
-def pick_config(arch: int, head_dim: int, rows: int, elem_size: int) -> Config:
-    """Config for `rows` packed rows at `head_dim` (64/128/256; smaller dims use the 64 row).
+def pick_config(arch: int, head_dim: int, rows: int, elem_size: int,
+                max_ctx_len: int | None = None) -> Config:
+    """Config for `rows` packed rows at `head_dim` (64/128/256; smaller dims use the 64 row);
+    for a plan whose longest context is ≤ SHORT_CONTEXT, at most the 64-row bucket's.
 
     fp32 inputs (elem_size 4) double every tile in shared memory: halve BLOCK_N (≥ 16) and use
     one stage fewer (≥ 1); sm_120 has its own fp32 table (_SM120_FP32: register-bound FMA dots).
     """
     table = _SM120_FP32 if arch == 120 and elem_size == 4 else TABLES[arch]
+    if max_ctx_len is not None and max_ctx_len <= SHORT_CONTEXT:
+        rows = min(rows, 64)
     cfg = table[min((d for d in table if d >= head_dim), default=max(table))][rows_bucket(rows)]
     if elem_size == 4 and arch != 120:
         cfg = Config(cfg.block_m, max(16, cfg.block_n // 2), cfg.num_warps,
@@ -163,6 +173,8 @@ def default_num_splits(max_ctx_len: int, rows: int, programs: int, sm_count: int
     651 µs vs S = 16: 496 µs on the H200).
     """
     min_chunk = max(256, 16 * rows)
+    if max_ctx_len <= SHORT_CONTEXT:  # latency-bound: up to 4 splits whatever the rows
+        min_chunk = max(256, min(min_chunk, max_ctx_len // 4))
     s_max = max(1, min(64, max_ctx_len // min_chunk))
     if ctas == 1:
         def busy(s: int) -> float:

@@ -380,14 +380,14 @@ def _plan(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, config, opt
         fix_interpreter_index()
     rows = max(batch.q_lens) * (hq // hkv)
     cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    longest = max(batch.ctx_lens) if max_ctx_len is None else max_ctx_len
     if config is None:
         config = INTERPRET_CONFIG if cap is None else pick_config(arch_key(cap), d, rows,
-                                                                   q.element_size())
+                                                                   q.element_size(), longest)
     use_pdl = bool(opts.get("pdl", True)) and cap is not None and cap[0] >= 9
     nb = batch.batch_size
     row_blocks = triton.cdiv(rows, config.block_m)
     if num_splits is None:
-        longest = max(batch.ctx_lens) if max_ctx_len is None else max_ctx_len
         num_splits = default_num_splits(longest, rows, nb * hkv * row_blocks, sm_count(q.device),
                                         ctas_per_sm(config))
     parts = int(num_splits) + 1

@@ -5,10 +5,13 @@ one root row): B requests become `Bb` (a batch bucket) and each request's rows b
 rows bucket ≥ its tree). Pad rows sit at the positions right after the request's tree — inside
 its scratch reservation (the engine ensures pages up to start + nb), see only themselves and are
 seen by nobody; missing requests are dummies on the trash page (the pool's extra last page, never
-handed out). The attention plan is made for `max_model_len` (a fixed split count, device-side
-ranges), so one graph replays at every context. A step's metadata goes to the device in one copy
-of a pinned staging buffer into the graph's static buffer, then the graph replays: no per-layer
-Python, no launches.
+handed out). The attention plan is made for the longest context a graph replays at (a fixed
+split count, device-side ranges): one graph per bucket for steps whose contexts are all ≤
+SHORT_CONTEXT and one for the rest (planned for `max_model_len`) — at short contexts the kernel
+is latency-bound and wants its own split count and row blocks (BENCHMARKS.md, run 7: 1k, a
+65-node tree, 38 µs per layer when planned for 128k vs 27 µs). A step's metadata goes to the
+device in one copy of a pinned staging buffer into the graph's static buffer, then the graph
+replays: no per-layer Python, no launches.
 
 `capture=False` runs the same padded static path eagerly — the CPU twin the tests compare with
 the unpadded forward.
@@ -23,6 +26,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from kernels.tree_attention.configs import SHORT_CONTEXT  # the kernel's latency-bound plans
 from specserve.attention.base import AttnBatch, packed_offsets, torch_dtype
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -64,6 +68,7 @@ class StepGraphs:
                  trash_page: int, capture: bool | None = None) -> None:
         self.model, self.kv, self.page_size = model, kv, page_size
         self.max_model_len, self.trash_page = max_model_len, trash_page
+        self.short_context = SHORT_CONTEXT
         self.rows = row_buckets(max_rows)
         self.device = kv.kv.device
         self.capture = self.device.type == "cuda" if capture is None else capture
@@ -84,7 +89,8 @@ class StepGraphs:
         """Logits `[len(logit_rows), V]` float32 and (when `taps`) features of every real row."""
         nb = bucket_of(max(len(x.token_ids) for x in inputs), self.rows)
         bb = bucket_of(len(inputs), BATCH_BUCKETS)
-        st = self._graphs.get((bb, nb, tuple(taps))) or self._build(bb, nb, tuple(taps))
+        key = (bb, nb, tuple(taps), self.context_class(max(x.ctx_len for x in inputs)))
+        st = self._graphs.get(key) or self._build(*key)
         if st.copied is not None:  # the previous step's copy has read the staging buffer
             st.copied.synchronize()
         real = self._fill(st, inputs, page_tables, np.asarray(logit_rows, dtype=np.int64))
@@ -98,8 +104,23 @@ class StepGraphs:
             return out, None
         return out, feats.index_select(0, sel[len(logit_rows) : len(logit_rows) + real])
 
+    def context_class(self, ctx: int) -> int:
+        """The longest context of the graphs a step with longest context `ctx` replays."""
+        short = self.short_context
+        return short if ctx <= short < self.max_model_len else self.max_model_len
+
+    def warm(self, bb: int, taps: Seq[int]) -> int:
+        """Capture every rows bucket × context class of batch bucket `bb` not captured yet (so
+        the first step of a kind does not capture inside a request). Returns how many."""
+        keys = [(bb, nb, tuple(taps), cls) for nb in self.rows
+                for cls in sorted({self.context_class(0), self.max_model_len})]
+        todo = [k for k in keys if k not in self._graphs]
+        for key in todo:
+            self._build(*key)
+        return len(todo)
+
     # ---- buffers ---------------------------------------------------------------------------
-    def _build(self, bb: int, nb: int, taps: tuple) -> _Static:
+    def _build(self, bb: int, nb: int, taps: tuple, max_ctx: int) -> _Static:
         words = -(-nb // 32)
         spec = {"cu": ((bb + 1,), np.int32), "ctx": ((bb,), np.int32),
                 "table": ((bb, self.max_pages), np.int32), "slots": ((bb * nb,), np.int64),
@@ -116,7 +137,7 @@ class StepGraphs:
                            hnp[off : off + size].view(dtype).reshape(shape))
         views["cu"][1][:] = np.arange(bb + 1, dtype=np.int32) * nb
         d = {k: v[0] for k, v in views.items()}
-        batch = AttnBatch(q_lens=(nb,) * bb, ctx_lens=(self.max_model_len,) * bb, cu_q=d["cu"],
+        batch = AttnBatch(q_lens=(nb,) * bb, ctx_lens=(max_ctx,) * bb, cu_q=d["cu"],
                           ctx_lens_t=d["ctx"], block_table=d["table"], slot_mapping=d["slots"],
                           positions=d["pos"], tree_mask=d["mask"], page_size=self.page_size)
         st = _Static(bb, nb, host, dev, views, batch,
@@ -124,8 +145,8 @@ class StepGraphs:
         self._fill(st, [], [], np.zeros(0, np.int64))  # all dummies: safe to run
         dev.copy_(host)
         if self.capture:
-            self._capture(st, taps)
-        self._graphs[(bb, nb, taps)] = st
+            self._capture(st, taps, max_ctx)
+        self._graphs[(bb, nb, taps, max_ctx)] = st
         return st
 
     def _fill(self, st: _Static, inputs, page_tables, logit_rows: np.ndarray) -> int:
@@ -166,9 +187,9 @@ class StepGraphs:
         return self.model.logits(hidden), feats
 
     @torch.inference_mode()
-    def _capture(self, st: _Static, taps: tuple) -> None:
+    def _capture(self, st: _Static, taps: tuple, max_ctx: int) -> None:
         backend = self.model.attn_backend
-        self.model.attn_backend = partial(backend, max_ctx_len=self.max_model_len)
+        self.model.attn_backend = partial(backend, max_ctx_len=max_ctx)
         try:
             self._forward(st, taps)  # compile kernels, plan the launches (memo) outside capture
             torch.cuda.synchronize(self.device)

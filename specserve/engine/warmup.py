@@ -78,8 +78,10 @@ def warm_up_engine(engine) -> float:
     finally:
         engine.abort(WARMUP_ID)
         engine.set_drafter(previous)
+    captured = graphs.warm(1, taps) if graphs is not None else 0  # the other context class
     seconds = time.perf_counter() - t0
-    log.info("warm-up: prompt %d, trees %s, %.1f s", prompt_len, sizes, seconds)
+    log.info("warm-up: prompt %d, trees %s, %d more graphs, %.1f s", prompt_len, sizes,
+             captured, seconds)
     return seconds
 
 

@@ -283,3 +283,25 @@ def test_combine_chunked_and_one_shot(parts, block_s):
     w = torch.softmax(lse[:parts].double() * np.log(2), dim=0)  # log2-domain LSEs
     ref = (w[..., None] * o_part[:parts].double().nan_to_num(0.0)).sum(0)
     assert torch.allclose(out.double().cpu(), ref, atol=1e-5)
+
+
+def test_plan_choices_follow_the_measured_table():
+    """The config / split choices the H200 sweeps picked (BENCHMARKS.md runs 5-7): a 65-node tree
+    (260 rows) at 1k uses 64-row blocks in 4 splits, at 128k 128-row blocks in 11 (two full
+    waves of 132 SMs); 16 and 1 tree nodes at 32k split 32 ways."""
+    from kernels.tree_attention.configs import (
+        SHORT_CONTEXT,
+        ctas_per_sm,
+        default_num_splits,
+        pick_config,
+    )
+
+    short, long = pick_config(90, 128, 260, 2, 1024), pick_config(90, 128, 260, 2, 131072)
+    assert (short.block_m, long.block_m) == (64, 128)
+    assert pick_config(90, 128, 260, 2, SHORT_CONTEXT + 1).block_m == 128
+    assert pick_config(90, 128, 260, 2) == long  # no context given: the rows decide
+    assert default_num_splits(1024, 260, 8 * 5, 132, ctas_per_sm(short)) == 4
+    assert default_num_splits(131072, 260, 8 * 3, 132, ctas_per_sm(long)) == 11
+    assert default_num_splits(32768, 64, 8, 132, 2) == 32
+    assert default_num_splits(32768, 4, 8, 132, 2) == 32
+    assert default_num_splits(700, 4, 8, 132, 2) == 2  # chunks stay ≥ 256 tokens

@@ -82,12 +82,15 @@ def _trees_step(engines, hf, prompts, sizes, rng, tag):
 
 def _padded_vs_unpadded(checkpoint_cache, make_engine, device, dtype, graphs, tol):
     """3 requests (batch bucket 4: one dummy), trees of 1, 6 and 11 rows (rows bucket 16); then
-    the same bucket again at contexts 20× longer (a graph captured short replays long)."""
+    the same bucket again at contexts 20× longer, past the short-context class (set to 100
+    tokens here): a second graph, planned for max_model_len and captured at dummy contexts,
+    replays long."""
     path, hf = checkpoint_cache("qwen3-gqa4-yarn")
     rng = np.random.default_rng(4)
     cfg = dict(page_size=4, max_draft_tokens=20, num_pages=1024, device=device, dtype=dtype)
     eager = make_engine(path, cuda_graphs="off", **cfg)
     padded = make_engine(path, cuda_graphs=graphs, **cfg)
+    padded.runner.graphs.short_context = 100
     for tag, lengths in (("a", [9, 14, 6]), ("b", [180, 290, 230])):
         prompts = random_prompts(3, hf.config.vocab_size, lengths, seed=len(tag))
         inputs, rows = _trees_step((eager, padded), hf, prompts, (0, 5, 10), rng, tag)
@@ -98,7 +101,8 @@ def _padded_vs_unpadded(checkpoint_cache, make_engine, device, dtype, graphs, to
         for engine in (eager, padded):
             for i in range(3):
                 engine.blocks.free(f"{tag}{i}")
-    assert list(padded.runner.graphs._graphs) == [(4, 16, ())]  # one bucket, reused
+    keys = list(padded.runner.graphs._graphs)  # one bucket, a graph per context class
+    assert keys == [(4, 16, (), 100), (4, 16, (), padded.runner.graphs.max_model_len)]
     return padded
 
 
@@ -126,3 +130,17 @@ def test_warm_up_visits_every_rows_bucket(checkpoint_cache, make_engine):
     want = [r - 1 for r in row_buckets(21) if r > 1]
     assert sizes[: len(want) + 1] == want + [0]
     assert sorted(k[1] for k in engine.runner.graphs._graphs) == row_buckets(21)
+
+
+def test_warm_captures_both_context_classes(checkpoint_cache, make_engine):
+    """`StepGraphs.warm` builds every rows bucket of a batch bucket for the short-context class
+    and the max_model_len class, once; the short class exists only below max_model_len."""
+    path, _ = checkpoint_cache("qwen3-gqa4-yarn")
+    engine = make_engine(path, max_draft_tokens=20, max_num_batched_tokens=40, cuda_graphs="on")
+    graphs = engine.runner.graphs
+    graphs.short_context = 64
+    assert graphs.context_class(64) == 64 and graphs.context_class(65) == graphs.max_model_len
+    assert graphs.warm(1, ()) == 2 * len(row_buckets(21)) and graphs.warm(1, ()) == 0
+    assert sorted({k[3] for k in graphs._graphs}) == [64, graphs.max_model_len]
+    graphs.short_context = graphs.max_model_len  # no class below the longest context
+    assert graphs.context_class(5) == graphs.max_model_len
