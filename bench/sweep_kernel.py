@@ -77,7 +77,14 @@ RUN7 = [
     (131072, 17, [(B128, 16), (B128, 32), (M64, 16), (M64, 32)]),
     (32768, 65, [(B128, 8), (B128, 11), (B128, 16), (M64, 8), (M64, 16)]),
 ]
-GRIDS = {"run2": SHAPES, "run5": RUN5, "run6": RUN6, "run7": RUN7}
+# the eighth: split counts between the powers of two for 64-row trees (fewer parts = less fp32
+# partial traffic; 192-224 CTAs leave some SMs one CTA instead of two)
+RUN8 = [
+    (32768, 16, [(M64, 32), (M64, 20), (M64, 24), (M64, 28)]),
+    (131072, 16, [(M64, 32), (M64, 24)]),
+    (32768, 1, [(S64, 32), (S64, 24)]),
+]
+GRIDS = {"run2": SHAPES, "run5": RUN5, "run6": RUN6, "run7": RUN7, "run8": RUN8}
 
 
 def main() -> None:
