@@ -11,7 +11,9 @@ measures, on the random Qwen3-8B-shape target (bf16, page 16):
       layer; GEMMs also by shape with achieved GB/s of their weight bytes. "gaps" = graph replay
       minus the sum of kernel times (launch gaps the graph does not hide).
   [2] per GEMM shape of the layer: F.linear alone at M = rows over rotated weight copies
-      (> L2), as a fraction of the copy rate measured in the same run.
+      (> L2), replayed from a CUDA graph, as a fraction of the copy rate measured in the same
+      run. (The first run, bench/results/diag_step_h200_run1.json, timed these eagerly: its
+      "gemms" entries are host-bound — 30-35 µs for every small GEMM — and not valid.)
 
     python3 bench/diag_step.py [--ctxs 1024,32768] [--rows 1,17,65] [--out $OUT/diag_step.json]
 """
@@ -122,11 +124,11 @@ def gemm_alone(model, rows: int, copy_gbps: float) -> list[dict]:
         copies = max(2, -(-200_000_000 // (w.numel() * 2)))
         ws = [w.clone() for _ in range(copies)]
         x = torch.randn(rows, w.shape[1], device="cuda", dtype=w.dtype)
-        it = iter(range(10**9))
 
-        def call(x=x, ws=ws, it=it, copies=copies):
-            return F.linear(x, ws[next(it) % copies])
-        us = median(time_ms(call, 30, 5, "cuda")) * 1e3
+        def calls(x=x, ws=ws):  # one pass over the copies, replayed from a graph: GPU time
+            for wc in ws:
+                F.linear(x, wc)
+        us = graph_ms(calls) * 1e3 / copies
         floor = w.numel() * 2 / (copy_gbps * 1e3)  # µs
         out.append(dict(gemm=name, n=w.shape[0], k=w.shape[1], rows=rows, us=us,
                         floor_us=floor, pct_copy=100 * floor / us))
