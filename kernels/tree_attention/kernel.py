@@ -1,6 +1,7 @@
 """Triton tree-verify attention over a paged KV pool: split-KV prefix + tree tail, then combine.
 
-Owns the attention kernel and the launcher (kernels.md §6); the merge is `combine.py`. Kernel A
+Owns the attention kernel and the launcher (kernels.md §6); the merge is `combine.py`, the
+per-batch launch plan (config, splits, grid, scratch) `plan.py`. Kernel A
 (`_tree_attn_kernel`), grid (row-block r, request b · kv head h, part s) with r fastest, so the
 R row blocks of one KV chunk run side by side and share it through L2, and parts outermost, so
 the short tree-tail programs are scheduled after every prefix split (interleaved with them, a
@@ -23,25 +24,14 @@ H200); the tables use 5 (two K/V tiles in flight). Check `async_wait {num = …}
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.tree_attention import check_inputs, fix_interpreter_index
+from kernels.tree_attention import check_inputs
 from kernels.tree_attention.combine import combine
-from kernels.tree_attention.configs import (
-    INTERPRET_CONFIG,
-    Config,
-    arch_key,
-    combine_block_s,
-    ctas_per_sm,
-    default_num_splits,
-    pick_config,
-    sm_count,
-    tail_block_n,
-)
+from kernels.tree_attention.configs import Config
+from kernels.tree_attention.plan import plan_launch, scratch
 
 LOG2E = 1.4426950408889634
 LAST_LAUNCH: dict = {}  # the last compiled kernels launched (benchmarks read n_regs / spills)
@@ -334,9 +324,9 @@ def tree_attention_triton(
            max_ctx_len, config, opts)
     plan = batch.memo.get(key)
     if plan is None:
-        plan = batch.memo[key] = _plan(q, k_pool, batch, sliding_window, num_splits,
-                                       max_ctx_len, config, dict(opts))
-    o_part, lse_part = _scratch(batch, plan.parts, t, hq, d, q.device)
+        plan = batch.memo[key] = plan_launch(q, k_pool, batch, sliding_window, num_splits,
+                                             max_ctx_len, config, dict(opts))
+    o_part, lse_part = scratch(batch, plan.parts, t, hq, d, q.device)
     cfg, hkv, tree = plan.config, plan.hkv, plan.tree
     LAST_LAUNCH["attn"] = _tree_attn_kernel[plan.grid](
         q, k_pool, v_pool, batch.block_table, batch.cu_q, batch.ctx_lens_t, batch.positions,
@@ -354,65 +344,3 @@ def tree_attention_triton(
     )
     combine(o_part, lse_part, out, plan.parts, plan.block_s, plan.lse_block, plan.use_pdl)
     return out
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Everything about a launch that depends on the batch and the shapes, not on the layer."""
-
-    config: Config
-    grid: tuple[int, int, int]
-    parts: int  # S prefix splits + the tree tail
-    hkv: int
-    window: int
-    dot_prec: str
-    tail_n: int
-    block_s: int
-    lse_block: int
-    use_pdl: bool  # programmatic dependent launch (sm_90+): launch gaps hidden
-    tree: torch.Tensor  # the batch's tree mask, or a dummy (cu_q) when causal
-
-
-def _plan(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, config, opts) -> _Plan:
-    t, hq, d = q.shape
-    hkv = k_pool.shape[2]
-    if not q.is_cuda:
-        fix_interpreter_index()
-    rows = max(batch.q_lens) * (hq // hkv)
-    cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-    longest = max(batch.ctx_lens) if max_ctx_len is None else max_ctx_len
-    if config is None:
-        config = INTERPRET_CONFIG if cap is None else pick_config(arch_key(cap), d, rows,
-                                                                   q.element_size(), longest)
-    use_pdl = bool(opts.get("pdl", True)) and cap is not None and cap[0] >= 9
-    nb = batch.batch_size
-    row_blocks = triton.cdiv(rows, config.block_m)
-    if num_splits is None:
-        num_splits = default_num_splits(longest, rows, nb * hkv * row_blocks, sm_count(q.device),
-                                        ctas_per_sm(config))
-    parts = int(num_splits) + 1
-    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    if not q.is_cuda:
-        dot_prec = "interpret"
-    block_s, lse_block = combine_block_s(parts, d, fixed=q.is_cuda)
-    return _Plan(config=config, grid=(row_blocks, nb * hkv, parts), parts=parts, hkv=hkv,
-                 window=int(sliding_window) if sliding_window is not None else 0,
-                 dot_prec=dot_prec, tail_n=tail_block_n(config), block_s=block_s,
-                 lse_block=lse_block, use_pdl=use_pdl,
-                 tree=batch.tree_mask if batch.tree_mask is not None else batch.cu_q)
-
-
-def _scratch(batch, parts, t, hq, d, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch's fp32 partial O `[parts, T, Hq, D]` and LSE `[parts, T, Hq]` (grown on demand;
-    plans with fewer parts use a leading slice — same strides, same base). Partials in the input
-    dtype were measured slower on the H200 (the store's conversion: 32k / 16 nodes 44.7 → 46.9
-    µs) and made ptxas spill on sm_120."""
-    key = ("scratch", t, hq, d, device)
-    got = batch.memo.get(key)
-    if got is None or got[0].shape[0] < parts:
-        got = batch.memo[key] = (
-            torch.empty((parts, t, hq, d), dtype=torch.float32, device=device),
-            torch.empty((parts, t, hq), dtype=torch.float32, device=device))
-    if got[0].shape[0] == parts:
-        return got
-    return got[0][:parts], got[1][:parts]
