@@ -61,3 +61,23 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def prefill_then_tree_steps(vocab: int) -> list:
+    """Two forward steps for model-path tests: a 21-token prefill chunk, then a 5-node tree
+    verify over it — [(ids, AttnBatch.build args)] on pages [3, 0, 5] of 16 tokens."""
+    import numpy as np
+
+    from specserve.spec.tree import DraftTree, verify_layout
+
+    g = torch.Generator().manual_seed(4)
+    tree = DraftTree(np.array([3, 9, 4, 7, 1], dtype=np.int64),
+                     np.array([0, 1, 1, 0, 4], dtype=np.int32),
+                     np.array([1, 2, 2, 1, 2], dtype=np.int32))
+    lay = verify_layout(tree, 5, 21)
+    pages = [3, 0, 5]
+    return [(torch.randint(0, vocab, (21,), generator=g),
+             ([21], [0], [pages], list(range(21)), 16)),
+            (torch.as_tensor(lay.token_ids) % vocab,
+             ([lay.num_rows], [21], [pages], lay.positions, 16, [lay.mask]))]
+

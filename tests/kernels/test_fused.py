@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -37,7 +36,7 @@ from specserve.models.config import ModelConfig, RopeConfig  # noqa: E402
 from specserve.models.decoder import DecoderModel  # noqa: E402
 from specserve.models.fused_layer import forward_fused  # noqa: E402
 from specserve.models.rope import Rotary  # noqa: E402
-from specserve.spec.tree import DraftTree, verify_layout  # noqa: E402
+from tests.helpers import prefill_then_tree_steps  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEV = "cuda" if ON_GPU else "cpu"
@@ -181,26 +180,13 @@ def tiny_model(dtype, qk_norm=True, bias=False, sliding=False, fuse=True, k_eps=
     return model
 
 
-def _steps(vocab: int):
-    """A 21-token prefill chunk, then a 5-node tree verify over it (ids, batch args)."""
-    g = torch.Generator().manual_seed(4)
-    tree = DraftTree(np.array([3, 9, 4, 7, 1]), np.array([0, 1, 1, 0, 4], dtype=np.int32),
-                     np.array([1, 2, 2, 1, 2], dtype=np.int32))
-    lay = verify_layout(tree, 5, 21)
-    pages = [3, 0, 5]
-    return [(torch.randint(0, vocab, (21,), generator=g),
-             ([21], [0], [pages], list(range(21)), 16)),
-            (torch.as_tensor(lay.token_ids) % vocab,
-             ([lay.num_rows], [21], [pages], lay.positions, 16, [lay.mask]))]
-
-
 def run_steps(model, forward, taps=(0, 2)):
     """Both steps through `forward(model, ids, batch, kv, taps)`; returns outputs and pool."""
     c = model.config
     kv = KVPool(KVShape(c.num_layers, c.num_kv_heads, c.head_dim, model.lm_head.weight.dtype),
                 8, 16, device=DEV, poison=True)
     outs = []
-    for ids, args in _steps(c.vocab_size):
+    for ids, args in prefill_then_tree_steps(c.vocab_size):
         with torch.inference_mode():
             outs.append(forward(model, ids.to(DEV), AttnBatch.build(*args, device=DEV), kv, taps))
     return outs, kv.kv

@@ -14,22 +14,7 @@ from specserve.models.config import RopeConfig
 from specserve.models.decoder import rms_norm
 from specserve.models.loader import load_model
 from specserve.models.rope import Rotary, apply_rotary, apply_rotary_rolled
-from specserve.spec.tree import DraftTree, verify_layout
-from tests.helpers import CONFIGS
-
-
-def _steps(vocab: int):
-    """A 21-token prefill chunk, then a 5-node tree verify over it (ids, batch args)."""
-    g = torch.Generator().manual_seed(4)
-    tree = DraftTree(np.array([3, 9, 4, 7, 1], dtype=np.int64),
-                     np.array([0, 1, 1, 0, 4], dtype=np.int32),
-                     np.array([1, 2, 2, 1, 2], dtype=np.int32))
-    lay = verify_layout(tree, 5, 21)
-    pages = [3, 0, 5]
-    return [(torch.randint(0, vocab, (21,), generator=g),
-             ([21], [0], [pages], list(range(21)), 16)),
-            (torch.as_tensor(lay.token_ids) % vocab,
-             ([lay.num_rows], [21], [pages], lay.positions, 16, [lay.mask]))]
+from tests.helpers import CONFIGS, prefill_then_tree_steps
 
 
 def _run(model, grad: bool, taps=()):
@@ -37,7 +22,7 @@ def _run(model, grad: bool, taps=()):
     dtype = model.lm_head.weight.dtype
     kv = KVPool(KVShape(c.num_layers, c.num_kv_heads, c.head_dim, dtype), 8, 16, poison=True)
     outs = []
-    for ids, args in _steps(c.vocab_size):
+    for ids, args in prefill_then_tree_steps(c.vocab_size):
         batch = AttnBatch.build(*args)
         with torch.set_grad_enabled(grad):
             hidden, feats = model(ids, batch, kv, taps)
