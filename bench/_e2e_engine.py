@@ -215,7 +215,8 @@ def run_decode(b) -> None:
 
         def dflash(ctx=ctx, engine=engine, prompt=prompt) -> dict:
             pages = pages_for(ctx + new + BLOCK_SIZE + 1, a.page_size) + 4
-            drafter = DFlashDrafter(b.drafter, pages, a.page_size, tree=False)
+            drafter = DFlashDrafter(b.drafter, pages, a.page_size, tree=False,
+                                    graphs=a.draft_graphs)
             run = generate(b, engine, f"dflash{ctx}", prompt, new, BLOCK_SIZE - 1, drafter,
                            label=f"DFlash {ctx}")
             return dict(**summary(run, a.warm_steps), budget=BLOCK_SIZE - 1, tree="chain")

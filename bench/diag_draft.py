@@ -5,7 +5,8 @@ step, ≈ 7-9 ms of drafting at every context — the drafter (5 layers, block 1
 This script times `DFlashDrafter.draft` for one request that brings one new context row per step
 (as in decode), chain and DDTree (budget 16), after a context of `--ctx` rows, and profiles a few
 steps: wall ms, the drafter's own forward_s / tree_s, GPU kernel ms (sum), kernel launches and
-host syncs per step, top host ops and top kernels.
+host syncs per step, top host ops and top kernels; `--graphs`: also with the block forward
+replayed from CUDA graphs (drafters/dflash_graphs.py), side by side.
 
     python3 bench/diag_draft.py [--ctx 1024] [--out $OUT/diag_draft.json]
 """
@@ -29,6 +30,7 @@ from _e2e_common import QWEN3_8B, TINY, build_models  # noqa: E402
 
 from specserve.drafters.base import DraftRequest  # noqa: E402
 from specserve.drafters.dflash import DFlashDrafter  # noqa: E402
+from specserve.drafters.dflash_graphs import DraftGraphs  # noqa: E402
 
 DEV, DTYPE = "cuda", torch.bfloat16
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -76,6 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (smoke test)")
+    ap.add_argument("--graphs", action="store_true", help="also time the graph-replayed block")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "diag_draft.json"))
     a = ap.parse_args()
     global DEV, DTYPE
@@ -91,8 +94,12 @@ def main() -> None:
     drafter.draft([DraftRequest("r", 7, a.ctx, 0, 16, context)])  # context only
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
     start, res = a.ctx, dict(ctx=a.ctx, device=name)
-    for tree in (False, True):
-        name = "ddtree16" if tree else "chain16"
+    modes = [("eager", None)]
+    if a.graphs:  # the block forward replayed from CUDA graphs (drafters/dflash_graphs.py)
+        modes.append(("graphs", DraftGraphs(drafter.model, drafter.cache)))
+    for (mode, graphs), tree in [(m, t) for m in modes for t in (False, True)]:
+        drafter.graphs = graphs
+        name = f"{mode}_{'ddtree16' if tree else 'chain16'}"
         _, start = steps(drafter, width, start, 3, tree, gen)  # warm-up / compile
         times, start = steps(drafter, width, start, 10, tree, gen)
         med = [sorted(x[i] for x in times)[len(times) // 2] for i in range(3)]

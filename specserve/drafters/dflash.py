@@ -18,6 +18,7 @@ import torch
 
 from specserve.drafters.base import DraftRequest
 from specserve.drafters.dflash_cache import CacheStep, DFlashContextCache, StepItem
+from specserve.drafters.dflash_graphs import DraftGraphs
 from specserve.models.dflash import DFlashDraftModel
 from specserve.spec.ddtree import build_ddtree, topk_logprobs
 from specserve.spec.tree import DraftTree, chain_tree, check_budget
@@ -39,12 +40,16 @@ class DFlashDrafter:
 
     def __init__(self, model: DFlashDraftModel, num_pages: int, page_size: int = 16, *,
                  sliding_num_pages: int | None = None, tree: bool = True,
-                 poison: bool = False) -> None:
+                 poison: bool = False, graphs: bool = False,
+                 capture: bool | None = None) -> None:
         weight = model.fc.weight
         self.model, self.tree = model.eval(), tree
         self.cache = DFlashContextCache(model.config, num_pages, page_size,
                                         sliding_num_pages=sliding_num_pages, dtype=weight.dtype,
                                         device=weight.device, poison=poison)
+        # graphs: block forwards through static buffers (drafters/dflash_graphs.py), captured
+        # as CUDA graphs on CUDA (capture None) — off by default until measured on a GPU
+        self.graphs = DraftGraphs(self.model, self.cache, capture) if graphs else None
         self.last_stats: DraftStats | None = None
 
     needs_context = True  # drafts from the target's tap-layer features
@@ -128,6 +133,10 @@ class DFlashDrafter:
         empty = torch.empty(0, vocab, dtype=torch.float32, device=device)
         if not any(block_lens):
             return [empty for _ in requests]
+        if self.graphs is not None and self.graphs.fits(block_lens):
+            got = iter(self.graphs.run(step, [r.bonus_token for r, n in zip(
+                requests, block_lens, strict=True) if n], max(block_lens)))
+            return [next(got) if n else empty for n in block_lens]
         mask = self.model.config.mask_token_id
         ids = torch.tensor([t for r, n in zip(requests, block_lens, strict=True) if n
                             for t in [r.bonus_token] + [mask] * (n - 1)], device=device)

@@ -230,6 +230,20 @@ class CacheStep:
         group = self.cache.group_of[layer]
         group.pool.write(group.index[layer], self._context_rows(group)[2], k, v)
 
+    def block_layout(self) -> list[tuple[int, dict[str, list[int]], dict[str, np.ndarray]]]:
+        """Per request with a block (call order): its context length, its page table and its
+        block slots `[block_len]` per layer group — the host metadata of the block batches
+        (for the drafter's CUDA graphs, drafters/dflash_graphs.py)."""
+        out = []
+        for e, it in zip(self._entries, self._items, strict=True):
+            if not it.block_len:
+                continue
+            pos = np.arange(e.length, e.length + it.block_len)
+            out.append((e.length, {g: e.pages[g].table() for g in self.cache.groups},
+                        {g: e.pages[g].slots(pos, grp.page_size)
+                         for g, grp in self.cache.groups.items()}))
+        return out
+
     def block_positions(self) -> torch.Tensor:  # [T] int64
         return to_device([np.concatenate([np.zeros(0, dtype=np.int64)] + [
             np.arange(e.length, e.length + it.block_len)

@@ -1,0 +1,182 @@
+"""CUDA graphs of the DFlash drafter's block forward: one graph per (requests bucket, block length).
+
+Owns the padded, static form of a draft call's block forward — embeddings of `[bonus, mask ×
+(n−1)]`, every layer's block K/V write and block attention over the paged context, the final norm
+and the logits of the mask slots — so a draft step replays one graph instead of launching ~40
+kernels per layer from Python (on the H200 a draft step was ~8 ms of host work around 1.2 ms of
+GPU work, BENCHMARKS.md). The context K/V write stays eager (its row count varies per call).
+
+Per step the metadata of every (layer group, causality) block batch — context lengths, page
+tables, block slots and positions — and the block ids go to the device in one copy of a pinned
+staging buffer into the graph's static buffers; missing requests are dummies on a trash page of
+each group (taken from its free pages for good). The attention plan is made for the group's
+capacity (a fixed split count, device-side ranges), so one graph replays at every context.
+`capture=False` runs the same static path eagerly — the CPU twin the tests compare with the
+drafter's dynamic path.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import replace
+from functools import partial
+
+import numpy as np
+import torch
+
+from specserve.attention.base import AttnBatch, packed_offsets, torch_dtype
+from specserve.drafters.dflash_cache import CacheStep, DFlashContextCache, block_mask
+from specserve.engine.graphs import BATCH_BUCKETS, bucket_of
+
+
+class _Static:
+    """One bucket's buffers (host views → device views), batches and graph."""
+
+    def __init__(self, graphs: DraftGraphs, bb: int, n: int) -> None:
+        self.bb, self.n = bb, n
+        spec = {"ids": ((bb * n,), np.int64), "pos": ((bb * n,), np.int64),
+                "cu": ((bb + 1,), np.int32)}
+        for g in graphs.cache.groups.values():
+            spec[f"ctx_{g.name}"] = ((bb,), np.int32)
+            spec[f"table_{g.name}"] = ((bb, graphs.max_pages[g.name]), np.int32)
+            spec[f"slots_{g.name}"] = ((bb * n,), np.int64)
+            if not all(graphs.causal[i] for i in g.layers):  # a bidirectional layer
+                spec[f"mask_{g.name}"] = ((bb * n, -(-n // 32)), np.int32)
+        sizes = [int(np.prod(s)) * np.dtype(t).itemsize for s, t in spec.values()]
+        offsets, total = packed_offsets(sizes)
+        pin = graphs.device.type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)
+        self.dev = torch.zeros(total, dtype=torch.uint8, device=graphs.device)
+        hnp, self.views = self.host.numpy(), {}
+        for (name, (shape, dtype)), off, size in zip(spec.items(), offsets, sizes, strict=True):
+            self.views[name] = (self.dev[off : off + size].view(torch_dtype(dtype)).view(shape),
+                                hnp[off : off + size].view(dtype).reshape(shape))
+        self.views["cu"][1][:] = np.arange(bb + 1, dtype=np.int32) * n
+        self.batches = {key: self._batch(graphs, *key) for key in graphs.batch_keys}
+        self.graph, self.logits, self.copied = None, None, torch.cuda.Event() if pin else None
+
+    def _batch(self, graphs: DraftGraphs, group: str, causal: bool) -> AttnBatch:
+        d = {k: v[0] for k, v in self.views.items()}
+        g = graphs.cache.groups[group]
+        if not causal:  # bidirectional block (windowed in sliding groups): a static mask, in
+            # the host view so that every staging copy carries it
+            self.views[f"mask_{group}"][1][:] = np.tile(block_mask(self.n, g.window).view(
+                np.int32), (self.bb, 1))
+        return AttnBatch(q_lens=(self.n,) * self.bb, ctx_lens=(graphs.capacity[group],) * self.bb,
+                         cu_q=d["cu"], ctx_lens_t=d[f"ctx_{group}"],
+                         block_table=d[f"table_{group}"], slot_mapping=d[f"slots_{group}"],
+                         positions=d["pos"], tree_mask=None if causal else d[f"mask_{group}"],
+                         page_size=g.page_size)
+
+
+class DraftGraphs:
+    """Padded static block forwards of a `DFlashDrafter`'s model over its context cache."""
+
+    def __init__(self, model, cache: DFlashContextCache, capture: bool | None = None) -> None:
+        self.model, self.cache, self.device = model, cache, cache.device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.causal = model.config.causal
+        self.trash = {}
+        for g in cache.groups.values():  # a page per group no request ever gets
+            self.trash[g.name] = heapq.heappop(g.free)
+        self.capacity = {g.name: g.pool.num_pages * g.page_size for g in cache.groups.values()}
+        self.max_pages = {g.name: g.pool.num_pages for g in cache.groups.values()}
+        self.batch_keys = sorted({(cache.group_of[i].name, self.causal[i])
+                                  for i in range(model.config.num_layers)})
+        self._graphs: dict[tuple[int, int], _Static] = {}
+        self._pool = None
+
+    def fits(self, block_lens) -> bool:
+        """Whether a call with these block lengths can replay (one length, ≤ the last bucket)."""
+        lens = {n for n in block_lens if n}
+        return len(lens) == 1 and len(block_lens) <= BATCH_BUCKETS[-1] and min(lens) > 1
+
+    def run(self, step: CacheStep, bonus: list[int], n: int) -> torch.Tensor:
+        """Logits `[R, n − 1, V]` float32 of the R requests of `step` (all block length n)."""
+        bb = bucket_of(len(bonus), BATCH_BUCKETS)
+        st = self._graphs.get((bb, n)) or self._build(bb, n)
+        if st.copied is not None:  # the previous call's copy has read the staging buffer
+            st.copied.synchronize()
+        self._fill(st, step, bonus)
+        st.dev.copy_(st.host, non_blocking=True)
+        if st.copied is not None:
+            st.copied.record()
+        logits = self._replay(st)  # [bb, n − 1, V]
+        return logits[: len(bonus)]
+
+    def _fill(self, st: _Static, step: CacheStep | None, bonus: list[int]) -> None:
+        v = {k: h for k, (_, h) in st.views.items()}
+        n, mask_id = st.n, self.model.config.mask_token_id
+        v["ids"][:] = mask_id
+        v["ids"][::n] = 0
+        v["pos"].reshape(st.bb, n)[:] = np.arange(n)
+        for g in self.cache.groups.values():
+            v[f"ctx_{g.name}"][:] = 0
+            v[f"table_{g.name}"][:] = self.trash[g.name]
+            v[f"slots_{g.name}"].reshape(st.bb, n)[:] = (self.trash[g.name] * g.page_size
+                                                         + np.arange(n) % g.page_size)
+        if step is None:
+            return
+        for i, (length, tables, slots) in enumerate(step.block_layout()):
+            v["ids"][i * n] = bonus[i]
+            v["pos"][i * n : (i + 1) * n] = np.arange(length, length + n)
+            for name, table in tables.items():
+                v[f"ctx_{name}"][i] = length
+                v[f"table_{name}"][i, : len(table)] = table
+                v[f"slots_{name}"][i * n : (i + 1) * n] = slots[name]
+
+    def _build(self, bb: int, n: int) -> _Static:
+        st = _Static(self, bb, n)
+        self._fill(st, None, [])  # all dummies: safe to run
+        st.dev.copy_(st.host)
+        if self.capture:
+            self._capture(st)
+        self._graphs[(bb, n)] = st
+        return st
+
+    def _forward(self, st: _Static, batches: dict | None = None) -> torch.Tensor:
+        batches = batches or st.batches
+        cache = self.cache
+
+        def attend(layer, q, k, v, scale):
+            group = cache.group_of[layer]
+            batch = batches[(group.name, self.causal[layer])]
+            i = group.index[layer]
+            group.pool.write(i, batch.slot_mapping, k, v)
+            return cache.attn_backend(q, group.pool.k[i], group.pool.v[i], batch, scale,
+                                      group.window)
+
+        hidden = self.model(st.views["ids"][0], st.views["pos"][0], attend)  # [bb·n, hidden]
+        hidden = hidden.view(st.bb, st.n, -1)[:, 1:]  # the mask slots
+        return self.model.logits(hidden.reshape(st.bb * (st.n - 1), -1)).view(
+            st.bb, st.n - 1, -1)
+
+    @torch.inference_mode()
+    def _capture(self, st: _Static) -> None:
+        backend = self.cache.attn_backend
+        cap = max(self.capacity.values())
+        self.cache.attn_backend = partial(backend, max_ctx_len=cap)
+        try:
+            self._forward(st)  # compile kernels, plan the launches (memo) outside capture
+            torch.cuda.synchronize(self.device)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            st.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(st.graph, pool=self._pool):
+                st.logits = self._forward(st)
+        finally:
+            self.cache.attn_backend = backend
+
+    @torch.inference_mode()
+    def _replay(self, st: _Static) -> torch.Tensor:
+        if st.graph is None:  # eager: backends that read host ctx_lens get the real ones
+            batches = {}
+            for (name, causal), batch in st.batches.items():
+                ctx = tuple(int(c) for c in st.views[f"ctx_{name}"][1])
+                batches[(name, causal)] = replace(batch, ctx_lens=ctx, memo={})
+            return self._forward(st, batches)
+        st.graph.replay()
+        return st.logits
+
+
+__all__ = ["DraftGraphs"]
