@@ -166,11 +166,13 @@ def default_num_splits(max_ctx_len: int, rows: int, programs: int, sm_count: int
     2 CTAs per SM (≤ 64-row blocks, memory-bound): the most S, a power of two ≤ 64, with
     S·`programs` ≤ one wave — measured on the H200 (32/8 heads, D = 128): 32k and 128k contexts
     with 4 or 64 rows are fastest at S = 32 (256 CTAs, 2 per SM).
-    1 CTA per SM (128-row blocks, compute-bound): the S ≤ 64 that keeps the most SMs busy over
-    its waves (S·programs / (waves · SMs)), the smallest on a tie within 1%: 256 rows → S = 8
-    (128 CTAs), 1024 rows → S = 2, and 260 rows (a 65-node tree: 3 row blocks) → S = 11 at 128k
-    (264 CTAs: two full waves) where a one-wave power of two left 36 of 132 SMs idle (S = 4:
-    651 µs vs S = 16: 496 µs on the H200).
+    1 CTA per SM (128-row blocks, compute-bound): the smallest S ≤ 64 that keeps ≥ 95% of the
+    SMs busy over its waves (S·programs / (waves · SMs)); if none does, the S that keeps the
+    most busy, the smallest on a tie within 1%: 256 rows → S = 8 (128 CTAs), 1024 rows → S = 2,
+    68 rows (a 17-node tree) → S = 16 (not the two full waves of S = 33: at 128k 184.9 µs for
+    S = 16 vs 191.4 for S = 32, at 32k 51.8 vs 60.4; sweep run 7), and 260 rows (a 65-node tree:
+    3 row blocks) → S = 11 at 128k (264 CTAs: two full waves) where a one-wave power of two left
+    36 of 132 SMs idle (S = 4: 651 µs vs S = 16: 496 µs on the H200).
     """
     min_chunk = max(256, 16 * rows)
     if max_ctx_len <= SHORT_CONTEXT:  # latency-bound: up to 4 splits whatever the rows
@@ -179,6 +181,9 @@ def default_num_splits(max_ctx_len: int, rows: int, programs: int, sm_count: int
     if ctas == 1:
         def busy(s: int) -> float:
             return s * programs / (-(-s * programs // sm_count) * sm_count)
+        full = [s for s in range(1, s_max + 1) if busy(s) >= 0.95]
+        if full:
+            return full[0]
         best = max(busy(s) for s in range(1, s_max + 1))
         return min(s for s in range(1, s_max + 1) if busy(s) >= best - 0.01)
     s = 1

@@ -288,7 +288,8 @@ def test_combine_chunked_and_one_shot(parts, block_s):
 def test_plan_choices_follow_the_measured_table():
     """The config / split choices the H200 sweeps picked (BENCHMARKS.md runs 5-7): a 65-node tree
     (260 rows) at 1k uses 64-row blocks in 4 splits, at 128k 128-row blocks in 11 (two full
-    waves of 132 SMs); 16 and 1 tree nodes at 32k split 32 ways."""
+    waves of 132 SMs); a 17-node tree (68 rows) at 128k 16 splits (one wave); 16 and 1 tree
+    nodes at 32k split 32 ways."""
     from kernels.tree_attention.configs import (
         SHORT_CONTEXT,
         ctas_per_sm,
@@ -302,6 +303,9 @@ def test_plan_choices_follow_the_measured_table():
     assert pick_config(90, 128, 260, 2) == long  # no context given: the rows decide
     assert default_num_splits(1024, 260, 8 * 5, 132, ctas_per_sm(short)) == 4
     assert default_num_splits(131072, 260, 8 * 3, 132, ctas_per_sm(long)) == 11
+    assert default_num_splits(131072, 68, 8, 132, 1) == 16  # one wave, not two (S = 33)
+    assert default_num_splits(131072, 256, 16, 132, 1) == 8
+    assert default_num_splits(131072, 1024, 64, 132, 1) == 2
     assert default_num_splits(32768, 64, 8, 132, 2) == 32
     assert default_num_splits(32768, 4, 8, 132, 2) == 32
     assert default_num_splits(700, 4, 8, 132, 2) == 2  # chunks stay ≥ 256 tokens
