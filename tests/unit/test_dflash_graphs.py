@@ -3,9 +3,9 @@
 On the CPU the static path runs eagerly (`capture=False`): the same padded buffers, dummy
 requests on a trash page and per-step metadata copy a CUDA graph replays on a GPU. Its draft
 logits must equal the dynamic path's over a batched multi-call scenario — requests joining late,
-a bucket of 2 holding 1 real request plus a dummy, blocks shrinking near max_depth (mixed block
+a bucket of 4 holding 3 real requests plus a dummy, blocks shrinking near max_depth (mixed block
 lengths take the dynamic path), a sliding-window causal layer and a full bidirectional one,
-shuffled 4-token pages poisoned with NaN.
+4-token pages interleaved between requests and poisoned with NaN.
 """
 
 from __future__ import annotations
@@ -17,28 +17,12 @@ import torch
 
 from specserve.drafters.base import DraftRequest
 from specserve.drafters.dflash import DFlashDrafter
-from specserve.models.dflash import DFlashConfig, DFlashDraftModel
+from tests.unit.test_dflash_cache import BLOCK, HIDDEN, tiny_model
 
-VOCAB, HIDDEN, WINDOW, BLOCK = 37, 32, 12, 6
 # (request, new context rows, bonus, max_depth) per call
 CALLS = [[("a", 23, 5, 99)], [("a", 4, 7, 99), ("b", 9, 11, 3)],
          [("b", 2, 2, 99), ("a", 1, 30, 2)], [("a", 3, 1, 99), ("b", 1, 4, 99)],
          [("c", 7, 9, 99), ("a", 2, 3, 99), ("b", 1, 8, 99)], [("c", 1, 6, 99)]]
-
-
-def tiny_model(seed: int = 0) -> DFlashDraftModel:
-    layer_types = ("sliding_attention", "full_attention")
-    cfg = DFlashConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=40, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, block_size=BLOCK, target_layer_ids=(0, 2),
-        mask_token_id=VOCAB - 1, layer_types=layer_types,
-        causal=tuple(t == "sliding_attention" for t in layer_types), sliding_window=WINDOW)
-    torch.manual_seed(seed)
-    model = DFlashDraftModel(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3) if p.ndim > 1 else p.uniform_(0.5, 1.5)
-    return model
 
 
 def run_calls(drafter: DFlashDrafter, device: str = "cpu") -> list[torch.Tensor]:
