@@ -24,9 +24,9 @@ from functools import partial
 import numpy as np
 import torch
 
-from specserve.attention.base import AttnBatch, packed_offsets, torch_dtype
+from specserve.attention.base import AttnBatch
 from specserve.drafters.dflash_cache import CacheStep, DFlashContextCache, block_mask
-from specserve.engine.graphs import BATCH_BUCKETS, bucket_of
+from specserve.engine.graphs import BATCH_BUCKETS, Staging, bucket_of, capture_graph
 
 
 class _Static:
@@ -42,18 +42,11 @@ class _Static:
             spec[f"slots_{g.name}"] = ((bb * n,), np.int64)
             if not all(graphs.causal[i] for i in g.layers):  # a bidirectional layer
                 spec[f"mask_{g.name}"] = ((bb * n, -(-n // 32)), np.int32)
-        sizes = [int(np.prod(s)) * np.dtype(t).itemsize for s, t in spec.values()]
-        offsets, total = packed_offsets(sizes)
-        pin = graphs.device.type == "cuda"
-        self.host = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)
-        self.dev = torch.zeros(total, dtype=torch.uint8, device=graphs.device)
-        hnp, self.views = self.host.numpy(), {}
-        for (name, (shape, dtype)), off, size in zip(spec.items(), offsets, sizes, strict=True):
-            self.views[name] = (self.dev[off : off + size].view(torch_dtype(dtype)).view(shape),
-                                hnp[off : off + size].view(dtype).reshape(shape))
+        self.buf = Staging(spec, graphs.device)
+        self.views = self.buf.views
         self.views["cu"][1][:] = np.arange(bb + 1, dtype=np.int32) * n
         self.batches = {key: self._batch(graphs, *key) for key in graphs.batch_keys}
-        self.graph, self.logits, self.copied = None, None, torch.cuda.Event() if pin else None
+        self.graph, self.logits = None, None
 
     def _batch(self, graphs: DraftGraphs, group: str, causal: bool) -> AttnBatch:
         d = {k: v[0] for k, v in self.views.items()}
@@ -95,12 +88,9 @@ class DraftGraphs:
         """Logits `[R, n − 1, V]` float32 of the R requests of `step` (all block length n)."""
         bb = bucket_of(len(bonus), BATCH_BUCKETS)
         st = self._graphs.get((bb, n)) or self._build(bb, n)
-        if st.copied is not None:  # the previous call's copy has read the staging buffer
-            st.copied.synchronize()
+        st.buf.wait()
         self._fill(st, step, bonus)
-        st.dev.copy_(st.host, non_blocking=True)
-        if st.copied is not None:
-            st.copied.record()
+        st.buf.push()
         logits = self._replay(st)  # [bb, n − 1, V]
         return logits[: len(bonus)]
 
@@ -128,7 +118,7 @@ class DraftGraphs:
     def _build(self, bb: int, n: int) -> _Static:
         st = _Static(self, bb, n)
         self._fill(st, None, [])  # all dummies: safe to run
-        st.dev.copy_(st.host)
+        st.buf.push()
         if self.capture:
             self._capture(st)
         self._graphs[(bb, n)] = st
@@ -157,13 +147,8 @@ class DraftGraphs:
         cap = max(self.capacity.values())
         self.cache.attn_backend = partial(backend, max_ctx_len=cap)
         try:
-            self._forward(st)  # compile kernels, plan the launches (memo) outside capture
-            torch.cuda.synchronize(self.device)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            st.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(st.graph, pool=self._pool):
-                st.logits = self._forward(st)
+            st.graph, st.logits, self._pool = capture_graph(partial(self._forward, st), self.device,
+                                                      self._pool)
         finally:
             self.cache.attn_backend = backend
 

@@ -45,20 +45,63 @@ def bucket_of(n: int, buckets: Seq[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+class Staging:
+    """Static metadata buffers of a graph: typed views packed into one device buffer and one
+    (pinned, on CUDA) host staging buffer; a step fills the host views, then `push` moves them
+    all in one copy. Also used by the drafter's graphs (drafters/dflash_graphs.py)."""
+
+    def __init__(self, spec: dict[str, tuple[tuple[int, ...], type]], device) -> None:
+        sizes = [int(np.prod(s)) * np.dtype(t).itemsize for s, t in spec.values()]
+        offsets, total = packed_offsets(sizes)
+        pin = torch.device(device).type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)
+        self.dev = torch.zeros(total, dtype=torch.uint8, device=device)
+        hnp = self.host.numpy()
+        self.views = {}  # name → (device view, host numpy view)
+        for (name, (shape, dtype)), off, size in zip(spec.items(), offsets, sizes, strict=True):
+            self.views[name] = (self.dev[off : off + size].view(torch_dtype(dtype)).view(shape),
+                                hnp[off : off + size].view(dtype).reshape(shape))
+        self.copied = torch.cuda.Event() if pin else None  # recorded after each push
+
+    def wait(self) -> None:
+        """Block until the previous push has read the host buffer (call before filling it)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def push(self) -> None:
+        """Copy the host views to the device views (stream-ordered, one transfer)."""
+        self.dev.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
+def capture_graph(fn, device, pool) -> tuple[object, object, object]:
+    """Run `fn` once eagerly (kernels compile, launch plans are memoised outside the capture),
+    then capture it as a CUDA graph in memory `pool` (None: a new pool). (graph, out, pool)."""
+    fn()
+    torch.cuda.synchronize(device)
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out, pool
+
+
 @dataclass(eq=False)
 class _Static:
-    """One bucket's buffers (views into one device buffer), its batch and outputs."""
+    """One bucket's buffers, its batch and outputs."""
 
     bb: int
     nb: int
-    host: torch.Tensor  # [bytes] uint8 staging (pinned on CUDA)
-    dev: torch.Tensor  # [bytes] uint8; every view below lives in it
-    views: dict  # name → (device view, host numpy view)
+    buf: Staging
     batch: AttnBatch
     graph: object = None  # torch.cuda.CUDAGraph, or None (eager)
-    copied: object = None  # torch.cuda.Event after the staging copy (CUDA only)
     logits: torch.Tensor | None = None  # [bb·nb, V] float32 (graph output)
     feats: torch.Tensor | None = None  # [bb·nb, taps·hidden] (graph output)
+
+    @property
+    def views(self) -> dict:
+        return self.buf.views
 
 
 class StepGraphs:
@@ -91,12 +134,9 @@ class StepGraphs:
         bb = bucket_of(len(inputs), BATCH_BUCKETS)
         key = (bb, nb, tuple(taps), self.context_class(max(x.ctx_len for x in inputs)))
         st = self._graphs.get(key) or self._build(*key)
-        if st.copied is not None:  # the previous step's copy has read the staging buffer
-            st.copied.synchronize()
+        st.buf.wait()
         real = self._fill(st, inputs, page_tables, np.asarray(logit_rows, dtype=np.int64))
-        st.dev.copy_(st.host, non_blocking=True)
-        if st.copied is not None:
-            st.copied.record()
+        st.buf.push()
         logits, feats = self._replay(st, tuple(taps))
         sel = st.views["select"][0]
         out = logits.index_select(0, sel[: len(logit_rows)])
@@ -126,24 +166,15 @@ class StepGraphs:
                 "table": ((bb, self.max_pages), np.int32), "slots": ((bb * nb,), np.int64),
                 "pos": ((bb * nb,), np.int64), "mask": ((bb * nb, words), np.int32),
                 "ids": ((bb * nb,), np.int64), "select": ((2 * bb * nb,), np.int64)}
-        sizes = [int(np.prod(s)) * np.dtype(t).itemsize for s, t in spec.values()]
-        offsets, total = packed_offsets(sizes)
-        pin = self.device.type == "cuda"
-        host = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)
-        dev = torch.zeros(total, dtype=torch.uint8, device=self.device)
-        hnp, views = host.numpy(), {}
-        for (name, (shape, dtype)), off, size in zip(spec.items(), offsets, sizes, strict=True):
-            views[name] = (dev[off : off + size].view(torch_dtype(dtype)).view(shape),
-                           hnp[off : off + size].view(dtype).reshape(shape))
-        views["cu"][1][:] = np.arange(bb + 1, dtype=np.int32) * nb
-        d = {k: v[0] for k, v in views.items()}
+        buf = Staging(spec, self.device)
+        buf.views["cu"][1][:] = np.arange(bb + 1, dtype=np.int32) * nb
+        d = {k: v[0] for k, v in buf.views.items()}
         batch = AttnBatch(q_lens=(nb,) * bb, ctx_lens=(max_ctx,) * bb, cu_q=d["cu"],
                           ctx_lens_t=d["ctx"], block_table=d["table"], slot_mapping=d["slots"],
                           positions=d["pos"], tree_mask=d["mask"], page_size=self.page_size)
-        st = _Static(bb, nb, host, dev, views, batch,
-                     copied=torch.cuda.Event() if pin else None)
+        st = _Static(bb, nb, buf, batch)
         self._fill(st, [], [], np.zeros(0, np.int64))  # all dummies: safe to run
-        dev.copy_(host)
+        buf.push()
         if self.capture:
             self._capture(st, taps, max_ctx)
         self._graphs[(bb, nb, taps, max_ctx)] = st
@@ -191,13 +222,8 @@ class StepGraphs:
         backend = self.model.attn_backend
         self.model.attn_backend = partial(backend, max_ctx_len=max_ctx)
         try:
-            self._forward(st, taps)  # compile kernels, plan the launches (memo) outside capture
-            torch.cuda.synchronize(self.device)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            st.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(st.graph, pool=self._pool):
-                st.logits, st.feats = self._forward(st, taps)
+            st.graph, (st.logits, st.feats), self._pool = capture_graph(
+                partial(self._forward, st, taps), self.device, self._pool)
         finally:
             self.model.attn_backend = backend
 
