@@ -241,20 +241,24 @@ class DecoderModel(nn.Module):
         backbone, attn_fn = self.model, self.attn_backend
         x = F.embedding(input_ids, backbone.embed_tokens.weight)
         cos, sin = self.rotary.rolled_tables(batch.positions, x.dtype)  # [T, 1, D], once
-        fused = self._fused
         tapped: dict[int, torch.Tensor] = {}
         wanted = set(taps)
         for i, layer in enumerate(backbone.layers):
-            f = fused[i] if fused is not None else None
-            if f is not None and not f.valid(layer):  # weights replaced since: fuse again
-                self.fuse_projections()
-                f = fused[i]
-            x = _layer_inference(layer, f, x, cos, sin, batch, kv, attn_fn)
+            x = _layer_inference(layer, self.fused_layer(i), x, cos, sin, batch, kv, attn_fn)
             if i in wanted:
                 tapped[i] = x
         features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         norm = backbone.norm
         return rms_norm(x, norm.weight, norm.eps), features
+
+    def fused_layer(self, i: int) -> _Fused | None:
+        """Layer i's fused weights (None before `fuse_projections`); fused again first if the
+        weights were replaced since."""
+        f = self._fused[i] if self._fused is not None else None
+        if f is not None and not f.valid(self.model.layers[i]):
+            self.fuse_projections()
+            f = self._fused[i]
+        return f
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.lm_head(hidden).float()

@@ -45,10 +45,7 @@ def forward_fused(
     tapped: dict[int, torch.Tensor] = {}
     wanted = set(taps)
     for i, layer in enumerate(backbone.layers):
-        f = model._fused[i] if model._fused is not None else None
-        if f is not None and not f.valid(layer):  # weights replaced since: fuse again
-            model.fuse_projections()
-            f = model._fused[i]
+        f = model.fused_layer(i)
         if _covered(layer, f, kv, x.dtype):
             x, res = _layer_fused(ops, layer, f, x, res, cos, sin, batch, kv, attn_fn)
         else:
