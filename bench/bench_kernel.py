@@ -38,18 +38,19 @@ def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
     (one-shot and chunked) per head_dim. `quick`: bf16 page 16 only, no combine. RuntimeError
     when triton's CUDA backend or its ptxas is missing."""
     from kernels.tree_attention import kernel as K
-    from kernels.tree_attention.combine import _combine_kernel
-    from kernels.tree_attention.configs import all_configs, combine_block_s, tail_block_n
+    from kernels.tree_attention.configs import all_configs, tail_block_n
 
     ptxas = _ptxas(arch)
     report = []
     for head_dim, cfg, elem in configs or all_configs(arch):
+        if quick and elem == 4:
+            continue
         dts = ["bf16"] if quick else (["bf16", "fp16"] if elem == 2 else ["fp32"])
         variants = [dict(PAGE_SIZE=16, SLIDING=False, HAS_TREE=True)]
         if not quick:
             variants += [dict(PAGE_SIZE=64, SLIDING=False, HAS_TREE=True),
                          dict(PAGE_SIZE=1, SLIDING=True, HAS_TREE=True)]
-        for dt in (d for d in dts if not (quick and elem == 4)):
+        for dt in dts:
             for extra in variants:
                 cons = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                             TAIL_N=tail_block_n(cfg), DOT_PREC="ieee" if elem == 4 else "tf32",
@@ -61,9 +62,21 @@ def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                    variant=str(extra), **got))
                 print(report[-1], flush=True)
-    for head_dim in [] if quick else sorted({c[0] for c in configs or all_configs(arch)}):
+    if not quick:
+        report += _combine_report(arch, sorted({c[0] for c in configs or all_configs(arch)}),
+                                  ptxas)
+    return report
+
+
+def _combine_report(arch: int, head_dims: list[int], ptxas: str) -> list[dict]:
+    """The combine kernel per head_dim, one-shot and chunked (where 65 parts exceed BLOCK_S)."""
+    from kernels.tree_attention.combine import _combine_kernel
+    from kernels.tree_attention.configs import combine_block_s
+
+    report = []
+    for head_dim in head_dims:
         seen = []
-        for parts in (2, 65):  # one-shot, and chunked where 65 parts exceed BLOCK_S
+        for parts in (2, 65):
             block_s, lse_block = combine_block_s(parts, head_dim)
             cons = dict(HEAD_DIM=head_dim, BLOCK_S=block_s, LSE_BLOCK=lse_block,
                         ONE_SHOT=parts <= block_s, USE_PDL=True)

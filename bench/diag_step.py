@@ -26,6 +26,7 @@ import json
 import os
 import re
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _e2e_common import ceilings, median, time_ms  # noqa: E402
+from _e2e_common import ceilings  # noqa: E402
 from _e2e_verify import random_tree  # noqa: E402
+from diag_kernel import _graph_us  # noqa: E402
 from profile_step import build_target, make_runner  # noqa: E402
 
 from specserve.attention.base import AttnBatch  # noqa: E402
@@ -72,16 +74,8 @@ def kernel_times(fn, n: int = 3) -> dict[str, list[float]]:
 
 
 def graph_ms(fn) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return median(time_ms(g.replay, 20, 5, "cuda"))
+    """GPU ms of `fn` replayed from a CUDA graph (diag_kernel's harness)."""
+    return _graph_us([fn], 1, torch) / 1e3
 
 
 def step_breakdown(model, kv, table, ctx: int, rows: int, layers: int, copy_gbps: float) -> dict:
@@ -124,11 +118,8 @@ def gemm_alone(model, rows: int, copy_gbps: float) -> list[dict]:
         copies = max(2, -(-200_000_000 // (w.numel() * 2)))
         ws = [w.clone() for _ in range(copies)]
         x = torch.randn(rows, w.shape[1], device="cuda", dtype=w.dtype)
-
-        def calls(x=x, ws=ws):  # one pass over the copies, replayed from a graph: GPU time
-            for wc in ws:
-                F.linear(x, wc)
-        us = graph_ms(calls) * 1e3 / copies
+        # one pass over the copies, replayed from a graph: GPU µs per call
+        us = _graph_us([partial(F.linear, x, wc) for wc in ws], 1, torch)
         floor = w.numel() * 2 / (copy_gbps * 1e3)  # µs
         out.append(dict(gemm=name, n=w.shape[0], k=w.shape[1], rows=rows, us=us,
                         floor_us=floor, pct_copy=100 * floor / us))
