@@ -90,8 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--reserve-gb", type=float, default=12.0)
     add("--prefill-skip-s", type=float, default=60.0, help="skip longer prefills past this")
     add("--prefill-rep-s", type=float, default=10.0, help="repeat a prefill if it took less")
-    add("--draft-graphs", action="store_true",
-        help="decode: the DFlash drafter's block forward from CUDA graphs (dflash_graphs.py)")
+    add("--eager-drafter", dest="draft_graphs", action="store_false",
+        help="decode: the DFlash drafter's block forward eagerly, not from its CUDA graphs "
+             "(dflash_graphs.py, the default on CUDA)")
     add("--replay-budget", type=int, default=16)
     add("--commit-len", type=float, default=8.0)
     add("--replay-mode", default="geometric", choices=("geometric", "fixed"))

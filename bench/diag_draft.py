@@ -88,7 +88,8 @@ def main() -> None:
     del target
     cfg = dmodel.config
     width = cfg.num_taps * cfg.hidden_size
-    drafter = DFlashDrafter(dmodel, num_pages=-(-(a.ctx + 512) // 16) + 4, page_size=16)
+    drafter = DFlashDrafter(dmodel, num_pages=-(-(a.ctx + 512) // 16) + 4, page_size=16,
+                            graphs=False)  # the modes below set drafter.graphs
     gen = torch.Generator().manual_seed(0)
     context = torch.randn(a.ctx, width, generator=gen).to(DEV, DTYPE)
     drafter.draft([DraftRequest("r", 7, a.ctx, 0, 16, context)])  # context only

@@ -8,7 +8,9 @@ parts (independent loads, no serial chain). Parts with lse = −inf (empty split
 planned for a long context replayed at a short one) load no partial O. With USE_PDL the kernel
 is launched as a programmatic dependent of the attention kernel: it becomes resident while that
 kernel runs and waits (griddepcontrol.wait) for its results, so the launch gap between the two
-is hidden.
+is hidden. `merge_pair` (`_merge_pair_kernel`) merges two results given as separate tensors with
+natural-log LSEs — the two halves of a prefill chunk from a library attention kernel
+(specserve/attention/prefill.py).
 """
 
 from __future__ import annotations
@@ -82,4 +84,49 @@ def combine(o_part, lse_part, out, parts: int, block_s: int, lse_block: int,
     )
 
 
-__all__ = ["combine"]
+
+
+_MERGE_INTS = ["n_rows", "s_o1t", "s_o1h", "s_o2t", "s_o2h", "s_l1t", "s_l1h", "s_l2t", "s_l2h",
+               "s_ot", "s_oh"]
+
+
+@triton.jit(do_not_specialize=_MERGE_INTS)  # one compile for every chunk length and layout
+def _merge_pair_kernel(
+    O1, L1, O2, L2, Out, n_rows,
+    s_o1t, s_o1h, s_o2t, s_o2h, s_l1t, s_l1h, s_l2t, s_l2h, s_ot, s_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] rows of head h
+    h = tl.program_id(1)
+    valid = t < n_rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    l1 = tl.load(L1 + t * s_l1t + h * s_l1h, mask=valid, other=0.0)
+    l2 = tl.load(L2 + t * s_l2t + h * s_l2h, mask=valid, other=0.0)
+    m = tl.maximum(l1, l2)
+    w1 = tl.exp(l1 - m)
+    w2 = tl.exp(l2 - m)
+    rows = valid[:, None]
+    o1 = tl.load(O1 + t[:, None] * s_o1t + h * s_o1h + offs_d[None, :], mask=rows, other=0.0)
+    o2 = tl.load(O2 + t[:, None] * s_o2t + h * s_o2h + offs_d[None, :], mask=rows, other=0.0)
+    o = (o1.to(tl.float32) * w1[:, None] + o2.to(tl.float32) * w2[:, None]) / (w1 + w2)[:, None]
+    tl.store(Out + t[:, None] * s_ot + h * s_oh + offs_d[None, :], o.to(Out.dtype.element_ty),
+             mask=rows)
+
+
+def merge_pair(o1, lse1, o2, lse2, out) -> None:
+    """out `[T, H, D]` = the log-sum-exp merge of two normalised attention results over disjoint
+    key sets: `o1`, `o2` `[T, H, D]` (any strides, head_dim contiguous) with natural-log LSEs
+    `lse1`, `lse2` `[T, H]` (any strides; both finite — every row saw a key in each part)."""
+    if not out.is_cuda:
+        fix_interpreter_index()
+    t, h, d = out.shape
+    block_t = 16
+    _merge_pair_kernel[(triton.cdiv(t, block_t), h)](
+        o1, lse1, o2, lse2, out, t,
+        o1.stride(0), o1.stride(1), o2.stride(0), o2.stride(1), lse1.stride(0), lse1.stride(1),
+        lse2.stride(0), lse2.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=d, BLOCK_T=block_t, num_warps=4,
+    )
+
+
+__all__ = ["combine", "merge_pair"]

@@ -85,14 +85,15 @@ class DraftGraphs:
         return len(lens) == 1 and len(block_lens) <= BATCH_BUCKETS[-1] and min(lens) > 1
 
     def run(self, step: CacheStep, bonus: list[int], n: int) -> torch.Tensor:
-        """Logits `[R, n − 1, V]` float32 of the R requests of `step` (all block length n)."""
+        """Logits `[R, n − 1, V]` float32 of the R requests of `step` (all block length n); a
+        copy — callers may keep it (the GPU test caught views of the static output)."""
         bb = bucket_of(len(bonus), BATCH_BUCKETS)
         st = self._graphs.get((bb, n)) or self._build(bb, n)
         st.buf.wait()
         self._fill(st, step, bonus)
         st.buf.push()
-        logits = self._replay(st)  # [bb, n − 1, V]
-        return logits[: len(bonus)]
+        logits = self._replay(st)  # [bb, n − 1, V], the graph's static output
+        return logits[: len(bonus)].clone()  # the next replay overwrites it
 
     def _fill(self, st: _Static, step: CacheStep | None, bonus: list[int]) -> None:
         v = {k: h for k, (_, h) in st.views.items()}

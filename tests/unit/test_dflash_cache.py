@@ -15,10 +15,10 @@ from specserve.spec.ddtree import build_ddtree, topk_logprobs
 VOCAB, HIDDEN, WINDOW, BLOCK = 37, 24, 12, 6
 
 
-def tiny_model(seed: int = 0, layer_types=("sliding_attention", "full_attention")):
+def tiny_model(seed: int = 0, layer_types=("sliding_attention", "full_attention"), head_dim=8):
     cfg = DFlashConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=40, num_layers=len(layer_types),
-        num_heads=3, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, block_size=BLOCK,
+        num_heads=3, num_kv_heads=1, head_dim=head_dim, rms_norm_eps=1e-6, block_size=BLOCK,
         target_layer_ids=(0, 2), mask_token_id=VOCAB - 1, layer_types=tuple(layer_types),
         causal=tuple(t == "sliding_attention" for t in layer_types), sliding_window=WINDOW)
     torch.manual_seed(seed)

@@ -64,8 +64,9 @@ def test_trash_pages_are_never_handed_out():
 @pytest.mark.skipif(not torch.cuda.is_available() or bool(os.environ.get("TRITON_INTERPRET")),
                     reason="needs a CUDA device (and TRITON_INTERPRET unset)")
 def test_captured_block_forward_equals_dynamic_on_gpu():
-    """The same scenario with the block forwards captured as CUDA graphs and replayed."""
-    model = tiny_model().cuda()
+    """The same scenario with the block forwards captured as CUDA graphs and replayed (head_dim
+    16: the Triton kernel's smallest)."""
+    model = tiny_model(head_dim=16).cuda()
     want = run_calls(DFlashDrafter(model, num_pages=60, page_size=4, poison=True), "cuda")
     drafter = DFlashDrafter(model, num_pages=60, page_size=4, poison=True, graphs=True)
     got = run_calls(drafter, "cuda")

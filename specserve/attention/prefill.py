@@ -1,0 +1,152 @@
+"""Long causal prefill chunks through a library flash-attention kernel; the rest of the batch
+through the tree kernel. The CUDA attention backend (`prefill_attention`).
+
+A chunk of C new tokens over a P-token prefix is two attention calls whose results merge by their
+log-sum-exps (`kernels.tree_attention.combine.merge_pair`): the chunk over itself under the
+causal mask, and the chunk over its prefix with no mask. Their K/V are the request's pages
+gathered into one contiguous buffer per pool and layer (one `index_select`: (P + C)·Hkv·D
+elements, ~1 % of the attention's time at 128k), passed as strided views — no transposes. On
+CUDA the calls are cuDNN's fused attention (torch's `_scaled_dot_product_cudnn_attention`, the op
+behind SDPA's cuDNN backend, which also returns the LSE; grouped-query heads natively). H200,
+one 8192-token chunk, 32/8 heads, D = 128 (`bench/diag_sdpa.py`): 512–584 TFLOP/s against our
+kernel's 155–431 — the tree kernel runs a causal chunk's tail in 32-key bitmask tiles and its
+prefix at ~50 % of the matmul rate (Triton 3.6: no wgmma / softmax overlap). On the CPU the
+same plan runs on torch's CPU flash op (tests: against the torch reference).
+
+Which requests: tree_mask None (causal) batches, no sliding window, attention work ≥ MIN_FLOP,
+bf16/fp16 with head_dim ≤ 128 on CUDA. Everything else — trees, decodes, short chunks, the drafter's
+windowed layers — goes through `kernels.tree_attention.tree_attention` (as a sub-batch of the
+requests left when some were taken). The plan is made once per batch (memoised in
+`batch.memo`) and contains no host sync; steps replayed from CUDA graphs never qualify.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.attention.base import AttnBatch, to_device
+
+# A chunk goes to cuDNN when its attention is ≥ this many FLOPs (4·Hq·D·C·(C/2 + P)): below it
+# the call's fixed cost (≈ 0.3-0.4 ms with the ragged path, below) loses to the tree kernel.
+# H200, 32/8 heads, D = 128 (bench/diag_sdpa.py): 512 rows over 1.5k / 3.5k prefix 0.46 / 0.39
+# ms vs 0.13 / 0.17; 1024 over 3k 0.86 vs 0.33; over 7k (0.13 TFLOP) 0.47 vs 0.48; over 31k
+# 1.12 vs 1.38; 2048 over 30k 2.08 vs 2.70; 8192 over 0 1.0 vs 3.2.
+MIN_FLOP = 1.5e11
+# cuDNN builds an execution plan per shape: 70-400 ms at each new (chunk, prefix) length on the
+# H200 (bench/diag_sdpa.py --first-calls), i.e. on almost every request of a serving workload.
+# torch's opt-in ragged path (BSHD layouts, ours) reuses one plan across sequence lengths.
+os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
+_DTYPES = {"cuda": (torch.bfloat16, torch.float16), "cpu": (torch.float32, torch.bfloat16)}
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    r0: int  # first row of the request in the flat batch
+    r1: int
+    ctx: int  # prefix tokens
+    pages: torch.Tensor  # [n_pages] int32: the block-table row, prefix + chunk
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    chunks: tuple[_Chunk, ...]
+    rest: AttnBatch | None  # the other requests as a batch of their own
+    rest_rows: torch.Tensor | None  # [T_rest] int64: their rows in the flat batch
+
+
+def plan_prefill(q: torch.Tensor, batch: AttnBatch, sliding_window: int | None,
+                 min_flop: float = MIN_FLOP) -> PrefillPlan | None:
+    """The batch's split between the library kernel and the tree kernel; None when no request
+    qualifies (then the tree kernel takes the whole batch, unchanged)."""
+    hq, d = q.shape[1], q.shape[-1]
+    if (batch.tree_mask is not None or sliding_window is not None or d > 128 or d % 8
+            or q.dtype not in _DTYPES.get(q.device.type, ())):
+        return None
+    take = [b for b, (n, c) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True))
+            if 4 * hq * d * n * (n / 2 + c) >= min_flop]
+    if not take:
+        return None
+    cu = np.concatenate([[0], np.cumsum(batch.q_lens)]).astype(np.int64)
+    ps = batch.page_size
+    chunks = tuple(_Chunk(int(cu[b]), int(cu[b + 1]), batch.ctx_lens[b],
+                          batch.block_table[b, : -(-(batch.ctx_lens[b] + batch.q_lens[b]) // ps)])
+                   for b in take)
+    left = [b for b in range(batch.batch_size) if b not in take]
+    if not left:
+        return PrefillPlan(chunks, None, None)
+    q_lens = tuple(batch.q_lens[b] for b in left)
+    rows = np.concatenate([np.arange(cu[b], cu[b + 1]) for b in left])
+    cu_rest = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    idx, rows_t, cu_t = to_device([np.asarray(left, np.int64), rows, cu_rest], q.device)
+    rest = AttnBatch(
+        q_lens=q_lens, ctx_lens=tuple(batch.ctx_lens[b] for b in left), cu_q=cu_t,
+        ctx_lens_t=batch.ctx_lens_t.index_select(0, idx),
+        block_table=batch.block_table.index_select(0, idx),
+        slot_mapping=batch.slot_mapping.index_select(0, rows_t),
+        positions=batch.positions.index_select(0, rows_t), tree_mask=None, page_size=ps)
+    return PrefillPlan(chunks, rest, rows_t)
+
+
+def _library_attention(q, k, v, causal: bool, scale: float):
+    """(out, lse) of q `[1, Hq, n, D]` over k/v `[1, Hkv, L, D]` (strided views): cuDNN on
+    CUDA, torch's CPU flash op on the CPU; lse `[1, Hq, n]` in natural log."""
+    if q.is_cuda:
+        r = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)
+    else:
+        r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale)
+    return r[0], r[1]
+
+
+def _chunk_attention(q, k_pool, v_pool, c: _Chunk, scale: float, out) -> None:
+    """One chunk's rows `q [C, Hq, D]` into `out [C, Hq, D]`."""
+    from kernels.tree_attention.combine import merge_pair
+
+    hkv, d, n = k_pool.shape[2], k_pool.shape[3], c.r1 - c.r0
+    k = k_pool.index_select(0, c.pages).view(-1, hkv, d)[: c.ctx + n]  # [P + C, Hkv, D]
+    v = v_pool.index_select(0, c.pages).view(-1, hkv, d)[: c.ctx + n]
+    kt, vt = k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]  # [1, Hkv, P + C, D] views
+    qt = q.permute(1, 0, 2)[None]  # [1, Hq, C, D]
+    o_new, l_new = _library_attention(qt, kt[:, :, c.ctx:], vt[:, :, c.ctx:], True, scale)
+    if c.ctx == 0:
+        out.copy_(o_new[0].transpose(0, 1))
+        return
+    o_pre, l_pre = _library_attention(qt, kt[:, :, : c.ctx], vt[:, :, : c.ctx], False, scale)
+    merge_pair(o_new[0].transpose(0, 1), l_new[0].transpose(0, 1),
+               o_pre[0].transpose(0, 1), l_pre[0].transpose(0, 1), out)
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_pool: torch.Tensor,  # [P, page_size, Hkv, D] (new tokens' K already written)
+    v_pool: torch.Tensor,
+    batch: AttnBatch,
+    scale: float,
+    sliding_window: int | None = None,
+    **tree_kwargs,  # num_splits / max_ctx_len for the tree kernel (CUDA graphs)
+) -> torch.Tensor:  # [T, Hq, D]
+    """The attention backend: qualifying prefill chunks through the library kernel, the rest
+    (or everything, when none qualifies) through the tree kernel. Same semantics as
+    `specserve.attention.torch_ref.torch_ref_attention`."""
+    from kernels.tree_attention import check_inputs, tree_attention
+
+    key = ("prefill_plan", q.dtype, q.shape[-1], sliding_window)
+    if key not in batch.memo:
+        batch.memo[key] = plan_prefill(q, batch, sliding_window)
+    plan = batch.memo[key]
+    if plan is None:
+        return tree_attention(q, k_pool, v_pool, batch, scale, sliding_window, **tree_kwargs)
+    check_inputs(q, k_pool, v_pool, batch, sliding_window, None)
+    out = torch.empty_like(q)
+    for c in plan.chunks:
+        _chunk_attention(q[c.r0 : c.r1], k_pool, v_pool, c, scale, out[c.r0 : c.r1])
+    if plan.rest is not None:
+        sub = tree_attention(q.index_select(0, plan.rest_rows), k_pool, v_pool, plan.rest,
+                             scale, None, **tree_kwargs)
+        out.index_copy_(0, plan.rest_rows, sub)
+    return out

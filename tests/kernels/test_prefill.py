@@ -1,0 +1,89 @@
+"""The prefill backend (specserve/attention/prefill.py) against the torch reference backend.
+
+A mixed causal batch — two long chunks (one at context 0, one over an unaligned prefix), a short
+chunk and a decode token that stay in the tree kernel — over shuffled pages, the pool's unused
+pages poisoned with NaN. CPU: torch's CPU flash op + the merge kernel in the Triton interpreter;
+GPU: cuDNN in bf16 at the Qwen3-8B attention shape.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # CPU: the Triton interpreter (set before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from specserve.attention.base import AttnBatch  # noqa: E402
+from specserve.attention.prefill import plan_prefill, prefill_attention  # noqa: E402
+from specserve.attention.torch_ref import torch_ref_attention  # noqa: E402
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _scenario(q_lens, ctx_lens, hq, hkv, d, page, dtype, device, seed=0):
+    rng = np.random.default_rng(seed)
+    need = [-(-(c + n) // page) for n, c in zip(q_lens, ctx_lens, strict=True)]
+    perm = rng.permutation(sum(need) + 5).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n])
+        at += n
+    gen = torch.Generator().manual_seed(seed)
+    shape = (len(perm), page, hkv, d)
+    k_pool = torch.full(shape, float("nan"), dtype=dtype)
+    v_pool = torch.full(shape, float("nan"), dtype=dtype)
+    used = torch.tensor([p for t in tables for p in t])
+    k_pool[used] = torch.randn(len(used), page, hkv, d, generator=gen).to(dtype)
+    v_pool[used] = torch.randn(len(used), page, hkv, d, generator=gen).to(dtype)
+    positions = np.concatenate([np.arange(c, c + n) for n, c in zip(q_lens, ctx_lens,
+                                                                     strict=True)])
+    batch = AttnBatch.build(q_lens, ctx_lens, tables, positions, page, None, device=device)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype)
+    return q.to(device), k_pool.to(device), v_pool.to(device), batch
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU twin (Triton interpreter); the GPU test covers CUDA")
+def test_mixed_causal_batch_equals_reference():
+    q_lens, ctx = (41, 1, 37, 13), (0, 29, 53, 6)
+    q, k, v, batch = _scenario(q_lens, ctx, 6, 2, 16, 4, torch.float32, "cpu")
+    # attention FLOPs 4·Hq·D·n·(n/2 + ctx): 3.2e5, 1.1e4, 1.0e6, 6.2e4 -> the first and third
+    plan = plan_prefill(q, batch, None, min_flop=2e5)
+    assert [(c.r0, c.r1, c.ctx) for c in plan.chunks] == [(0, 41, 0), (42, 79, 53)]
+    assert plan.rest.q_lens == (1, 13) and plan.rest.ctx_lens == (29, 6)
+    assert plan.rest_rows.tolist() == [41] + list(range(79, 92))
+    batch.memo[("prefill_plan", q.dtype, 16, None)] = plan  # as the backend memoises it
+    got = prefill_attention(q, k, v, batch, 0.3)
+    want = torch_ref_attention(q, k, v, batch, 0.3)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_what_stays_in_the_tree_kernel():
+    q, _, _, batch = _scenario((600,), (7,), 4, 2, 16, 4, torch.float32, "cpu")
+    work = 4 * 4 * 16 * 600 * (300 + 7)
+    assert plan_prefill(q, batch, None, min_flop=work) is not None
+    assert plan_prefill(q, batch, None, min_flop=work + 1) is None  # too little work
+    assert plan_prefill(q, batch, None) is None  # ... for the default threshold
+    assert plan_prefill(q, batch, 64, min_flop=0) is None  # a sliding window
+    assert plan_prefill(q.double(), batch, None, min_flop=0) is None  # a dtype cuDNN lacks
+    tree = AttnBatch.build((600,), (7,), [list(range(154))], np.arange(7, 607), 4,
+                           [np.ones((600, 19), np.uint32)])
+    assert plan_prefill(q, tree, None, min_flop=0) is None  # tree masks never
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (and TRITON_INTERPRET unset)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cudnn_chunks_equal_reference_on_gpu(dtype):
+    q_lens, ctx = (1000, 3, 517, 77), (0, 900, 4133, 60)
+    q, k, v, batch = _scenario(q_lens, ctx, 32, 8, 128, 16, dtype, "cuda", seed=3)
+    plan = plan_prefill(q, batch, None, min_flop=5e9)  # small shapes: a low threshold
+    assert len(plan.chunks) == 2 and plan.rest.q_lens == (3, 77)
+    batch.memo[("prefill_plan", q.dtype, 128, None)] = plan
+    got = prefill_attention(q, k, v, batch, 128**-0.5).float()
+    want = torch_ref_attention(q.float(), k.float(), v.float(), batch, 128**-0.5)
+    assert torch.isfinite(got).all()
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-2
