@@ -202,7 +202,8 @@ class CacheStep:
     def __init__(self, cache: DFlashContextCache, items: Sequence[StepItem],
                  entries: Sequence[_Request], olds: Sequence[int]) -> None:
         self.cache = cache
-        self._context: dict[str, tuple[torch.Tensor, ...]] = {}  # group -> rows, positions, slots
+        self._context: dict[str, tuple[torch.Tensor, ...]] = {}  # group -> rows, positions,
+        # slots, all-layer slots
         self._batches: dict[tuple[str, bool], AttnBatch] = {}
         offsets = np.cumsum([0] + [it.num_new for it in items])
         self._items, self._entries, self._olds, self._offsets = items, entries, olds, offsets
@@ -215,20 +216,20 @@ class CacheStep:
                 rows.append(off + pos - old)
                 positions.append(pos)
                 slots.append(e.pages[group.name].slots(pos, group.page_size))
-            self._context[group.name] = tuple(to_device(  # one copy, no sync
-                [np.concatenate(a).astype(np.int64) for a in (rows, positions, slots)],
-                self.cache.device))
+            host = [np.concatenate(a).astype(np.int64) for a in (rows, positions, slots)]
+            host.append(group.pool.all_layer_slots(host[2]))  # the group's one-scatter write
+            self._context[group.name] = tuple(to_device(host, self.cache.device))  # one copy
         return self._context[group.name]
 
-    def context_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of the call's flat new-context batch that `layer` keeps `[R]`, and positions."""
-        rows, positions, _ = self._context_rows(self.cache.group_of[layer])
-        return rows, positions
-
-    def write_context(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store `layer`'s context K/V `[R, Hkv, D]` for the rows of `context_rows(layer)`."""
-        group = self.cache.group_of[layer]
-        group.pool.write(group.index[layer], self._context_rows(group)[2], k, v)
+    def write_group_context(self, name: str, fused: torch.Tensor, model) -> None:
+        """Context K/V of every layer of group `name` from the call's fused context rows
+        `[N, hidden]`: one stacked k|v GEMM (`model.context_kv_layers`) and one scatter."""
+        group = self.cache.groups[name]
+        rows, positions, _, flat = self._context_rows(group)
+        if rows.shape[0] == 0:
+            return
+        k, v = model.context_kv_layers(group.layers, fused[rows], positions)
+        group.pool.write_all(flat, k, v)
 
     def block_layout(self) -> list[tuple[int, dict[str, list[int]], dict[str, np.ndarray]]]:
         """Per request with a block (call order): its context length, its page table and its

@@ -81,6 +81,17 @@ class KVPool:
         flat_k.index_copy_(0, slots, k if k.dtype == flat_k.dtype else k.to(flat_k.dtype))
         flat_v.index_copy_(0, slots, v if v.dtype == flat_v.dtype else v.to(flat_v.dtype))
 
+    def all_layer_slots(self, slots: np.ndarray) -> np.ndarray:  # [2·layers·T] int64
+        """Rows of the flat `[2·layers·slots]` view that `write_all` fills for slots `[T]`."""
+        base = np.arange(2 * self.shape.num_layers, dtype=np.int64)[:, None] * self.num_slots
+        return (base + np.asarray(slots, dtype=np.int64)[None, :]).reshape(-1)
+
+    def write_all(self, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new K/V rows of every layer in one scatter: k/v `[layers, T, Hkv, D]` (any
+        strides), `flat` = `all_layer_slots(slots)` on the pool's device."""
+        rows = torch.stack([k, v]).to(self.kv.dtype).reshape(-1, *self.kv.shape[-2:])
+        self._flat_all.view(-1, *self.kv.shape[-2:]).index_copy_(0, flat, rows)
+
     def copy_slots(self, src, dst) -> None:
         """Copy K/V of slots `src [N]` to slots `dst [N]` in every layer (commit compaction).
 

@@ -13,12 +13,13 @@ callback (drafters/dflash_cache.py keeps the pages).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specserve.errors import ModelError
@@ -253,6 +254,38 @@ class DFlashDraftModel(nn.Module):
         """Layer `layer`'s K/V of fused context rows `[T, hidden]` at absolute `positions [T]`."""
         cos, sin = self.rotary(positions, fused.dtype)
         return self.layers[layer].self_attn.kv(fused, cos, sin)
+
+    def context_kv_layers(
+        self, layers: Sequence[int], fused: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # K, V [len(layers), T, Hkv, D]
+        """`context_kv` of several layers at once: one GEMM over their stacked k|v weights,
+        one k-norm, one RoPE (the same math per element; GEMM blocking may round differently)."""
+        w, b, norm_w = self._stacked_kv(tuple(layers))
+        a = self.layers[layers[0]].self_attn
+        t, n, h, d = fused.shape[0], len(layers), a.num_kv_heads, a.head_dim
+        y = F.linear(fused, w, b).view(t, n, 2, h, d)
+        k = F.rms_norm(y[:, :, 0], (d,), eps=a.k_norm.eps) * norm_w  # [T, n, Hkv, D]
+        cos, sin = self.rotary(positions, fused.dtype)
+        k = apply_rotary(k.reshape(t, n * h, d), cos, sin).view(t, n, h, d)
+        return k.transpose(0, 1), y[:, :, 1].transpose(0, 1)
+
+    def _stacked_kv(self, layers: tuple[int, ...]):
+        """(k|v weight `[n·2·Hkv·D, hidden]`, bias or None, k-norm weights `[n, 1, D]`) of
+        `layers`, rebuilt when a source tensor was replaced or changed in place (`_version`)."""
+        attn = [self.layers[i].self_attn for i in layers]
+        src = [t for a in attn for t in (a.k_proj.weight, a.v_proj.weight, a.k_proj.bias,
+                                         a.v_proj.bias, a.k_norm.weight) if t is not None]
+        stamp = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in src)
+        cache = self.__dict__.setdefault("_kv_stacks", {})  # not a module attribute / buffer
+        got = cache.get(layers)
+        if got is None or got[0] != stamp:
+            with torch.inference_mode(False), torch.no_grad():  # usable outside inference
+                w = torch.cat([x for a in attn for x in (a.k_proj.weight, a.v_proj.weight)])
+                b = (torch.cat([x for a in attn for x in (a.k_proj.bias, a.v_proj.bias)])
+                     if attn[0].k_proj.bias is not None else None)
+                norm_w = torch.stack([a.k_norm.weight for a in attn])[:, None, :]
+            got = cache[layers] = (stamp, (w, b, norm_w))
+        return got[1]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attend: BlockAttention

@@ -141,3 +141,20 @@ def test_capacity_is_all_or_nothing():
     assert drafter.cache.length("b") == 0
     drafter.release("a")
     assert drafter.cache.num_free_pages(0) == 6
+
+
+def test_stacked_context_kv_equals_per_layer_and_follows_weight_updates():
+    model = tiny_model(seed=4, layer_types=("sliding_attention", "full_attention",
+                                            "sliding_attention"))
+    fused = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(1))
+    positions = torch.tensor([3, 4, 5, 9, 10, 11, 40])
+    layers = (0, 2)  # one group's layers, not adjacent
+    for _ in range(2):  # before and after the update
+        k, v = model.context_kv_layers(layers, fused, positions)  # [2, 7, Hkv, D]
+        for j, layer in enumerate(layers):
+            want_k, want_v = model.context_kv(layer, fused, positions)
+            torch.testing.assert_close(k[j], want_k, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(v[j], want_v, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():  # an in-place update (an optimizer step): the stack must follow
+            model.layers[2].self_attn.v_proj.weight.mul_(1.5)
+            model.layers[0].self_attn.k_norm.weight.add_(0.25)
