@@ -10,6 +10,8 @@ from pathlib import Path
 BENCHES = {
     "kernel": "bench_kernel.py",  # tree-verify kernel vs baselines and the floor (GPU)
     "e2e": "bench_e2e.py",  # issue-9 end-to-end: verify, prefill, decode vs floors/peers (GPU)
+    "prefill-attention": "diag_sdpa.py",  # a prefill chunk: tree kernel vs cuDNN/flash (GPU)
+    "draft": "diag_draft.py",  # one DFlash draft step: host vs GPU, eager vs graphs (GPU)
     "services": "bench_services.py",  # in process vs over gRPC, per step (CPU)
     "tracing": "bench_tracing.py",  # tracing overhead (CPU)
     "correctness": "correctness_report.py",  # logit error vs transformers (CPU)
