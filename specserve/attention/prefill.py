@@ -36,9 +36,11 @@ from specserve.attention.base import AttnBatch, to_device
 # ms vs 0.13 / 0.17; 1024 over 3k 0.86 vs 0.33; over 7k (0.13 TFLOP) 0.47 vs 0.48; over 31k
 # 1.12 vs 1.38; 2048 over 30k 2.08 vs 2.70; 8192 over 0 1.0 vs 3.2.
 MIN_FLOP = 1.5e11
-# cuDNN builds an execution plan per shape: 70-400 ms at each new (chunk, prefix) length on the
+# cuDNN builds an execution plan per shape: 70-550 ms at each new (chunk, prefix) length on the
 # H200 (bench/diag_sdpa.py --first-calls), i.e. on almost every request of a serving workload.
-# torch's opt-in ragged path (BSHD layouts, ours) reuses one plan across sequence lengths.
+# torch's opt-in ragged path (q / k / v / out BSHD-contiguous, as ours are) keys its plans on
+# the lengths rounded up to powers of two: a few dozen plans for any workload, ≈ 5-10 % slower.
+# torch reads the variable once, at its first cuDNN attention call.
 os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
 _DTYPES = {"cuda": (torch.bfloat16, torch.float16), "cpu": (torch.float32, torch.bfloat16)}
 
