@@ -93,6 +93,11 @@ def plan_prefill(q: torch.Tensor, batch: AttnBatch, sliding_window: int | None,
     return PrefillPlan(chunks, rest, rows_t)
 
 
+def plan_key(q: torch.Tensor, sliding_window: int | None) -> tuple:
+    """The `batch.memo` key of a batch's plan (one per dtype, head_dim and window)."""
+    return ("prefill_plan", q.dtype, q.shape[-1], sliding_window)
+
+
 def _library_attention(q, k, v, causal: bool, scale: float):
     """(out, lse) of q `[1, Hq, n, D]` over k/v `[1, Hkv, L, D]` (strided views): cuDNN on
     CUDA, torch's CPU flash op on the CPU; lse `[1, Hq, n]` in natural log."""
@@ -137,7 +142,7 @@ def prefill_attention(
     `specserve.attention.torch_ref.torch_ref_attention`."""
     from kernels.tree_attention import check_inputs, tree_attention
 
-    key = ("prefill_plan", q.dtype, q.shape[-1], sliding_window)
+    key = plan_key(q, sliding_window)
     if key not in batch.memo:
         batch.memo[key] = plan_prefill(q, batch, sliding_window)
     plan = batch.memo[key]
@@ -152,3 +157,28 @@ def prefill_attention(
                              scale, None, **tree_kwargs)
         out.index_copy_(0, plan.rest_rows, sub)
     return out
+
+
+def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+            device: torch.device | str, page_size: int = 16) -> bool:
+    """One qualifying chunk on random K/V (not the model's pool): compiles the merge kernel and
+    initialises cuDNN's attention (≈ 1.7–2.8 s on the H200's first call, else paid by the first
+    long prompt). Plans for other length buckets still build on first use (≈ 40–100 ms each).
+    False when the backend never takes a chunk of this model (dtype / head_dim)."""
+    device = torch.device(device)
+    chunk, prefix = 1024, 9216  # attention ≈ 4·Hq·D·C·(C/2 + P): ≥ MIN_FLOP from 8 heads of 128
+    flop = 4 * num_heads * head_dim * chunk * (chunk / 2 + prefix)
+    gen = torch.Generator().manual_seed(0)
+    pages = -(-(prefix + chunk) // page_size)
+    k, v = (torch.randn(pages, page_size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+            for _ in range(2))
+    q = torch.randn(chunk, num_heads, head_dim, generator=gen).to(device, dtype)
+    batch = AttnBatch.build([chunk], [prefix], [list(range(pages))],
+                            np.arange(prefix, prefix + chunk), page_size, None, device=device)
+    plan = plan_prefill(q, batch, None, min_flop=min(flop, MIN_FLOP))
+    if plan is None:
+        return False
+    batch.memo[plan_key(q, None)] = plan
+    prefill_attention(q, k, v, batch, head_dim ** -0.5)
+    return True
+

@@ -6,7 +6,8 @@ warm-up the first requests pay that inside their steps: on the H200 the commit p
 request ran 684 ms steps and hit the drafter deadline 5 times. `warm_up_engine` runs one
 throw-away request on the target (a prefill of a full chunk plus a remainder, verify steps with
 chains of every size class up to `max_draft_tokens` — of every rows bucket, capturing their
-CUDA graphs for one request, when the engine uses them — and an AR step); `warm_up_drafter`
+CUDA graphs for one request, when the engine uses them — and an AR step; on CUDA also one long
+prefill chunk through `attention.prefill`'s cuDNN path); `warm_up_drafter`
 does the same for a DFlash drafter (a context chunk, then blocks of every depth class). Both
 leave no state.
 """
@@ -18,6 +19,7 @@ import time
 
 import torch
 
+from specserve.attention import prefill
 from specserve.drafters.base import DraftRequest
 from specserve.spec.tree import DraftTree, chain_tree
 from specserve.types import SamplingParams
@@ -79,6 +81,10 @@ def warm_up_engine(engine) -> float:
         engine.abort(WARMUP_ID)
         engine.set_drafter(previous)
     captured = graphs.warm(1, taps) if graphs is not None else 0  # the other context class
+    if engine.runner.device.type == "cuda":  # long prefill chunks: cuDNN + the merge kernel
+        mc = engine.model_config
+        prefill.warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, engine.runner.dtype,
+                        engine.runner.device, engine.blocks.page_size)
     seconds = time.perf_counter() - t0
     log.info("warm-up: prompt %d, trees %s, %d more graphs, %.1f s", prompt_len, sizes,
              captured, seconds)

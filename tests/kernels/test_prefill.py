@@ -18,7 +18,12 @@ if not torch.cuda.is_available():  # CPU: the Triton interpreter (set before tri
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from specserve.attention.base import AttnBatch  # noqa: E402
-from specserve.attention.prefill import plan_prefill, prefill_attention  # noqa: E402
+from specserve.attention.prefill import (  # noqa: E402
+    plan_key,
+    plan_prefill,
+    prefill_attention,
+    warm_up,
+)
 from specserve.attention.torch_ref import torch_ref_attention  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -55,7 +60,7 @@ def test_mixed_causal_batch_equals_reference():
     assert [(c.r0, c.r1, c.ctx) for c in plan.chunks] == [(0, 41, 0), (42, 79, 53)]
     assert plan.rest.q_lens == (1, 13) and plan.rest.ctx_lens == (29, 6)
     assert plan.rest_rows.tolist() == [41] + list(range(79, 92))
-    batch.memo[("prefill_plan", q.dtype, 16, None)] = plan  # as the backend memoises it
+    batch.memo[plan_key(q, None)] = plan  # as the backend memoises it
     got = prefill_attention(q, k, v, batch, 0.3)
     want = torch_ref_attention(q, k, v, batch, 0.3)
     assert torch.isfinite(got).all()
@@ -75,6 +80,14 @@ def test_what_stays_in_the_tree_kernel():
     assert plan_prefill(q, tree, None, min_flop=0) is None  # tree masks never
 
 
+def test_warm_up_runs_a_chunk_only_where_the_backend_would():
+    device = "cuda" if ON_GPU else "cpu"
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    assert warm_up(4, 2, 16, dtype, device, page_size=4)
+    assert not warm_up(4, 2, 16, torch.float64, device)  # no library op for it
+    assert not warm_up(4, 2, 256, dtype, device)  # head_dim above cuDNN's 128
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (and TRITON_INTERPRET unset)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cudnn_chunks_equal_reference_on_gpu(dtype):
@@ -82,7 +95,7 @@ def test_cudnn_chunks_equal_reference_on_gpu(dtype):
     q, k, v, batch = _scenario(q_lens, ctx, 32, 8, 128, 16, dtype, "cuda", seed=3)
     plan = plan_prefill(q, batch, None, min_flop=5e9)  # small shapes: a low threshold
     assert len(plan.chunks) == 2 and plan.rest.q_lens == (3, 77)
-    batch.memo[("prefill_plan", q.dtype, 128, None)] = plan
+    batch.memo[plan_key(q, None)] = plan
     got = prefill_attention(q, k, v, batch, 128**-0.5).float()
     want = torch_ref_attention(q.float(), k.float(), v.float(), batch, 128**-0.5)
     assert torch.isfinite(got).all()
