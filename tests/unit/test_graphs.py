@@ -144,3 +144,19 @@ def test_warm_captures_both_context_classes(checkpoint_cache, make_engine):
     assert sorted({k[3] for k in graphs._graphs}) == [64, graphs.max_model_len]
     graphs.short_context = graphs.max_model_len  # no class below the longest context
     assert graphs.context_class(5) == graphs.max_model_len
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or bool(os.environ.get("TRITON_INTERPRET")),
+                    reason="needs a CUDA device (and TRITON_INTERPRET unset)")
+def test_warm_up_on_gpu_runs_the_prefill_path(checkpoint_cache, make_engine, monkeypatch):
+    """On CUDA the warm-up also sends one long chunk through attention.prefill (cuDNN)."""
+    from specserve.attention import prefill
+    from specserve.engine.warmup import warm_up_engine
+
+    real, ran = prefill.warm_up, []
+    monkeypatch.setattr(prefill, "warm_up", lambda *a: ran.append(real(*a)) or ran[-1])
+    path, _ = checkpoint_cache("qwen3-gqa4-yarn")
+    engine = make_engine(path, max_draft_tokens=4, max_num_batched_tokens=40, device="cuda",
+                         dtype="bfloat16", num_pages=256)
+    warm_up_engine(engine)
+    assert ran == [True]
