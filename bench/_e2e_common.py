@@ -18,7 +18,8 @@ import torch
 from specserve.kvcache.pool import KVShape
 from specserve.models.config import ModelConfig, RopeConfig
 from specserve.models.decoder import DecoderModel
-from specserve.models.dflash import DFlashConfig, DFlashDraftModel, build_target_layer_ids
+from specserve.models.dflash import DFlashDraftModel
+from specserve.models.dflash_config import DFlashConfig, build_target_layer_ids
 from specserve.models.rope import Rotary
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,

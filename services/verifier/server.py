@@ -108,7 +108,7 @@ class VerifierConfig:
         if self.tap_layers is not None:
             return tuple(self.tap_layers)
         if self.draft_model:
-            from specserve.models.dflash import load_dflash_config
+            from specserve.models.dflash_config import load_dflash_config
 
             return tuple(load_dflash_config(self.draft_model).target_layer_ids)
         return ()

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from specserve.demo.target import MAX_POSITIONS, TargetShape, taps
-from specserve.models.dflash import NOT_IN_CHECKPOINT, DFlashDraftModel, parse_dflash_config
+from specserve.models.dflash import NOT_IN_CHECKPOINT, DFlashDraftModel
+from specserve.models.dflash_config import parse_dflash_config
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from specserve.attention.base import AttentionBackend, AttnBatch, to_device
 from specserve.errors import CapacityExhausted
 from specserve.kvcache.block_manager import pages_for
 from specserve.kvcache.pool import KVPool, KVShape
-from specserve.models.dflash import DFlashConfig
+from specserve.models.dflash_config import DFlashConfig
 from specserve.spec.tree import MASK_WORD_BITS, num_mask_words
 
 FULL, SLIDING = "full", "sliding"

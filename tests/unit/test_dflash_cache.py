@@ -9,7 +9,8 @@ import torch
 from specserve.drafters.base import DraftRequest
 from specserve.drafters.dflash import DFlashDrafter
 from specserve.errors import CapacityExhausted
-from specserve.models.dflash import DFlashConfig, DFlashDraftModel
+from specserve.models.dflash import DFlashDraftModel
+from specserve.models.dflash_config import DFlashConfig
 from specserve.spec.ddtree import build_ddtree, topk_logprobs
 
 VOCAB, HIDDEN, WINDOW, BLOCK = 37, 24, 12, 6

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from specserve.drafters.base import DraftRequest
 from specserve.drafters.dflash import DFlashDrafter
 from specserve.errors import ModelError
-from specserve.models.dflash import build_target_layer_ids, load_dflash, parse_dflash_config
+from specserve.models.dflash import load_dflash
+from specserve.models.dflash_config import build_target_layer_ids, parse_dflash_config
 
 VOCAB, HIDDEN, TARGET_LAYERS, MASK = 157, 48, 6, 150
 DRAFT = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=72, num_hidden_layers=3,
