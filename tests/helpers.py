@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from specserve.spec.tree import DraftTree
 
 # name -> (transformers config class name, kwargs). GQA ratios 1, 4, 7; head_dim 64 and 128;
 # tied and untied embeddings; default, YaRN, linear and llama3 RoPE.
@@ -81,3 +84,11 @@ def prefill_then_tree_steps(vocab: int) -> list:
             (torch.as_tensor(lay.token_ids) % vocab,
              ([lay.num_rows], [21], [pages], lay.positions, 16, [lay.mask]))]
 
+
+def random_tree(rng: np.random.Generator, n: int) -> DraftTree:
+    """n draft nodes, parent of node i drawn uniformly from the rows before it."""
+    parents = np.array([rng.integers(0, i + 1) for i in range(n)], dtype=np.int32)
+    depths = np.zeros(n, dtype=np.int32)
+    for i, p in enumerate(parents):
+        depths[i] = 1 if p == 0 else depths[p - 1] + 1
+    return DraftTree(np.arange(n, dtype=np.int64), parents, depths)

@@ -63,6 +63,15 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
+def causal_bits(n: int) -> np.ndarray:  # [n, W] uint32 lower-triangular bitmask
+    """The ancestor bitmask of a causal run of n tokens (bit j of row i set for j ≤ i)."""
+    width = (n + 31) // 32
+    dense = np.tril(np.ones((n, width * 32), dtype=bool))
+    return np.packbits(dense.reshape(n, width, 32)[:, :, ::-1], axis=-1).view(">u4").astype(
+        np.uint32
+    ).reshape(n, width)
+
+
 @dataclass(frozen=True, eq=False)
 class AttnBatch:
     q_lens: tuple[int, ...]  # host copy: new tokens per request
@@ -74,6 +83,9 @@ class AttnBatch:
     positions: torch.Tensor  # [T] int64 absolute position of each new token (RoPE, windows)
     tree_mask: torch.Tensor | None  # [T, W] int32 ancestor bits over the request's new tokens
     page_size: int
+    # With a tree_mask: per request, whether its rows are plain causal (their bits are the
+    # lower triangle); None without one (all causal) or when the builder did not say.
+    causal: tuple[bool, ...] | None = None
     # Per-step memo of backends (validated metadata, launch plans, scratch buffers): the batch is
     # immutable and shared by every layer of a forward, so anything derived from it is computed
     # once per step, not once per layer.
@@ -99,8 +111,9 @@ class AttnBatch:
     ) -> AttnBatch:
         """Assemble the metadata of one forward from host lists.
 
-        `tree_masks[b]` is `[q_lens[b], W_b]` uint32 (from `spec.tree.verify_layout`); rows are
-        padded to the widest W. None means causal for every request.
+        `tree_masks[b]` is `[q_lens[b], W_b]` uint32 (from `spec.tree.verify_layout`), or None
+        for a causal request (its rows get the lower triangle, `batch.causal[b]` is True); rows
+        are padded to the widest W. `tree_masks=None` means causal for every request.
         """
         return AttnBatch.build_with(q_lens, ctx_lens, page_tables, positions, page_size,
                                     tree_masks, device)[0]
@@ -130,7 +143,11 @@ class AttnBatch:
             slots[cu[i] : cu[i + 1]] = table[i, pos // page_size] * page_size + pos % page_size
         arrays = [cu, np.asarray(ctx_lens, dtype=np.int32).reshape(b), table, slots,
                   np.asarray(positions, dtype=np.int64).reshape(-1)]
+        causal = None
         if tree_masks is not None:
+            causal = tuple(m is None for m in tree_masks)
+            tree_masks = [causal_bits(n) if m is None else m
+                          for m, n in zip(tree_masks, q_lens, strict=True)]
             width = max(m.shape[1] for m in tree_masks)
             mask = np.zeros((int(cu[-1]), width), dtype=np.uint32)
             for i, m in enumerate(tree_masks):
@@ -147,6 +164,7 @@ class AttnBatch:
             positions=got[4],
             tree_mask=got[5] if tree_masks is not None else None,
             page_size=page_size,
+            causal=causal,
         )
         return batch, got[len(arrays):]
 

@@ -13,10 +13,12 @@ kernel's 155–431 — the tree kernel runs a causal chunk's tail in 32-key bitm
 prefix at ~50 % of the matmul rate (Triton 3.6: no wgmma / softmax overlap). On the CPU the
 same plan runs on torch's CPU flash op (tests: against the torch reference).
 
-Which requests: tree_mask None (causal) batches, no sliding window, attention work ≥ MIN_FLOP,
-bf16/fp16 with head_dim ≤ 128 on CUDA. Everything else — trees, decodes, short chunks, the drafter's
-windowed layers — goes through `kernels.tree_attention.tree_attention` (as a sub-batch of the
-requests left when some were taken). The plan is made once per batch (memoised in
+Which requests: causal ones (the whole batch when tree_mask is None, else those `batch.causal`
+marks — a prefill chunk riding in a forward with other requests' verify trees), no sliding
+window, attention work ≥ MIN_FLOP, bf16/fp16 with head_dim ≤ 128 on CUDA. Everything else —
+trees, decodes, short chunks, the drafter's windowed layers — goes through
+`kernels.tree_attention.tree_attention` (as a sub-batch of the requests left when some were
+taken; their tree-mask rows with them). The plan is made once per batch (memoised in
 `batch.memo`) and contains no host sync; steps replayed from CUDA graphs never qualify.
 """
 
@@ -65,11 +67,12 @@ def plan_prefill(q: torch.Tensor, batch: AttnBatch, sliding_window: int | None,
     """The batch's split between the library kernel and the tree kernel; None when no request
     qualifies (then the tree kernel takes the whole batch, unchanged)."""
     hq, d = q.shape[1], q.shape[-1]
-    if (batch.tree_mask is not None or sliding_window is not None or d > 128 or d % 8
+    causal = (True,) * batch.batch_size if batch.tree_mask is None else batch.causal
+    if (causal is None or sliding_window is not None or d > 128 or d % 8
             or q.dtype not in _DTYPES.get(q.device.type, ())):
         return None
     take = [b for b, (n, c) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True))
-            if 4 * hq * d * n * (n / 2 + c) >= min_flop]
+            if causal[b] and 4 * hq * d * n * (n / 2 + c) >= min_flop]
     if not take:
         return None
     cu = np.concatenate([[0], np.cumsum(batch.q_lens)]).astype(np.int64)
@@ -89,7 +92,9 @@ def plan_prefill(q: torch.Tensor, batch: AttnBatch, sliding_window: int | None,
         ctx_lens_t=batch.ctx_lens_t.index_select(0, idx),
         block_table=batch.block_table.index_select(0, idx),
         slot_mapping=batch.slot_mapping.index_select(0, rows_t),
-        positions=batch.positions.index_select(0, rows_t), tree_mask=None, page_size=ps)
+        positions=batch.positions.index_select(0, rows_t), page_size=ps,
+        tree_mask=None if batch.tree_mask is None else batch.tree_mask.index_select(0, rows_t),
+        causal=None if batch.tree_mask is None else tuple(causal[b] for b in left))
     return PrefillPlan(chunks, rest, rows_t)
 
 

@@ -99,8 +99,7 @@ class ModelRunner:
             page_tables=[self.blocks.page_table(x.request_id) for x in inputs],
             positions=np.concatenate([np.asarray(x.positions, dtype=np.int64) for x in inputs]),
             page_size=self.config.page_size,
-            tree_masks=[m if m is not None else _causal_bits(len(x.token_ids))
-                        for m, x in zip(masks, inputs, strict=True)] if any_tree else None,
+            tree_masks=masks if any_tree else None,  # None entries: causal requests
             device=self.device,
             extra=(ids,) if whole else (ids, rows),
         )
@@ -108,11 +107,3 @@ class ModelRunner:
         if not whole:  # only the rows that need a token go through the LM head
             hidden = hidden.index_select(0, extra[1])
         return self.model.logits(hidden), features
-
-
-def _causal_bits(n: int) -> np.ndarray:  # [n, W] uint32 lower-triangular bitmask
-    width = (n + 31) // 32
-    dense = np.tril(np.ones((n, width * 32), dtype=bool))
-    return np.packbits(dense.reshape(n, width, 32)[:, :, ::-1], axis=-1).view(">u4").astype(
-        np.uint32
-    ).reshape(n, width)

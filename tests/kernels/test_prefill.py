@@ -8,6 +8,7 @@ GPU: cuDNN in bf16 at the Qwen3-8B attention shape.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -25,11 +26,13 @@ from specserve.attention.prefill import (  # noqa: E402
     warm_up,
 )
 from specserve.attention.torch_ref import torch_ref_attention  # noqa: E402
+from specserve.spec.tree import verify_layout  # noqa: E402
+from tests.helpers import random_tree  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def _scenario(q_lens, ctx_lens, hq, hkv, d, page, dtype, device, seed=0):
+def _scenario(q_lens, ctx_lens, hq, hkv, d, page, dtype, device, seed=0, masks=None):
     rng = np.random.default_rng(seed)
     need = [-(-(c + n) // page) for n, c in zip(q_lens, ctx_lens, strict=True)]
     perm = rng.permutation(sum(need) + 5).tolist()
@@ -46,7 +49,7 @@ def _scenario(q_lens, ctx_lens, hq, hkv, d, page, dtype, device, seed=0):
     v_pool[used] = torch.randn(len(used), page, hkv, d, generator=gen).to(dtype)
     positions = np.concatenate([np.arange(c, c + n) for n, c in zip(q_lens, ctx_lens,
                                                                      strict=True)])
-    batch = AttnBatch.build(q_lens, ctx_lens, tables, positions, page, None, device=device)
+    batch = AttnBatch.build(q_lens, ctx_lens, tables, positions, page, masks, device=device)
     q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype)
     return q.to(device), k_pool.to(device), v_pool.to(device), batch
 
@@ -67,6 +70,27 @@ def test_mixed_causal_batch_equals_reference():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the CPU twin (Triton interpreter); the GPU test covers CUDA")
+def test_chunk_beside_verify_trees_equals_reference():
+    """A prefill chunk in the same forward as two verify trees (the batch has a tree mask; the
+    chunk's rows are marked causal): the chunk takes the library path, the trees (their masks
+    carried into the sub-batch) and a causal decode row the tree kernel."""
+    rng = np.random.default_rng(5)
+    trees = [verify_layout(random_tree(rng, 6), 1, 30).mask, None,
+             verify_layout(random_tree(rng, 11), 1, 9).mask, None]
+    q_lens, ctx = (7, 45, 12, 1), (30, 17, 9, 21)
+    q, k, v, batch = _scenario(q_lens, ctx, 6, 2, 16, 4, torch.float32, "cpu", seed=2,
+                               masks=trees)
+    assert batch.causal == (False, True, False, True)
+    plan = plan_prefill(q, batch, None, min_flop=2e5)  # only the 45-row chunk qualifies
+    assert [(c.r0, c.r1, c.ctx) for c in plan.chunks] == [(7, 52, 17)]
+    assert plan.rest.causal == (False, False, True) and plan.rest.tree_mask.shape[0] == 20
+    batch.memo[plan_key(q, None)] = plan
+    got = prefill_attention(q, k, v, batch, 0.3)
+    torch.testing.assert_close(got, torch_ref_attention(q, k, v, batch, 0.3), rtol=1e-4,
+                               atol=1e-5)
+
+
 def test_what_stays_in_the_tree_kernel():
     q, _, _, batch = _scenario((600,), (7,), 4, 2, 16, 4, torch.float32, "cpu")
     work = 4 * 4 * 16 * 600 * (300 + 7)
@@ -77,7 +101,9 @@ def test_what_stays_in_the_tree_kernel():
     assert plan_prefill(q.double(), batch, None, min_flop=0) is None  # a dtype cuDNN lacks
     tree = AttnBatch.build((600,), (7,), [list(range(154))], np.arange(7, 607), 4,
                            [np.ones((600, 19), np.uint32)])
-    assert plan_prefill(q, tree, None, min_flop=0) is None  # tree masks never
+    assert plan_prefill(q, tree, None, min_flop=0) is None  # a tree request never
+    unmarked = dataclasses.replace(tree, causal=None)  # a tree mask nobody labelled
+    assert plan_prefill(q, unmarked, None, min_flop=0) is None
 
 
 def test_warm_up_runs_a_chunk_only_where_the_backend_would():

@@ -26,20 +26,12 @@ from kernels.tree_attention.kernel import tree_attention_triton  # noqa: E402
 from kernels.tree_attention.ref import tree_attention_ref  # noqa: E402
 from specserve.attention.base import AttnBatch  # noqa: E402
 from specserve.attention.torch_ref import first_key  # noqa: E402
-from specserve.spec.tree import DraftTree, num_mask_words, verify_layout  # noqa: E402
+from specserve.spec.tree import num_mask_words, verify_layout  # noqa: E402
+from tests.helpers import random_tree  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEV = "cuda" if ON_GPU else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
-
-
-def random_tree(rng: np.random.Generator, n: int) -> DraftTree:
-    """n draft nodes, parent of node i drawn uniformly from the rows before it."""
-    parents = np.array([rng.integers(0, i + 1) for i in range(n)], dtype=np.int32)
-    depths = np.zeros(n, dtype=np.int32)
-    for i, p in enumerate(parents):
-        depths[i] = 1 if p == 0 else depths[p - 1] + 1
-    return DraftTree(np.arange(n, dtype=np.int64), parents, depths)
 
 
 def causal_bits(n: int) -> np.ndarray:  # [n, W] uint32 lower-triangular ancestor bits

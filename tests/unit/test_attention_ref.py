@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specserve.attention.base import AttnBatch
+from specserve.attention.base import AttnBatch, causal_bits
 from specserve.attention.torch_ref import torch_ref_attention
-from specserve.engine.runner import _causal_bits
 from specserve.spec.tree import DraftTree, mask_to_dense, verify_layout
 
 
@@ -28,7 +27,7 @@ def test_tree_masks_gqa_and_windows_against_dense():
     v_pool = torch.randn(12, page, hkv, d, generator=g, dtype=torch.float64)
     tables = [[7, 2, 9, 0, 11], [4, 10, 3]]
     positions = np.concatenate([layouts[0].positions, np.arange(6, 9)])
-    masks = [layouts[0].mask, _causal_bits(3)]
+    masks = [layouts[0].mask, causal_bits(3)]
     batch = AttnBatch.build(q_lens, ctx, tables, positions, page, masks)
     q = torch.randn(9, hq, d, generator=g, dtype=torch.float64)
     for window in (None, 5):
@@ -51,7 +50,7 @@ def test_tree_masks_gqa_and_windows_against_dense():
 
 def test_causal_bits_match_tril():
     for n in (1, 5, 31, 32, 33, 70):
-        assert (mask_to_dense(_causal_bits(n), n) == np.tril(np.ones((n, n), bool))).all()
+        assert (mask_to_dense(causal_bits(n), n) == np.tril(np.ones((n, n), bool))).all()
 
 
 def test_windowed_causal_chunk_in_row_tiles_against_dense(monkeypatch):
