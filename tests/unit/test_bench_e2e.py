@@ -125,3 +125,13 @@ def test_replay_drafter_unit():
 def test_replay_drafter_is_not_a_serving_option():
     for path in (ROOT / "specserve").rglob("*.py"):
         assert "replay_drafter" not in path.read_text(), path
+
+
+def test_plot_of_the_committed_h200_result(tmp_path):
+    """bench/plot_e2e.py draws BENCHMARKS.md's figure from the committed run-9 JSON."""
+    png = tmp_path / "e2e.png"
+    proc = subprocess.run([sys.executable, str(BENCH / "plot_e2e.py"),
+                           str(BENCH / "results" / "e2e_h200_run9_final.json"), "--out",
+                           str(png)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
