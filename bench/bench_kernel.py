@@ -35,7 +35,8 @@ def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
     memory, registers and spill bytes (ptxas -v). `configs`: [(head_dim, Config, elem_size)],
     default every config the launcher can pick on `arch`, each for bf16 and fp16 (elem 2) or
     fp32, in the page-16, page-64 and page-1 + sliding-window variants, plus the combine kernel
-    (one-shot and chunked) per head_dim. `quick`: bf16 page 16 only, no combine. RuntimeError
+    (one-shot and chunked) and the prefill merge kernel per head_dim. `quick`: bf16 page 16
+    only, no combine or merge. RuntimeError
     when triton's CUDA backend or its ptxas is missing."""
     from kernels.tree_attention import kernel as K
     from kernels.tree_attention.configs import all_configs, tail_block_n
@@ -63,8 +64,25 @@ def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
                                    variant=str(extra), **got))
                 print(report[-1], flush=True)
     if not quick:
-        report += _combine_report(arch, sorted({c[0] for c in configs or all_configs(arch)}),
-                                  ptxas)
+        head_dims = sorted({c[0] for c in configs or all_configs(arch)})
+        report += _combine_report(arch, head_dims, ptxas)
+        report += _merge_report(arch, head_dims, ptxas)
+    return report
+
+
+def _merge_report(arch: int, head_dims: list[int], ptxas: str) -> list[dict]:
+    """The prefill path's LSE merge of two results (specserve/attention/prefill.py) per head_dim
+    it serves (cuDNN's ≤ 128) and input dtype."""
+    from kernels.tree_attention.combine import _merge_pair_kernel
+
+    report = []
+    for head_dim in [d for d in head_dims if d <= 128]:
+        for dt in ("bf16", "fp16"):
+            got = _compile(_merge_pair_kernel, dt, dict(HEAD_DIM=head_dim, BLOCK_T=16), 4, 1,
+                           arch, ptxas)
+            report.append(dict(kernel="_merge_pair_kernel", arch=arch, head_dim=head_dim,
+                               dtype=dt, **got))
+            print(report[-1], flush=True)
     return report
 
 
@@ -100,7 +118,8 @@ def _ptxas(arch: int) -> str:
 
 
 _PTR_TYPES = {"BlockTable": "*i32", "CuQ": "*i32", "CtxLens": "*i32", "Positions": "*i64",
-              "TreeMask": "*i32", "OPart": "*fp32", "LsePart": "*fp32"}
+              "TreeMask": "*i32", "OPart": "*fp32", "LsePart": "*fp32", "L1": "*fp32",
+              "L2": "*fp32"}
 _ALIGNED = ("stride_qt", "stride_kp", "stride_ks", "stride_kh", "stride_os", "stride_ot",
             "stride_oh")
 
@@ -121,7 +140,7 @@ def _compile(fn, dt: str, cons: dict, num_warps: int, num_stages: int, arch: int
     for name in fn.arg_names:
         if name in cons:
             sig[name] = "constexpr"
-        elif name in ("Q", "K", "V", "Out"):
+        elif name in ("Q", "K", "V", "Out", "O1", "O2"):
             sig[name] = "*" + dt
         elif name in _PTR_TYPES:
             sig[name] = _PTR_TYPES[name]

@@ -170,7 +170,8 @@ def test_launcher_validation():
 def test_sm120_configs_compile_and_fit(tmp_path):
     """Cross-compiles every config the launcher can pick on sm_120 (no GPU needed) in a process
     without the interpreter — attention kernel in bf16 / fp16 / fp32, pages 16 / 64 / 1 +
-    sliding window, and the combine kernel: shared memory ≤ 101,376 B and no spills."""
+    sliding window, the combine kernel and the prefill merge kernel: shared memory ≤ 101,376 B
+    and no spills."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).resolve().parents[2] / "bench" / "bench_kernel.py"
@@ -185,6 +186,7 @@ def test_sm120_configs_compile_and_fit(tmp_path):
     from kernels.tree_attention.configs import all_configs
     assert len([r for r in report if r["kernel"] == "_tree_attn_kernel"]) == 3 * sum(
         2 if elem == 2 else 1 for _, _, elem in all_configs(120))  # every variant compiled
+    assert len([r for r in report if r["kernel"] == "_merge_pair_kernel"]) == 4  # D 64/128
 
 
 @pytest.mark.gpu
