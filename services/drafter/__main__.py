@@ -29,6 +29,8 @@ FLAGS = [
          "context-cache pages per layer group (16384 × 16 = 256k tokens: a 128k probe fits)"),
     Flag("--warmup", "SPECSERVE_WARMUP", "auto", str,
          "compile the GPU kernels before serving: auto (on cuda) | on | off"),
+    Flag("--cuda-graphs", "SPECSERVE_CUDA_GRAPHS", "auto", str,
+         "the DFlash block forward as CUDA graphs: auto (on cuda) | on | off"),
     Flag("--metrics-port", "SPECSERVE_DRAFTER_METRICS_PORT", DRAFTER_METRICS_PORT, int,
          "Prometheus /metrics port (0 = none)"),
 ]
@@ -48,7 +50,8 @@ def config_from_args(args: argparse.Namespace) -> DrafterConfig:
     return DrafterConfig(host=args.host, port=args.port, model=args.model,
                          draft_model=args.draft_model, device=args.device, dtype=args.dtype,
                          page_size=args.page_size, num_pages=args.drafter_pages,
-                         metrics_port=args.metrics_port, warmup=args.warmup)
+                         metrics_port=args.metrics_port, warmup=args.warmup,
+                         cuda_graphs=args.cuda_graphs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -96,14 +96,15 @@ class DrafterCore:
     @classmethod
     def load(cls, draft_dir: str | Path | None, target_dir: str | Path | None, *,
              dtype: str = "float32", device: str = "cpu", num_pages: int = 4096,
-             page_size: int = 16) -> DrafterCore:
-        """N-gram always; DFlash too when `draft_dir` (and the target's `target_dir`) are given."""
+             page_size: int = 16, graphs: bool | None = None) -> DrafterCore:
+        """N-gram always; DFlash too when `draft_dir` (and the target's `target_dir`) are given
+        (`graphs`: its block forward from CUDA graphs; None = on for CUDA)."""
         if draft_dir is None:
             return cls()
         if target_dir is None:
             raise ValueError("the DFlash drafter needs the target checkpoint (embedding, LM head)")
         model = load_dflash(draft_dir, target_dir, dtype, device)
-        return cls(DFlashDrafter(model, num_pages=num_pages, page_size=page_size))
+        return cls(DFlashDrafter(model, num_pages=num_pages, page_size=page_size, graphs=graphs))
 
     @property
     def default_kind(self) -> str:

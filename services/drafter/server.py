@@ -44,9 +44,11 @@ class DrafterConfig:
     grace_s: float = 5.0  # in-flight streams get this long to finish on shutdown
     metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
     warmup: str = "auto"  # compile kernels before serving: auto (= on cuda) | on | off
+    cuda_graphs: str = "auto"  # DFlash block forward as CUDA graphs: auto (= on cuda) | on | off
 
     def __post_init__(self) -> None:
         check_switch("warmup", self.warmup)
+        check_switch("cuda_graphs", self.cuda_graphs)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 <= self.metrics_port <= 65535:
@@ -81,7 +83,8 @@ def load_core(config: DrafterConfig) -> DrafterCore:
     """The configured drafters (blocking: loads weights, then warms the DFlash kernels)."""
     core = DrafterCore.load(config.draft_model, config.model, dtype=config.resolved_dtype,
                             device=config.resolved_device, num_pages=config.num_pages,
-                            page_size=config.page_size)
+                            page_size=config.page_size,
+                            graphs=switched_on(config.cuda_graphs, config.resolved_device))
     if core.dflash is not None and switched_on(config.warmup, config.resolved_device):
         warm_up_drafter(core.dflash)
     return core

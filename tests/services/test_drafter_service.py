@@ -289,3 +289,13 @@ async def test_main_serves_until_sigterm(checkpoints, tmp_path):
         proc.kill()
     assert proc.returncode == 0
     assert out.strip() == f"specserve drafter listening on 127.0.0.1:{port}"
+
+
+def test_cuda_graphs_switch_reaches_the_config():
+    from services.drafter.__main__ import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--cuda-graphs", "off"])
+    assert config_from_args(args).cuda_graphs == "off"
+    assert config_from_args(build_parser().parse_args([])).cuda_graphs == "auto"
+    with pytest.raises(ValueError, match="cuda_graphs must be one of"):
+        DrafterConfig(cuda_graphs="sometimes")
