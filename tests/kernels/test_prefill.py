@@ -126,3 +126,17 @@ def test_cudnn_chunks_equal_reference_on_gpu(dtype):
     want = torch_ref_attention(q.float(), k.float(), v.float(), batch, 128**-0.5)
     assert torch.isfinite(got).all()
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-2
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (and TRITON_INTERPRET unset)")
+def test_cudnn_chunk_beside_verify_trees_on_gpu():
+    rng = np.random.default_rng(8)
+    trees = [verify_layout(random_tree(rng, 16), 1, 3000).mask, None,
+             verify_layout(random_tree(rng, 64), 1, 700).mask]
+    q_lens, ctx = (17, 2048, 65), (3000, 4096, 700)  # the chunk: 0.17 TFLOP
+    q, k, v, batch = _scenario(q_lens, ctx, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=9,
+                               masks=trees)
+    assert plan_prefill(q, batch, None).rest.q_lens == (17, 65)  # the default threshold
+    got = prefill_attention(q, k, v, batch, 128**-0.5).float()
+    want = torch_ref_attention(q.float(), k.float(), v.float(), batch, 128**-0.5)
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-2
