@@ -19,11 +19,14 @@ window, attention work ≥ MIN_FLOP, bf16/fp16 with head_dim ≤ 128 on CUDA. Ev
 trees, decodes, short chunks, the drafter's windowed layers — goes through
 `kernels.tree_attention.tree_attention` (as a sub-batch of the requests left when some were
 taken; their tree-mask rows with them). The plan is made once per batch (memoised in
-`batch.memo`) and contains no host sync; steps replayed from CUDA graphs never qualify.
+`batch.memo`) and contains no host sync; steps replayed from CUDA graphs never qualify. If the
+library op raises (no cuDNN fused attention on this GPU / build), the batch and every later one
+go to the tree kernel, with one warning.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -45,6 +48,10 @@ MIN_FLOP = 1.5e11
 # torch reads the variable once, at its first cuDNN attention call.
 os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
 _DTYPES = {"cuda": (torch.bfloat16, torch.float16), "cpu": (torch.float32, torch.bfloat16)}
+# The library op's first failure (a GPU or torch build without cuDNN fused attention): recorded
+# here, logged once, and every later batch goes to the tree kernel.
+_LIBRARY: dict[str, str | None] = {"failed": None}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -151,12 +158,20 @@ def prefill_attention(
     if key not in batch.memo:
         batch.memo[key] = plan_prefill(q, batch, sliding_window)
     plan = batch.memo[key]
-    if plan is None:
+    if plan is None or _LIBRARY["failed"] is not None:
         return tree_attention(q, k_pool, v_pool, batch, scale, sliding_window, **tree_kwargs)
     check_inputs(q, k_pool, v_pool, batch, sliding_window, None)
     out = torch.empty_like(q)
-    for c in plan.chunks:
-        _chunk_attention(q[c.r0 : c.r1], k_pool, v_pool, c, scale, out[c.r0 : c.r1])
+    try:
+        for c in plan.chunks:
+            _chunk_attention(q[c.r0 : c.r1], k_pool, v_pool, c, scale, out[c.r0 : c.r1])
+    except torch.OutOfMemoryError:  # memory, not the library: the caller's to handle
+        raise
+    except RuntimeError as e:  # no usable cuDNN attention here (GPU, build, version)
+        _LIBRARY["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+        log.warning("cuDNN attention failed (%s); prefill chunks use the tree kernel from now "
+                    "on", _LIBRARY["failed"])
+        return tree_attention(q, k_pool, v_pool, batch, scale, sliding_window, **tree_kwargs)
     if plan.rest is not None:
         sub = tree_attention(q.index_select(0, plan.rest_rows), k_pool, v_pool, plan.rest,
                              scale, None, **tree_kwargs)

@@ -91,6 +91,28 @@ def test_chunk_beside_verify_trees_equals_reference():
                                atol=1e-5)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the CPU twin (Triton interpreter); the GPU test covers CUDA")
+def test_library_failure_falls_back_to_the_tree_kernel(monkeypatch, caplog):
+    import specserve.attention.prefill as prefill
+
+    def broken(*args):
+        raise RuntimeError("cuDNN Frontend error: no valid execution plan")
+
+    monkeypatch.setattr(prefill, "_library_attention", broken)
+    monkeypatch.setitem(prefill._LIBRARY, "failed", None)
+    q, k, v, batch = _scenario((41, 5), (0, 9), 6, 2, 16, 4, torch.float32, "cpu")
+    batch.memo[plan_key(q, None)] = plan_prefill(q, batch, None, min_flop=2e5)
+    want = torch_ref_attention(q, k, v, batch, 0.3)
+    with caplog.at_level("WARNING"):
+        got = prefill_attention(q, k, v, batch, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert "no valid execution plan" in prefill._LIBRARY["failed"] and "tree kernel" in caplog.text
+    calls = []
+    monkeypatch.setattr(prefill, "_library_attention", lambda *a: calls.append(a))
+    prefill_attention(q, k, v, batch, 0.3)  # later batches: no second try
+    assert calls == []
+
+
 def test_what_stays_in_the_tree_kernel():
     q, _, _, batch = _scenario((600,), (7,), 4, 2, 16, 4, torch.float32, "cpu")
     work = 4 * 4 * 16 * 600 * (300 + 7)
