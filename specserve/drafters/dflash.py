@@ -87,8 +87,11 @@ class DFlashDrafter:
         self.draft([replace(r, budget=0) for r in requests])
 
     def draft_logits(self, requests: Sequence[DraftRequest]) -> list[torch.Tensor]:
-        """Raw draft logits `[n − 1, V]` float32 per request (block slots 1..n−1; any budget)."""
-        return self._run(requests, [self.block_len(r) for r in requests])
+        """Raw draft logits `[n − 1, V]` float32 per request (block slots 1..n−1; any budget);
+        the caller's to keep (copies of a CUDA graph's static output, which the next call's
+        replay overwrites)."""
+        logits = self._run(requests, [self.block_len(r) for r in requests])
+        return [lg.clone() for lg in logits] if self.graphs is not None else logits
 
     def release(self, request_id: str) -> None:
         self.cache.release(request_id)

@@ -85,15 +85,17 @@ class DraftGraphs:
         return len(lens) == 1 and len(block_lens) <= BATCH_BUCKETS[-1] and min(lens) > 1
 
     def run(self, step: CacheStep, bonus: list[int], n: int) -> torch.Tensor:
-        """Logits `[R, n − 1, V]` float32 of the R requests of `step` (all block length n); a
-        copy — callers may keep it (the GPU test caught views of the static output)."""
+        """Logits `[R, n − 1, V]` float32 of the R requests of `step` (all block length n): a
+        view of the graph's static output, valid until the next replay (`DFlashDrafter.draft`
+        consumes it at once; `draft_logits` copies it — the GPU test caught callers keeping
+        views that the next replay overwrote)."""
         bb = bucket_of(len(bonus), BATCH_BUCKETS)
         st = self._graphs.get((bb, n)) or self._build(bb, n)
         st.buf.wait()
         self._fill(st, step, bonus)
         st.buf.push()
         logits = self._replay(st)  # [bb, n − 1, V], the graph's static output
-        return logits[: len(bonus)].clone()  # the next replay overwrites it
+        return logits[: len(bonus)]
 
     def _fill(self, st: _Static, step: CacheStep | None, bonus: list[int]) -> None:
         v = {k: h for k, (_, h) in st.views.items()}
