@@ -85,10 +85,13 @@ def prefill_then_tree_steps(vocab: int) -> list:
              ([lay.num_rows], [21], [pages], lay.positions, 16, [lay.mask]))]
 
 
-def random_tree(rng: np.random.Generator, n: int) -> DraftTree:
-    """n draft nodes, parent of node i drawn uniformly from the rows before it."""
-    parents = np.array([rng.integers(0, i + 1) for i in range(n)], dtype=np.int32)
-    depths = np.zeros(n, dtype=np.int32)
+def random_tree(rng: np.random.Generator, n: int, vocab: int | None = None) -> DraftTree:
+    """n draft nodes, parent of node i drawn uniformly from the rows before it; tokens 0..n−1,
+    or (vocab) n distinct random ids below vocab."""
+    parents = np.array([rng.integers(0, i + 1) for i in range(n)], dtype=np.int32)  # [n]
+    depths = np.zeros(n, dtype=np.int32)  # [n]
     for i, p in enumerate(parents):
         depths[i] = 1 if p == 0 else depths[p - 1] + 1
-    return DraftTree(np.arange(n, dtype=np.int64), parents, depths)
+    tokens = (np.arange(n, dtype=np.int64) if vocab is None
+              else rng.choice(vocab, size=n, replace=False).astype(np.int64))  # [n]
+    return DraftTree(tokens, parents, depths)

@@ -14,16 +14,7 @@ from specserve.spec.tree import (
     num_mask_words,
     verify_layout,
 )
-
-
-def random_tree(rng: np.random.Generator, n: int, vocab: int = 1000) -> DraftTree:
-    """A random valid tree: node i hangs off a random earlier row; siblings get distinct tokens."""
-    parents = np.array([rng.integers(0, i + 1) for i in range(n)], dtype=np.int32)  # [n]
-    depths = np.zeros(n, dtype=np.int32)  # [n]
-    for i, p in enumerate(parents):
-        depths[i] = 1 if p == 0 else depths[p - 1] + 1
-    tokens = rng.choice(vocab, size=n, replace=False).astype(np.int64)  # [n] all distinct
-    return DraftTree(token_ids=tokens, parents=parents, depths=depths)
+from tests.helpers import random_tree
 
 
 def dense_by_walking(parents: np.ndarray) -> np.ndarray:
@@ -122,7 +113,7 @@ def test_layout_of_small_hand_tree():
 @pytest.mark.parametrize("n, seed", [(1, 0), (30, 1), (31, 2), (32, 3), (63, 4), (97, 5)])
 def test_random_tree_layout_matches_parent_walk(n, seed):
     rng = np.random.default_rng(seed)
-    tree = random_tree(rng, n)
+    tree = random_tree(rng, n, vocab=1000)
     start = int(rng.integers(1, 5000))
     layout = verify_layout(tree, root_token_id=int(rng.integers(0, 1000)), start=start)
     assert layout.mask.shape == (n + 1, -(-(n + 1) // 32)) == (n + 1, num_mask_words(n + 1))
