@@ -26,7 +26,7 @@ import torch
 
 from specserve.attention.base import AttnBatch
 from specserve.drafters.dflash_cache import CacheStep, DFlashContextCache, block_mask
-from specserve.engine.graphs import BATCH_BUCKETS, Staging, bucket_of, capture_graph
+from specserve.engine.graphs import BATCH_BUCKETS, Staging, bucket_of, capture_graph, planned_for
 
 
 class _Static:
@@ -146,14 +146,9 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def _capture(self, st: _Static) -> None:
-        backend = self.cache.attn_backend
-        cap = max(self.capacity.values())
-        self.cache.attn_backend = partial(backend, max_ctx_len=cap)
-        try:
-            st.graph, st.logits, self._pool = capture_graph(partial(self._forward, st), self.device,
-                                                      self._pool)
-        finally:
-            self.cache.attn_backend = backend
+        with planned_for(self.cache, max(self.capacity.values())):
+            st.graph, st.logits, self._pool = capture_graph(partial(self._forward, st),
+                                                            self.device, self._pool)
 
     @torch.inference_mode()
     def _replay(self, st: _Static) -> torch.Tensor:

@@ -20,6 +20,7 @@ the unpadded forward.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -73,6 +74,18 @@ class Staging:
         self.dev.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+
+
+@contextmanager
+def planned_for(owner, max_ctx_len: int):
+    """`owner.attn_backend` planned for contexts up to `max_ctx_len` while inside (a fixed split
+    count, device-side ranges: a graph captured now replays at any context up to it)."""
+    backend = owner.attn_backend
+    owner.attn_backend = partial(backend, max_ctx_len=max_ctx_len)
+    try:
+        yield
+    finally:
+        owner.attn_backend = backend
 
 
 def capture_graph(fn, device, pool) -> tuple[object, object, object]:
@@ -219,13 +232,9 @@ class StepGraphs:
 
     @torch.inference_mode()
     def _capture(self, st: _Static, taps: tuple, max_ctx: int) -> None:
-        backend = self.model.attn_backend
-        self.model.attn_backend = partial(backend, max_ctx_len=max_ctx)
-        try:
+        with planned_for(self.model, max_ctx):
             st.graph, (st.logits, st.feats), self._pool = capture_graph(
                 partial(self._forward, st, taps), self.device, self._pool)
-        finally:
-            self.model.attn_backend = backend
 
     @torch.inference_mode()
     def _replay(self, st: _Static, taps: tuple):

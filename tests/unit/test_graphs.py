@@ -160,3 +160,22 @@ def test_warm_up_on_gpu_runs_the_prefill_path(checkpoint_cache, make_engine, mon
                          dtype="bfloat16", num_pages=256)
     warm_up_engine(engine)
     assert ran == [True]
+
+
+def test_planned_for_plans_the_backend_and_restores_it():
+    """Both graph classes capture with `planned_for` (capture needs a GPU): inside, the backend
+    gets max_ctx_len; after — also after an error — the owner has its own backend back."""
+    from types import SimpleNamespace
+
+    from specserve.engine.graphs import planned_for
+
+    def backend(*args, **kwargs):
+        return kwargs
+
+    owner = SimpleNamespace(attn_backend=backend)
+    with planned_for(owner, 4096):
+        assert owner.attn_backend(1, 2) == {"max_ctx_len": 4096}
+    assert owner.attn_backend is backend
+    with pytest.raises(RuntimeError), planned_for(owner, 7):
+        raise RuntimeError("capture failed")
+    assert owner.attn_backend is backend
