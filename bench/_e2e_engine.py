@@ -150,7 +150,7 @@ def run_prefill(b) -> None:
         def measure(T=T) -> dict:
             engine = make_engine(b, T + 1)
             times, first = [], None
-            for rep in range(2):
+            for rep in range(a.prefill_reps):
                 if rep and (times[0] > a.prefill_rep_s or b.out_of_time(times[0] + 5)):
                     break
                 run = generate(b, engine, f"p{T}-{rep}", prompt_ids(vocab, T), 1,

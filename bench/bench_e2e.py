@@ -90,6 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--reserve-gb", type=float, default=12.0)
     add("--prefill-skip-s", type=float, default=60.0, help="skip longer prefills past this")
     add("--prefill-rep-s", type=float, default=10.0, help="repeat a prefill if it took less")
+    add("--prefill-reps", type=int, default=2, help="runs per prefill length (the best counts)")
     add("--eager-drafter", dest="draft_graphs", action="store_false",
         help="decode: the DFlash drafter's block forward eagerly, not from its CUDA graphs "
              "(dflash_graphs.py, the default on CUDA)")
@@ -115,6 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = set(a.sections) - {"verify", "prefill", "decode"}
     if bad:
         ap.error(f"unknown sections {sorted(bad)}")
+    if a.prefill_reps < 1:
+        ap.error("--prefill-reps must be >= 1")
     a.device = a.device or ("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     a.dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     if a.tiny and a.device == "cpu":

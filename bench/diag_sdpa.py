@@ -4,7 +4,8 @@ One chunk of C new tokens (causal among themselves) over a paged prefix of P tok
 head_dim 128, bf16, page 16, shuffled pages. Printed side by side with achieved TFLOP/s:
   ours        the Triton kernel (split-KV prefix + causal tail + combine);
   prefill backend  specserve.attention.prefill (what the engine runs on CUDA: cuDNN for chunks
-              of >= MIN_ROWS, else the Triton kernel);
+              of >= MIN_FLOP, else the Triton kernel; per-shape cuDNN plans for regular chunks);
+  prefill backend, ragged  the same with cuDNN's ragged plans only (DENSE_PLANS_MAX = 0);
   split:<be>  SDPA backend <be> in two calls — the chunk causal over itself, the chunk over the
               prefix gathered from the pages (gather timed and included) — merged by their LSEs;
   <be> alone  the two SDPA calls only (no gather, no merge): the backend's own rate.
@@ -31,6 +32,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.tree_attention.kernel import tree_attention_triton  # noqa: E402
+from specserve.attention import prefill  # noqa: E402
 from specserve.attention.base import AttnBatch  # noqa: E402
 from specserve.attention.prefill import prefill_attention  # noqa: E402
 
@@ -113,7 +115,15 @@ def _measure(prefix, chunk, gen) -> dict:
     backend = partial(prefill_attention, q, k_pool, v_pool, batch, D ** -0.5)
     err = float((backend().float() - ref).abs().max() / ref.abs().max())
     ms = triton.testing.do_bench(backend, return_mode="median")
-    row["prefill backend"] = dict(ms=ms, tflops=flop / ms / 1e9, err=err)
+    row["prefill backend"] = dict(ms=ms, tflops=flop / ms / 1e9, err=err,
+                                  per_shape=(chunk, prefix) in prefill._per_shape)
+    dense, cap = prefill._per_shape, prefill.DENSE_PLANS_MAX
+    prefill._per_shape, prefill.DENSE_PLANS_MAX = set(), 0  # the same call, ragged plans only
+    try:
+        ms = triton.testing.do_bench(backend, return_mode="median")
+        row["prefill backend, ragged"] = dict(ms=ms, tflops=flop / ms / 1e9)
+    finally:
+        prefill._per_shape, prefill.DENSE_PLANS_MAX = dense, cap
     for backend in ("cudnn", "flash", "efficient"):
         for expand in (False, True):
             name = f"split:{backend}" + (":expand" if expand else ":gqa")
@@ -142,7 +152,7 @@ def first_calls(gen) -> list[dict]:
     workload brings new chunk and prefix lengths all the time."""
     out = []
     for prefix, chunk in [(10000, 3000), (10240, 3000), (10000, 3001), (20480, 4096),
-                          (20480, 4095), (31000, 1777)]:
+                          (20480, 4095), (31000, 1777), (16384, 8192), (40960, 8192)]:
         q, k_pool, v_pool, batch, _ = _point(prefix, chunk, gen)
         fn = partial(prefill_attention, q, k_pool, v_pool, batch, D ** -0.5)
         torch.cuda.synchronize()
@@ -151,9 +161,10 @@ def first_calls(gen) -> list[dict]:
         torch.cuda.synchronize()
         first = (time.perf_counter() - t0) * 1e3
         again = triton.testing.do_bench(fn, return_mode="median")
-        out.append(dict(prefix=prefix, chunk=chunk, first_ms=first, again_ms=again))
-        print(f"first call prefix {prefix} chunk {chunk}: {first:8.2f} ms, then {again:.3f} ms",
-              flush=True)
+        plan = "per-shape" if (chunk, prefix) in prefill._per_shape else "ragged"
+        out.append(dict(prefix=prefix, chunk=chunk, plan=plan, first_ms=first, again_ms=again))
+        print(f"first call prefix {prefix} chunk {chunk} ({plan}): {first:8.2f} ms, then "
+              f"{again:.3f} ms", flush=True)
     return out
 
 

@@ -43,10 +43,17 @@ from specserve.attention.base import AttnBatch, to_device
 MIN_FLOP = 1.5e11
 # cuDNN builds an execution plan per shape: 70-550 ms at each new (chunk, prefix) length on the
 # H200 (bench/diag_sdpa.py --first-calls), i.e. on almost every request of a serving workload.
-# torch's opt-in ragged path (q / k / v / out BSHD-contiguous, as ours are) keys its plans on
-# the lengths rounded up to powers of two: a few dozen plans for any workload, ≈ 5-10 % slower.
-# torch reads the variable once, at its first cuDNN attention call.
+# torch's opt-in ragged path keys its plans on the lengths rounded up to powers of two (a few
+# dozen plans for any workload, ≈ 5-10 % slower); torch reads the variable once, at its first
+# cuDNN attention call, and takes that path only when q, k, v and out are all BSHD-contiguous.
+# So a call still gets a plan of its own shape by passing q head-major (one copy of q, ~1 % of
+# the call). We do that for the regular shapes of chunked prefill — a power-of-two chunk of
+# ≥ 2048 rows over a whole number of such chunks — which recur at every long prompt, are few
+# (one per chunk of the longest context) and run 5-10 % faster per shape (diag_sdpa: 28.5 vs
+# 30.3 ms for 8192 rows over 120k); at most DENSE_PLANS_MAX of them, the rest stay ragged.
 os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
+DENSE_PLANS_MAX = 64  # chunk shapes (two plans each: the chunk's causal call, its prefix call)
+_per_shape: set[tuple[int, int]] = set()  # (rows, prefix) of the chunks planned per shape so far
 _DTYPES = {"cuda": (torch.bfloat16, torch.float16), "cpu": (torch.float32, torch.bfloat16)}
 # The library op's first failure (a GPU or torch build without cuDNN fused attention): recorded
 # here, logged once, and every later batch goes to the tree kernel.
@@ -122,6 +129,26 @@ def _library_attention(q, k, v, causal: bool, scale: float):
     return r[0], r[1]
 
 
+def per_shape_plan(n: int, ctx: int) -> bool:
+    """Whether a chunk of `n` rows over `ctx` prefix tokens gets cuDNN plans of its own shape
+    (its two calls; see DENSE_PLANS_MAX): the regular shapes of chunked prefill, while the
+    budget lasts."""
+    if (n, ctx) in _per_shape:
+        return True
+    if n >= 2048 and n & (n - 1) == 0 and ctx % n == 0 and len(_per_shape) < DENSE_PLANS_MAX:
+        _per_shape.add((n, ctx))
+        return True
+    return False
+
+
+def _one_batch_stride(t: torch.Tensor) -> torch.Tensor:
+    """`t [1, H, L, D]` with the stride of its size-1 batch axis fixed (any value is valid
+    there): cuDNN's plan key holds the strides, so the chunk's causal call over the tail of a
+    (P + C)-token buffer keys on C alone, not on P."""
+    return t.as_strided(t.shape, (t.shape[1] * t.shape[2] * t.shape[3], *t.stride()[1:]),
+                        t.storage_offset())
+
+
 def _chunk_attention(q, k_pool, v_pool, c: _Chunk, scale: float, out) -> None:
     """One chunk's rows `q [C, Hq, D]` into `out [C, Hq, D]`."""
     from kernels.tree_attention.combine import merge_pair
@@ -130,8 +157,11 @@ def _chunk_attention(q, k_pool, v_pool, c: _Chunk, scale: float, out) -> None:
     k = k_pool.index_select(0, c.pages).view(-1, hkv, d)[: c.ctx + n]  # [P + C, Hkv, D]
     v = v_pool.index_select(0, c.pages).view(-1, hkv, d)[: c.ctx + n]
     kt, vt = k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]  # [1, Hkv, P + C, D] views
-    qt = q.permute(1, 0, 2)[None]  # [1, Hq, C, D]
-    o_new, l_new = _library_attention(qt, kt[:, :, c.ctx:], vt[:, :, c.ctx:], True, scale)
+    qt = q.permute(1, 0, 2)[None]  # [1, Hq, C, D]: a BSHD-contiguous view (ragged plans)
+    if per_shape_plan(n, c.ctx):
+        qt = qt.contiguous()  # head-major: cuDNN plans this exact shape
+    k_new, v_new = (_one_batch_stride(t[:, :, c.ctx:]) for t in (kt, vt))
+    o_new, l_new = _library_attention(qt, k_new, v_new, True, scale)
     if c.ctx == 0:
         out.copy_(o_new[0].transpose(0, 1))
         return
@@ -180,25 +210,35 @@ def prefill_attention(
 
 
 def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-            device: torch.device | str, page_size: int = 16) -> bool:
-    """One qualifying chunk on random K/V (not the model's pool): compiles the merge kernel and
-    initialises cuDNN's attention (≈ 1.7–2.8 s on the H200's first call, else paid by the first
-    long prompt). Plans for other length buckets still build on first use (≈ 40–100 ms each).
-    False when the backend never takes a chunk of this model (dtype / head_dim)."""
+            device: torch.device | str, page_size: int = 16, chunk: int | None = None,
+            max_len: int | None = None) -> bool:
+    """Chunks on random K/V (not the model's pool): compiles the merge kernel and initialises
+    cuDNN's attention (≈ 1.7–2.8 s on the H200's first call, else paid by the first long
+    prompt). With `chunk` and `max_len` (the engine's prefill chunk and longest context) also
+    every regular chunk of a max_len prompt, so their per-shape plans (`per_shape_plan`) are
+    built here rather than by the first long prompt. False when the backend never takes a
+    chunk of this model (dtype / head_dim)."""
     device = torch.device(device)
-    chunk, prefix = 1024, 9216  # attention ≈ 4·Hq·D·C·(C/2 + P): ≥ MIN_FLOP from 8 heads of 128
-    flop = 4 * num_heads * head_dim * chunk * (chunk / 2 + prefix)
-    gen = torch.Generator().manual_seed(0)
-    pages = -(-(prefix + chunk) // page_size)
-    k, v = (torch.randn(pages, page_size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
-            for _ in range(2))
-    q = torch.randn(chunk, num_heads, head_dim, generator=gen).to(device, dtype)
-    batch = AttnBatch.build([chunk], [prefix], [list(range(pages))],
-                            np.arange(prefix, prefix + chunk), page_size, None, device=device)
-    plan = plan_prefill(q, batch, None, min_flop=min(flop, MIN_FLOP))
-    if plan is None:
-        return False
-    batch.memo[plan_key(q, None)] = plan
-    prefill_attention(q, k, v, batch, head_dim ** -0.5)
-    return True
 
+    def flop(n: int, prefix: int) -> float:
+        return 4 * num_heads * head_dim * n * (n / 2 + prefix)
+
+    shapes = [(1024, 9216)]  # ≥ MIN_FLOP from 8 heads of 128
+    if chunk is not None and max_len is not None:  # the chunks cuDNN would take, if regular
+        shapes += [(chunk, k * chunk) for k in range(max_len // chunk)
+                   if flop(chunk, k * chunk) >= MIN_FLOP and per_shape_plan(chunk, k * chunk)]
+    gen = torch.Generator(device).manual_seed(0)
+    pages = -(-max(c + p for c, p in shapes) // page_size)
+    k, v = (torch.randn(pages, page_size, num_kv_heads, head_dim, generator=gen, device=device,
+                        dtype=dtype) for _ in range(2))
+    q = torch.randn(max(c for c, _ in shapes), num_heads, head_dim, generator=gen, device=device,
+                    dtype=dtype)
+    for n, prefix in shapes:
+        batch = AttnBatch.build([n], [prefix], [list(range(pages))],
+                                np.arange(prefix, prefix + n), page_size, None, device=device)
+        plan = plan_prefill(q[:n], batch, None, min_flop=min(flop(n, prefix), MIN_FLOP))
+        if plan is None:
+            return False
+        batch.memo[plan_key(q, None)] = plan
+        prefill_attention(q[:n], k, v, batch, head_dim ** -0.5)
+    return True

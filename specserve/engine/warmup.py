@@ -6,8 +6,9 @@ warm-up the first requests pay that inside their steps: on the H200 the commit p
 request ran 684 ms steps and hit the drafter deadline 5 times. `warm_up_engine` runs one
 throw-away request on the target (a prefill of a full chunk plus a remainder, verify steps with
 chains of every size class up to `max_draft_tokens` — of every rows bucket, capturing their
-CUDA graphs for one request, when the engine uses them — and an AR step; on CUDA also one long
-prefill chunk through `attention.prefill`'s cuDNN path); `warm_up_drafter`
+CUDA graphs for one request, when the engine uses them — and an AR step; on CUDA also long
+prefill chunks through `attention.prefill`'s cuDNN path: one, plus every regular chunk of a
+`max_model_len` prompt, whose per-shape plans it builds); `warm_up_drafter`
 does the same for a DFlash drafter (a context chunk, then blocks of every depth class). Both
 leave no state.
 """
@@ -84,7 +85,8 @@ def warm_up_engine(engine) -> float:
     if engine.runner.device.type == "cuda":  # long prefill chunks: cuDNN + the merge kernel
         mc = engine.model_config
         prefill.warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, engine.runner.dtype,
-                        engine.runner.device, engine.blocks.page_size)
+                        engine.runner.device, engine.blocks.page_size,
+                        chunk=cfg.max_num_batched_tokens, max_len=engine.max_model_len)
     seconds = time.perf_counter() - t0
     log.info("warm-up: prompt %d, trees %s, %d more graphs, %.1f s", prompt_len, sizes,
              captured, seconds)

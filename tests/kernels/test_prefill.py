@@ -136,6 +136,52 @@ def test_warm_up_runs_a_chunk_only_where_the_backend_would():
     assert not warm_up(4, 2, 256, dtype, device)  # head_dim above cuDNN's 128
 
 
+def test_per_shape_plans_for_regular_chunks_within_the_budget(monkeypatch):
+    import specserve.attention.prefill as prefill
+
+    monkeypatch.setattr(prefill, "_per_shape", set())
+    monkeypatch.setattr(prefill, "DENSE_PLANS_MAX", 3)
+    assert prefill.per_shape_plan(2048, 4096) and prefill.per_shape_plan(4096, 0)
+    assert not prefill.per_shape_plan(2048, 1000)  # a prefix of no whole number of chunks
+    assert not prefill.per_shape_plan(3000, 0)  # not a power of two
+    assert not prefill.per_shape_plan(1024, 2048)  # below 2048 rows
+    assert prefill.per_shape_plan(2048, 0)  # the third: the budget is spent
+    assert not prefill.per_shape_plan(2048, 2048)
+    assert prefill.per_shape_plan(2048, 4096)  # ... but a planned shape stays planned
+    assert prefill._per_shape == {(2048, 4096), (4096, 0), (2048, 0)}
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU twin (Triton interpreter); the GPU test covers CUDA")
+def test_regular_chunks_through_the_per_shape_layout_equal_reference(monkeypatch):
+    """Two regular chunks (head-major q, cuDNN's per-shape plans on a GPU) and an irregular one
+    (the ragged layout) in one batch, over shuffled pages."""
+    import specserve.attention.prefill as prefill
+
+    monkeypatch.setattr(prefill, "_per_shape", set())
+    q_lens, ctx = (2048, 2200, 2048), (4096, 1000, 0)
+    q, k, v, batch = _scenario(q_lens, ctx, 2, 1, 16, 16, torch.float32, "cpu", seed=4)
+    batch.memo[plan_key(q, None)] = plan = plan_prefill(q, batch, None, min_flop=0)
+    assert len(plan.chunks) == 3
+    got = prefill_attention(q, k, v, batch, 0.25)
+    assert prefill._per_shape == {(2048, 4096), (2048, 0)}
+    torch.testing.assert_close(got, torch_ref_attention(q, k, v, batch, 0.25), rtol=1e-4,
+                               atol=1e-5)
+
+
+def test_warm_up_plans_every_regular_chunk_of_the_longest_prompt(monkeypatch):
+    import specserve.attention.prefill as prefill
+
+    monkeypatch.setattr(prefill, "_per_shape", set())
+    monkeypatch.setattr(prefill, "MIN_FLOP", 5e8)  # 2 heads of 16: 2.7e8 FLOP at prefix 0
+    device = "cuda" if ON_GPU else "cpu"
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    assert warm_up(2, 1, 16, dtype, device, chunk=2048, max_len=7000)
+    assert prefill._per_shape == {(2048, 2048), (2048, 4096)}  # not the tree kernel's chunk
+    monkeypatch.setattr(prefill, "_per_shape", set())
+    assert warm_up(2, 1, 16, dtype, device, chunk=3000, max_len=7000)  # no regular chunk
+    assert prefill._per_shape == set()
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (and TRITON_INTERPRET unset)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cudnn_chunks_equal_reference_on_gpu(dtype):
@@ -152,6 +198,8 @@ def test_cudnn_chunks_equal_reference_on_gpu(dtype):
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (and TRITON_INTERPRET unset)")
 def test_cudnn_chunk_beside_verify_trees_on_gpu():
+    import specserve.attention.prefill as prefill
+
     rng = np.random.default_rng(8)
     trees = [verify_layout(random_tree(rng, 16), 1, 3000).mask, None,
              verify_layout(random_tree(rng, 64), 1, 700).mask]
@@ -160,5 +208,6 @@ def test_cudnn_chunk_beside_verify_trees_on_gpu():
                                masks=trees)
     assert plan_prefill(q, batch, None).rest.q_lens == (17, 65)  # the default threshold
     got = prefill_attention(q, k, v, batch, 128**-0.5).float()
+    assert (2048, 4096) in prefill._per_shape  # a regular chunk: cuDNN's per-shape plans
     want = torch_ref_attention(q.float(), k.float(), v.float(), batch, 128**-0.5)
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-2

@@ -149,17 +149,23 @@ def test_warm_captures_both_context_classes(checkpoint_cache, make_engine):
 @pytest.mark.skipif(not torch.cuda.is_available() or bool(os.environ.get("TRITON_INTERPRET")),
                     reason="needs a CUDA device (and TRITON_INTERPRET unset)")
 def test_warm_up_on_gpu_runs_the_prefill_path(checkpoint_cache, make_engine, monkeypatch):
-    """On CUDA the warm-up also sends one long chunk through attention.prefill (cuDNN)."""
+    """On CUDA the warm-up also sends long chunks through attention.prefill (cuDNN), planned
+    for the engine's prefill chunk and longest context."""
     from specserve.attention import prefill
     from specserve.engine.warmup import warm_up_engine
 
     real, ran = prefill.warm_up, []
-    monkeypatch.setattr(prefill, "warm_up", lambda *a: ran.append(real(*a)) or ran[-1])
+
+    def spy(*args, **kwargs):
+        ran.append((real(*args, **kwargs), kwargs))
+        return ran[-1][0]
+
+    monkeypatch.setattr(prefill, "warm_up", spy)
     path, _ = checkpoint_cache("qwen3-gqa4-yarn")
     engine = make_engine(path, max_draft_tokens=4, max_num_batched_tokens=40, device="cuda",
                          dtype="bfloat16", num_pages=256)
     warm_up_engine(engine)
-    assert ran == [True]
+    assert ran == [(True, dict(chunk=40, max_len=engine.max_model_len))]
 
 
 def test_planned_for_plans_the_backend_and_restores_it():
