@@ -35,8 +35,9 @@ FLAGS = [
     Flag("--kv-memory-gb", "SPECSERVE_KV_MEMORY_GB", None, float,
          "KV page pool size in GiB (default 1.0 on cpu, 16.0 on cuda)"),
     Flag("--max-draft-tokens", "SPECSERVE_MAX_DRAFT_TOKENS", 64, int, "largest budget"),
-    Flag("--default-budget", "SPECSERVE_DEFAULT_BUDGET", 16, int,
-         "budget of requests that do not set one"),
+    Flag("--default-budget", "SPECSERVE_DEFAULT_BUDGET", 15, int,
+         "budget of requests that do not set one (15 = a DFlash block of 16 less its anchor; "
+         "B + 1 verify rows: B = 2^k - 1 fills the kernel's row blocks)"),
     Flag("--drafter-timeout-s", "SPECSERVE_DRAFTER_TIMEOUT_S", 2.0, float,
          "deadline of one draft round trip"),
     Flag("--max-num-seqs", "SPECSERVE_MAX_NUM_SEQS", 64, int, "running requests at once"),

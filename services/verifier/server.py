@@ -42,7 +42,7 @@ class VerifierConfig:
     page_size: int = 16
     kv_memory_gb: float | None = None  # KV page pool; None = 1.0 on cpu, 16.0 on cuda
     max_draft_tokens: int = 64  # largest per-request budget (scratch reserved per request)
-    default_budget: int = 16  # budget of requests that do not say
+    default_budget: int = 15  # budget of requests that do not say (B + 1 = 16 verify rows)
     drafter: str | None = None  # drafter address host:port; None or "" = no drafter
     drafter_timeout_s: float = 2.0  # deadline of one draft round trip
     draft_model: str | None = None  # DFlash checkpoint dir, read only for target_layer_ids

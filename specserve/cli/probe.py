@@ -23,7 +23,7 @@ def add(sub) -> None:
     p.add_argument("--contexts", default="1k,16k,64k,128k", help="prompt lengths in tokens")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--drafter", choices=["dflash", "ngram", "none"], default=None)
-    p.add_argument("--budget", type=int, default=16, help="DDTree budget (draft nodes)")
+    p.add_argument("--budget", type=int, default=15, help="DDTree budget (draft nodes)")
     p.add_argument("--texts", default="predictable,novel", help="which texts to probe")
     p.add_argument("--text-file", help="novel text to use instead of the built-in one")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="deadline per request")
