@@ -77,8 +77,18 @@ INTERPRET_CONFIG = Config(16, 16, 4, 1)  # CPU interpreter: tiny tiles, tiny tes
 
 
 def tail_block_n(cfg: Config) -> int:
-    """Key tile of the tree-tail part: ≤ 32 (few keys; mask words cost registers)."""
+    """Key tile of the tree-tail part: ≤ 32, a divisor of 32 (one mask word per row per
+    tile)."""
     return min(cfg.block_n, 32)
+
+
+def tail_row_words(arch: int | None, cfg: Config) -> bool:
+    """Whether the tree tail reads its mask as one word per row per tile (kernel.py ROW_WORDS):
+    on sm_90 for 32-64-row blocks (the short-context and 16-64-node plans: fewer registers
+    there) and in the CPU interpreter; not for 16- or 128-row blocks on sm_90 (ptxas spills 8 /
+    136 B, vs 0 / 20 B the other way) nor on sm_120 (8-48 B of spill in 8 configs of the
+    cross-compile check)."""
+    return arch is None or (arch != 120 and 32 <= cfg.block_m <= 64)
 
 
 COMBINE_LSE_BLOCK = 128  # ≥ the most parts the split heuristic makes (64 splits + the tail)

@@ -139,7 +139,7 @@ def _tree_attn_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
     HAS_TREE: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    ROW_WORDS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel before
         tl.extra.cuda.gdc_wait()
@@ -158,7 +158,7 @@ def _tree_attn_kernel(
                 stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                 GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, SLIDING, HAS_TREE,
-                MASK_ALL, DOT_PREC)
+                MASK_ALL, DOT_PREC, ROW_WORDS)
 
 
 @triton.jit
@@ -170,6 +170,7 @@ def _attend(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
     HAS_TREE: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
 ):
     """Part `part` of BLOCK_M packed rows from row0 — prefix split `part` < S, or the tree tail
     (part S) — written as a normalised partial O and its LSE."""
@@ -198,7 +199,7 @@ def _attend(
         m_i, l_i, acc = _tree_tail(
             q, m_i, l_i, acc, K, V, BlockTable, TreeMask, Positions, bt_row, ctx, q0, q_len,
             row0, tok, flat, valid, q_pos, window, kv_head_off, stride_kp, stride_ks, stride_mt,
-            GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, TAIL_N, SLIDING, HAS_TREE, DOT_PREC)
+            GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, TAIL_N, SLIDING, HAS_TREE, DOT_PREC, ROW_WORDS)
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -251,9 +252,11 @@ def _tree_tail(q, m_i, l_i, acc, K, V, BlockTable, TreeMask, Positions, bt_row, 
                row0, tok, flat, valid, q_pos, window, kv_head_off, stride_kp, stride_ks,
                stride_mt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                BLOCK_M: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
-               HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr):
+               HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, ROW_WORDS: tl.constexpr):
     """The new tokens as keys (they sit at ctx + j in the pool) under the ancestor bitmask, or
-    causal without one."""
+    causal without one. ROW_WORDS: the tile's mask as one word per row, shifted per key (H200,
+    1k context, 65 nodes: 26.1 → 20.6 µs a call; the tail alone 28.5 → 17.0), else a word per
+    (row, key) loaded in the scores' layout (sm_120: the broadcast spills)."""
     if HAS_TREE:  # noqa: SIM108 — constexpr branches
         n_keys = q_len
     else:  # causal: no key beyond the block's last token
@@ -269,7 +272,11 @@ def _tree_tail(q, m_i, l_i, acc, K, V, BlockTable, TreeMask, Positions, bt_row, 
         k = tl.load(K + offs, mask=jmask[:, None], other=0.0)
         v = tl.load(V + offs, mask=jmask[:, None], other=0.0)
         s = _dot(q, tl.trans(k), DOT_PREC)  # [BLOCK_M, TAIL_N]
-        if HAS_TREE:
+        if HAS_TREE and ROW_WORDS:  # one mask word per row covers the tile (TAIL_N | 32)
+            word = tl.load(TreeMask + flat * stride_mt + (j0 >> 5), mask=valid, other=0)
+            bits = (j0 & 31) + tl.arange(0, TAIL_N)
+            vis = ((word[:, None] >> bits[None, :]) & 1) != 0
+        elif HAS_TREE:  # a word per (row, key), in the scores' layout (fewer registers)
             w_ptrs = TreeMask + flat[:, None] * stride_mt + (offs_j >> 5)[None, :]
             words = tl.load(w_ptrs, mask=valid[:, None] & jmask[None, :], other=0)
             vis = ((words >> (offs_j & 31)[None, :]) & 1) != 0
@@ -339,7 +346,7 @@ def tree_attention_triton(
         GROUP=hq // hkv, HEAD_DIM=d, PAGE_SIZE=k_pool.shape[1], BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, TAIL_N=plan.tail_n, SLIDING=sliding_window is not None,
         HAS_TREE=batch.tree_mask is not None, MASK_ALL=q.dtype == torch.float32,
-        DOT_PREC=plan.dot_prec, USE_PDL=plan.use_pdl,
+        DOT_PREC=plan.dot_prec, ROW_WORDS=plan.row_words, USE_PDL=plan.use_pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=plan.use_pdl,
     )
     combine(o_part, lse_part, out, plan.parts, plan.block_s, plan.lse_block, plan.use_pdl)

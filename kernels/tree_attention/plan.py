@@ -24,6 +24,7 @@ from kernels.tree_attention.configs import (
     pick_config,
     sm_count,
     tail_block_n,
+    tail_row_words,
 )
 
 
@@ -41,6 +42,7 @@ class Plan:
     block_s: int
     lse_block: int
     use_pdl: bool  # programmatic dependent launch (sm_90+): launch gaps hidden
+    row_words: bool  # the tree tail's mask: one word per row per tile (configs.tail_row_words)
     tree: torch.Tensor  # the batch's tree mask, or a dummy (cu_q) when causal
 
 
@@ -56,6 +58,8 @@ def plan_launch(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, confi
         config = INTERPRET_CONFIG if cap is None else pick_config(arch_key(cap), d, rows,
                                                                    q.element_size(), longest)
     use_pdl = bool(opts.get("pdl", True)) and cap is not None and cap[0] >= 9
+    arch = None if cap is None else arch_key(cap)
+    row_words = bool(opts.get("row_words", tail_row_words(arch, config)))
     nb = batch.batch_size
     row_blocks = triton.cdiv(rows, config.block_m)
     if num_splits is None:
@@ -69,7 +73,7 @@ def plan_launch(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, confi
     return Plan(config=config, grid=(row_blocks, nb * hkv, parts), parts=parts, hkv=hkv,
                  window=int(sliding_window) if sliding_window is not None else 0,
                  dot_prec=dot_prec, tail_n=tail_block_n(config), block_s=block_s,
-                 lse_block=lse_block, use_pdl=use_pdl,
+                 lse_block=lse_block, use_pdl=use_pdl, row_words=row_words,
                  tree=batch.tree_mask if batch.tree_mask is not None else batch.cu_q)
 
 

@@ -107,11 +107,13 @@ def test_ragged_trees_match_fp64_for_every_split_count(case):
         check(out, ref, dtype)
 
 
-def test_wide_tree_two_mask_words_and_causal_none_mask():
+@pytest.mark.parametrize("row_words", [True, False])  # both ways of reading the tail's mask
+def test_wide_tree_two_mask_words_and_causal_none_mask(row_words):
     q, k, v, batch = make_case(3, [20, 45], [40, 3], 16, 2, 1, 16, torch.float32)
     ref = tree_attention_ref(q, k, v, batch, 0.3, None, fp64=True)
     assert batch.tree_mask.shape[1] == 2
-    check(tree_attention_triton(q, k, v, batch, 0.3, num_splits=2), ref, torch.float32)
+    check(tree_attention_triton(q, k, v, batch, 0.3, num_splits=2,
+                                options={"row_words": row_words}), ref, torch.float32)
     q, k, v, batch = make_case(4, [33, 0], [-7, -18], 1, 4, 2, 16, torch.bfloat16, 9,
                                trees=False)
     assert batch.tree_mask is None
