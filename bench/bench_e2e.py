@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--kv-gb", type=float, default=0.0, help="verify KV budget (0: free memory - reserve)")
     add("--reserve-gb", type=float, default=12.0)
     add("--prefill-skip-s", type=float, default=60.0, help="skip longer prefills past this")
-    add("--prefill-rep-s", type=float, default=10.0, help="repeat a prefill if it took less")
+    add("--prefill-rep-s", type=float, default=30.0, help="repeat a prefill if it took less")
     add("--prefill-reps", type=int, default=2, help="runs per prefill length (the best counts)")
     add("--eager-drafter", dest="draft_graphs", action="store_false",
         help="decode: the DFlash drafter's block forward eagerly, not from its CUDA graphs "

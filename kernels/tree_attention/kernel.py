@@ -1,9 +1,10 @@
 """Triton tree-verify attention over a paged KV pool: split-KV prefix + tree tail, then combine.
 
 Owns the attention kernel and the launcher (kernels.md §6); the merge is `combine.py`, the
-per-batch launch plan (config, splits, grid, scratch) `plan.py`, the tile helpers `tiles.py`. Kernel A
-(`_tree_attn_kernel`), grid (row-block r, request b · kv head h, part s) with r fastest, so the
-R row blocks of one KV chunk run side by side and share it through L2, and parts outermost, so
+per-batch launch plan (config, splits, grid, scratch) `plan.py`, the tile helpers `tiles.py`.
+Kernel A (`_tree_attn_kernel`), grid (row-block r, request b · kv head h, part s) with r
+fastest, so the R row blocks of one KV chunk run side by side and share it through L2, and
+parts outermost, so
 the short tree-tail programs are scheduled after every prefix split (interleaved with them, a
 tail could hold an SM that a prefix split of a one-wave grid then waits for: 113 → 98 µs at 32k
 for 64-node trees on the H200). Rows are GQA-packed (new token, q head in group), head fastest,
