@@ -41,13 +41,24 @@ TRITON_GRID = list(itertools.product((32, 64, 128), (128, 256), (3, 5), (1, 2, 4
 
 @triton.jit
 def _skinny_mm(X, W, Y, M, N, K, s_xm, s_wn, s_ym, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+               PREFETCH_K: tl.constexpr, USE_PDL: tl.constexpr):
     """Y[:M, n-block] (+)= X[:M] @ W[n-block].T over this program's K slice; fp32 atomics when
-    SPLIT_K > 1 (Y fp32, zeroed by the caller)."""
+    SPLIT_K > 1 (Y fp32, zeroed by the caller). USE_PDL (launched as a programmatic
+    dependent): before waiting for the kernel ahead (griddepcontrol.wait) it asks L2 for the
+    first PREFETCH_K columns of its weight rows — they do not depend on that kernel — so the
+    weight stream starts early."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH_K > 0:
+        lines = tl.arange(0, PREFETCH_K // 64) * 64  # one address per 128-byte line (bf16)
+        pre = W + offs_n[:, None] * s_wn + lines[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;",
+                                  "=r,l", [pre], dtype=tl.int32, is_pure=False, pack=1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     k_per = K // SPLIT_K
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -61,33 +72,6 @@ def _skinny_mm(X, W, Y, M, N, K, s_xm, s_wn, s_ym, BLOCK_M: tl.constexpr,
         tl.store(ptrs, acc.to(Y.dtype.element_ty), mask=offs_m[:, None] < M)
     else:
         tl.atomic_add(ptrs, acc, mask=offs_m[:, None] < M, sem="relaxed")
-
-
-@triton.jit
-def _pdl_mm(X, W, Y, M, N, K, s_xm, s_wn, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """_skinny_mm (SPLIT_K = 1) launched as a programmatic dependent: before waiting for the
-    kernel ahead (griddepcontrol.wait) it asks L2 for the first PREFETCH_K columns of its
-    weight rows — they do not depend on that kernel — so the weight stream starts early."""
-    pid_n = tl.program_id(0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH_K > 0:
-        lines = tl.arange(0, PREFETCH_K // 64) * 64  # one address per 128-byte line (bf16)
-        ptrs = W + offs_n[:, None] * s_wn + lines[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;",
-                                  "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        x = tl.load(X + offs_m[:, None] * s_xm + (k + offs_k)[None, :],
-                    mask=offs_m[:, None] < M, other=0.0)
-        w = tl.load(W + offs_n[:, None] * s_wn + (k + offs_k)[None, :])
-        acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(Y + offs_m[:, None] * s_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=offs_m[:, None] < M)
 
 
 @triton.jit
@@ -118,10 +102,10 @@ def chain(name, n, k, m, copy_gbps, configs) -> list[dict]:
     def ours(w, cfg, pdl, pref):
         block_n, block_k, stages = cfg
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        _pdl_mm[(n // block_n,)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-                                 BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n,
-                                 BLOCK_K=block_k, PREFETCH_K=pref, USE_PDL=pdl, num_warps=4,
-                                 num_stages=stages, launch_pdl=pdl)
+        _skinny_mm[(n // block_n, 1)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+                                      BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n,
+                                      BLOCK_K=block_k, SPLIT_K=1, PREFETCH_K=pref, USE_PDL=pdl,
+                                      num_warps=4, num_stages=stages, launch_pdl=pdl)
         return y
 
     def pairs(gemm, trigger):
@@ -171,7 +155,7 @@ def triton_linear(x, w, cfg):
     _skinny_mm[(n // block_n, split_k)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split_k, num_warps=4, num_stages=stages)
+        SPLIT_K=split_k, PREFETCH_K=0, USE_PDL=False, num_warps=4, num_stages=stages)
     return y
 
 

@@ -4,14 +4,14 @@ Owns the attention kernel and the launcher (kernels.md §6); the merge is `combi
 per-batch launch plan (config, splits, grid, scratch) `plan.py`, the tile helpers `tiles.py`.
 Kernel A (`_tree_attn_kernel`), grid (row-block r, request b · kv head h, part s) with r
 fastest, so the R row blocks of one KV chunk run side by side and share it through L2, and
-parts outermost, so
-the short tree-tail programs are scheduled after every prefix split (interleaved with them, a
-tail could hold an SM that a prefix split of a one-wave grid then waits for: 113 → 98 µs at 32k
-for 64-node trees on the H200). Rows are GQA-packed (new token, q head in group), head fastest,
-so each prefix K/V tile is read once per kv head for all rows of a block. Parts s < S are prefix
-splits: the split range is computed on device from ctx_lens (chunk = round_up(cdiv(span, S),
-BLOCK_N)); full prefix tiles carry no mask ops; empty splits write lse = −inf. Part s = S is the
-tree tail: the request's new tokens as keys under the ancestor bitmask (causal without one).
+parts outermost, so the short tree-tail programs are scheduled after every prefix split
+(interleaved with them, a tail could hold an SM that a prefix split of a one-wave grid then
+waits for: 113 → 98 µs at 32k for 64-node trees on the H200). Rows are GQA-packed (new
+token, q head in group), head fastest, so each prefix K/V tile is read once per kv head for all
+rows of a block. Parts s < S are prefix splits: the split range is computed on device from
+ctx_lens (chunk = round_up(cdiv(span, S), BLOCK_N)); full prefix tiles carry no mask ops; empty
+splits write lse = −inf. Part s = S is the tree tail: the request's new tokens as keys under the
+ancestor bitmask (causal without one).
 Every part writes a normalised fp32 partial O and its log2-domain LSE; kernel B merges them. On
 sm_90+ both kernels use programmatic dependent launch: each waits (griddepcontrol.wait) for the
 kernel before it, then lets the next one become resident, so their launch gaps overlap work.

@@ -53,12 +53,12 @@ def plan_launch(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, confi
         fix_interpreter_index()
     rows = max(batch.q_lens) * (hq // hkv)
     cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    arch = None if cap is None else arch_key(cap)
     longest = max(batch.ctx_lens) if max_ctx_len is None else max_ctx_len
     if config is None:
-        config = INTERPRET_CONFIG if cap is None else pick_config(arch_key(cap), d, rows,
-                                                                   q.element_size(), longest)
+        config = INTERPRET_CONFIG if arch is None else pick_config(arch, d, rows,
+                                                                    q.element_size(), longest)
     use_pdl = bool(opts.get("pdl", True)) and cap is not None and cap[0] >= 9
-    arch = None if cap is None else arch_key(cap)
     row_words = bool(opts.get("row_words", tail_row_words(arch, config)))
     nb = batch.batch_size
     row_blocks = triton.cdiv(rows, config.block_m)
