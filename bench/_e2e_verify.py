@@ -6,8 +6,11 @@ kernel on CUDA), then logits of every row and their argmax (what the acceptance 
 The prefix K/V are random values written straight into a paged pool (no 128k prefill); pages
 are randomly permuted, page_size from the CLI. Timed with CUDA events: median of `--reps` after
 warm-up. Next to it: the attention kernel alone (layer 0's pool × layers; L2-warm at short
-contexts, so only indicative there) and the floor
-max((all weight bytes + KV bytes) / copy BW, FLOPs / matmul rate) of this run's ceilings.
+contexts, so only indicative there) and two floors from this run's ceilings: issue 9's
+max((all weight bytes + KV bytes) / copy BW, FLOPs / matmul rate), and the dependent-op floor
+max(weight bytes / copy BW, GEMM FLOPs / matmul rate) + max(KV bytes / copy BW, attention FLOPs
+/ matmul rate) — each layer's GEMMs (memory-bound at these row counts) and its attention
+(compute-bound for big trees at long context) run one after the other, so their times add.
 """
 
 from __future__ import annotations
@@ -132,15 +135,20 @@ def _measure(b, kv, perm, ctx, batch, budget, bpt, graphs=None) -> dict:
         graph_ms = median(time_ms(_graph_step(graphs, layout, ctx, tables), a.reps, a.warmup,
                                   dev)) if graphs is not None else None
     rows = batch * (budget + 1)
-    bytes_ = b.weight_bytes() + batch * (ctx + budget + 1) * bpt
-    flops = (2 * (b.counts["total"] - b.counts["embed"]) * rows + b.attn_flops_per_pair()
-             * batch * ((budget + 1) * ctx + (budget + 1) ** 2 / 2))
-    floor, kind = b.floor_s(bytes_, flops)
+    kv_bytes = batch * (ctx + budget + 1) * bpt
+    dense = 2 * (b.counts["total"] - b.counts["embed"]) * rows
+    attn = b.attn_flops_per_pair() * batch * ((budget + 1) * ctx + (budget + 1) ** 2 / 2)
+    floor, kind = b.floor_s(b.weight_bytes() + kv_bytes, dense + attn)
+    # the dependent-op floor: a layer's GEMMs and its attention run one after the other, so
+    # each class meets its own bound (weights or their FLOPs; KV or attention FLOPs), summed
+    dep = b.floor_s(b.weight_bytes(), dense)[0] + b.floor_s(kv_bytes, attn)[0]
     best = graph_ms if graph_ms is not None else ms  # what the engine's decode step costs
     return dict(ms=ms, graph_ms=graph_ms, step_ms=best, attn_ms=attn_ms * c.num_layers,
                 host_build_ms=host_ms, floor_ms=floor * 1e3, bound=kind,
                 x_floor=best / (floor * 1e3), x_floor_eager=ms / (floor * 1e3),
-                weight_GB=b.weight_bytes() / 1e9, kv_GB=batch * ctx * bpt / 1e9, TFLOP=flops / 1e12)
+                floor_dep_ms=dep * 1e3, x_floor_dep=best / (dep * 1e3),
+                weight_GB=b.weight_bytes() / 1e9, kv_GB=batch * ctx * bpt / 1e9,
+                TFLOP=(dense + attn) / 1e12, attn_TFLOP=attn / 1e12)
 
 
 def _graph_step(graphs, layout, ctx, tables):
@@ -182,14 +190,16 @@ def table(sec: dict) -> str:
     growth_of = {(g["batch"], g["budget"]): g["growth"] for g in sec.get("growth", [])}
     top = sec.get("kv_pool", {}).get("max_ctx")
     lines = ["| ctx | batch | budget | rows | eager step ms | graph step ms | attn ms (all "
-             "layers) | floor ms | bound | × floor | growth ×(max/min ctx) |", "|" + "---|" * 11]
+             "layers) | floor ms | bound | × floor | dep. floor ms | × dep. floor | growth "
+             "×(max/min ctx) |", "|" + "---|" * 13]
     for r in sec.get("rows", []):
         lead = f"| {r['ctx']} | {r['batch']} | {r['budget']} | {r['rows']} "
         if "ms" not in r:
-            lines.append(lead + f"| {r.get('skipped') or r.get('error')} | | | | | | |")
+            lines.append(lead + f"| {r.get('skipped') or r.get('error')} | | | | | | | | |")
             continue
         g = growth_of.get((r["batch"], r["budget"])) if r["ctx"] == top else None
         lines.append(lead + f"| {r['ms']:.2f} | {_f(r.get('graph_ms'))} | {r['attn_ms']:.2f} | "
                      f"{r['floor_ms']:.2f} | "
-                     f"{r['bound']} | {r['x_floor']:.2f} | {'' if g is None else f'×{g:.2f}'} |")
+                     f"{r['bound']} | {r['x_floor']:.2f} | {_f(r.get('floor_dep_ms'))} | "
+                     f"{_f(r.get('x_floor_dep'))} | {'' if g is None else f'×{g:.2f}'} |")
     return "\n".join(lines)

@@ -88,9 +88,10 @@ def _merge_report(arch: int, head_dims: list[int], ptxas: str) -> list[dict]:
 
 
 def _combine_report(arch: int, head_dims: list[int], ptxas: str) -> list[dict]:
-    """The combine kernel per head_dim, one-shot and chunked (where 65 parts exceed BLOCK_S)."""
-    from kernels.tree_attention.combine import _combine_kernel
-    from kernels.tree_attention.configs import combine_block_s
+    """The combine kernels per head_dim: per row one-shot and chunked (where 65 parts exceed
+    BLOCK_S), and by row blocks."""
+    from kernels.tree_attention.combine import _combine_kernel, _combine_rows_kernel
+    from kernels.tree_attention.configs import COMBINE_BLOCK_R, combine_block_s
 
     report = []
     for head_dim in head_dims:
@@ -106,6 +107,11 @@ def _combine_report(arch: int, head_dims: list[int], ptxas: str) -> list[dict]:
             report.append(dict(kernel="_combine_kernel", arch=arch, head_dim=head_dim,
                                dtype="bf16", variant=str(cons), **got))
             print(report[-1], flush=True)
+        cons = dict(HEAD_DIM=head_dim, BLOCK_R=COMBINE_BLOCK_R, USE_PDL=True)
+        got = _compile(_combine_rows_kernel, "bf16", cons, 4, 2, arch, ptxas)
+        report.append(dict(kernel="_combine_rows_kernel", arch=arch, head_dim=head_dim,
+                           dtype="bf16", variant=str(cons), **got))
+        print(report[-1], flush=True)
     return report
 
 

@@ -108,6 +108,24 @@ def combine_block_s(parts: int, head_dim: int, fixed: bool = True) -> tuple[int,
     return min(lse_block, max(1, 8192 // head_dim)), lse_block
 
 
+# The row-block combine (combine.py `_combine_rows_kernel`) for plans of ≤ this many parts, 4
+# (token, head) rows a program. H200 (bench/diag_layout.py, runs 5-6), µs a call, per-row →
+# row-block combine: 5 parts (1k-4k contexts, S = 4) 20.9 → 15.7 at 65 nodes, 14.2 → 10.7 at
+# 17, 37.0 → 31.7 at 4k; 9 parts (32k, 64 nodes) 95.0 → 92.5; 12 parts (128k, 65 nodes) 481.5
+# → 480.1; 33 parts (32k, S = 32) 44.6 → 61.3 — its loop over the parts is serial.
+COMBINE_ROWS_MAX_PARTS = 12
+COMBINE_BLOCK_R = 4
+
+
+def combine_rows_block(parts: int, override: int | None = None) -> int | None:
+    """Rows per program of the row-block combine for `parts` parts, or None: the per-row
+    combine. `override` (launcher option "combine_rows", A/B runs): 0 forces the per-row
+    kernel, n > 0 blocks of n rows."""
+    if override is not None:
+        return int(override) or None
+    return COMBINE_BLOCK_R if parts <= COMBINE_ROWS_MAX_PARTS else None
+
+
 def rows_bucket(rows: int) -> int:
     """The table bucket of `rows` packed query rows."""
     for bucket in ROW_BUCKETS:

@@ -12,9 +12,10 @@ rows of a block. Parts s < S are prefix splits: the split range is computed on d
 ctx_lens (chunk = round_up(cdiv(span, S), BLOCK_N)); full prefix tiles carry no mask ops; empty
 splits write lse = −inf. Part s = S is the tree tail: the request's new tokens as keys under the
 ancestor bitmask (causal without one).
-Every part writes a normalised fp32 partial O and its log2-domain LSE; kernel B merges them. On
-sm_90+ both kernels use programmatic dependent launch: each waits (griddepcontrol.wait) for the
-kernel before it, then lets the next one become resident, so their launch gaps overlap work.
+Every part writes a normalised fp32 partial O and its log2-domain LSE; kernel B merges them
+(combine.py: by blocks of rows for plans of few parts, by row for many). On sm_90+ both use
+programmatic dependent launch: each waits (griddepcontrol.wait) for the kernel before it, then
+lets the next one become resident, so their launch gaps overlap work.
 Scores live in the log2 domain (q pre-scaled by scale·log2 e), accumulation is fp32.
 
 Pipelining: K/V addresses come from a block-table load, and Triton's pipeliner splits num_stages
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.tree_attention import check_inputs
-from kernels.tree_attention.combine import combine
+from kernels.tree_attention.combine import combine, combine_rows
 from kernels.tree_attention.configs import Config
 from kernels.tree_attention.plan import plan_launch, scratch
 from kernels.tree_attention.tiles import _dot, _load_q, _online_update, _prefix_tile
@@ -214,7 +215,7 @@ def tree_attention_triton(
     max_ctx_len: int | None = None,
     config: Config | None = None,
     out: torch.Tensor | None = None,  # [T, Hq, D] written in place when given
-    options: dict | None = None,  # {"pdl": False}: no programmatic dependent launch (A/B runs)
+    options: dict | None = None,  # A/B runs: plan.OPTIONS (e.g. {"pdl": False})
 ) -> torch.Tensor:  # [T, Hq, D]
     """Tree-verify attention; see the module docstring.
 
@@ -261,5 +262,8 @@ def tree_attention_triton(
         DOT_PREC=plan.dot_prec, ROW_WORDS=plan.row_words, USE_PDL=plan.use_pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=plan.use_pdl,
     )
-    combine(o_part, lse_part, out, plan.parts, plan.block_s, plan.lse_block, plan.use_pdl)
+    if plan.combine_rows is not None:
+        combine_rows(o_part, lse_part, out, plan.parts, plan.combine_rows, plan.use_pdl)
+    else:
+        combine(o_part, lse_part, out, plan.parts, plan.block_s, plan.lse_block, plan.use_pdl)
     return out

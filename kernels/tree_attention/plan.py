@@ -19,6 +19,7 @@ from kernels.tree_attention.configs import (
     Config,
     arch_key,
     combine_block_s,
+    combine_rows_block,
     ctas_per_sm,
     default_num_splits,
     pick_config,
@@ -26,6 +27,12 @@ from kernels.tree_attention.configs import (
     tail_block_n,
     tail_row_words,
 )
+
+# Launcher options (A/B runs; the defaults are the measured choices): "pdl" — programmatic
+# dependent launch on sm_90+; "row_words" — the tree tail's mask load (configs.tail_row_words);
+# "combine_rows" — rows per program of the row-block combine, 0 for the per-row kernel
+# (configs.combine_rows_block).
+OPTIONS = ("pdl", "row_words", "combine_rows")
 
 
 @dataclass(frozen=True)
@@ -43,10 +50,14 @@ class Plan:
     lse_block: int
     use_pdl: bool  # programmatic dependent launch (sm_90+): launch gaps hidden
     row_words: bool  # the tree tail's mask: one word per row per tile (configs.tail_row_words)
+    combine_rows: int | None  # rows per program of the row-block combine; None: per-row kernel
     tree: torch.Tensor  # the batch's tree mask, or a dummy (cu_q) when causal
 
 
 def plan_launch(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, config, opts) -> Plan:
+    unknown = set(opts) - set(OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown tree-attention options {sorted(unknown)}; known: {OPTIONS}")
     t, hq, d = q.shape
     hkv = k_pool.shape[2]
     if not q.is_cuda:
@@ -74,6 +85,7 @@ def plan_launch(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, confi
                  window=int(sliding_window) if sliding_window is not None else 0,
                  dot_prec=dot_prec, tail_n=tail_block_n(config), block_s=block_s,
                  lse_block=lse_block, use_pdl=use_pdl, row_words=row_words,
+                 combine_rows=combine_rows_block(parts, opts.get("combine_rows")),
                  tree=batch.tree_mask if batch.tree_mask is not None else batch.cu_q)
 
 

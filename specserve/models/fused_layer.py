@@ -7,7 +7,8 @@ RMSNorm kernel adds them as it reads them (`add_rms_norm`: x_new = x + residual,
 every add of the residual stream happens inside a norm kernel — the next layer's input norm, the
 post-attention norm, the final norm. A tapped layer's output is added (materialised) there, as
 the drafter reads it. Per layer: input norm, q|k|v GEMM, `qk_norm_rope_kv` (q/k norm, RoPE,
-K/V cache write), attention, o_proj, post-attention norm, gate|up GEMM, `silu_mul`, down GEMM.
+K/V cache write), attention, o_proj, post-attention norm, gate|up GEMM, `silu_mul`, down GEMM
+(through cuBLASLt at the row counts where that was measured faster: `down_proj`).
 
 A layer the fused kernels do not cover — projections not fused (`fuse_projections` not called),
 q and k norms with different eps, a cache dtype other than the activations' — runs the torch
@@ -85,5 +86,25 @@ def _layer_fused(ops: FusedOps, layer: DecoderLayer, f: _Fused, x, res, cos, sin
     attn_out = F.linear(o.reshape(t, -1), a.o_proj.weight, a.o_proj.bias)
     ln = layer.post_attention_layernorm
     h, x = ops.add_rms_norm(attn_out, x, ln.weight, ln.eps)  # x + attention, normalised
-    mlp_out = F.linear(ops.silu_mul(F.linear(h, f.gate_up_w)), layer.mlp.down_proj.weight)
+    mlp_out = down_proj(ops.silu_mul(F.linear(h, f.gate_up_w)), layer.mlp.down_proj.weight)
     return mlp_out, x
+
+
+# Rows for which the down projection goes through cuBLASLt: on the H200 (bench/diag_gemm.py,
+# Qwen3-8B shape, K = 12288, N = 4096) it takes 33.5-34.4 µs there at 64-80 rows vs 36.5-37.9
+# through torch's default choice (a split-K kernel + its reduce); at 17 rows 35.3 vs 34.8, at
+# 128 the same; q|k|v, o and gate|up are the same either way.
+LT_DOWN_ROWS = range(64, 97)
+
+
+def down_proj(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)`; on CUDA for LT_DOWN_ROWS rows through cuBLASLt (torch's preferred
+    BLAS library switched for this call only — also inside CUDA-graph capture)."""
+    if not x.is_cuda or x.shape[0] not in LT_DOWN_ROWS:
+        return F.linear(x, weight)
+    prev = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return F.linear(x, weight)
+    finally:
+        torch.backends.cuda.preferred_blas_library(prev)

@@ -288,3 +288,24 @@ class TestGPU:
         for out, want in pairs:
             err = ((out.float() - want.float()).norm() / want.float().norm()).item()
             assert err <= 2e-3, err
+
+
+@pytest.mark.parametrize("rows", [7, 65])
+def test_down_proj_is_the_linear_and_restores_the_blas_choice(rows):
+    """`down_proj` = F.linear (through cuBLASLt on CUDA at 64-96 rows: the fp64 product within
+    bf16 rounding there) and leaves torch's preferred BLAS library as it found it, also when the
+    GEMM raises."""
+    from specserve.models.fused_layer import LT_DOWN_ROWS, down_proj
+
+    gen = torch.Generator().manual_seed(rows)
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    x, w = randn(rows, 96, gen=gen, dtype=dtype), randn(80, 96, gen=gen, scale=0.2, dtype=dtype)
+    before = torch.backends.cuda.preferred_blas_library()
+    got = down_proj(x, w)
+    want = (x.double() @ w.double().T).to(dtype)
+    assert (got.double() - want.double()).abs().max() <= 2e-2 * want.double().abs().max()
+    assert torch.backends.cuda.preferred_blas_library() == before
+    with pytest.raises(RuntimeError):
+        down_proj(x, w[:, :95])
+    assert torch.backends.cuda.preferred_blas_library() == before
+    assert (rows in LT_DOWN_ROWS) == (rows == 65)

@@ -167,6 +167,8 @@ def test_launcher_validation():
         tree_attention_triton(q, k, v, batch, 1.0, sliding_window=0)
     with pytest.raises(ValueError, match="num_splits"):
         tree_attention_triton(q, k, v, batch, 1.0, num_splits=0)
+    with pytest.raises(ValueError, match="unknown tree-attention options"):  # a typo, not a no-op
+        tree_attention_triton(q, k, v, batch, 1.0, options={"combine_row": 4})
 
 
 def test_sm120_configs_compile_and_fit(tmp_path):
@@ -279,6 +281,42 @@ def test_combine_chunked_and_one_shot(parts, block_s):
     w = torch.softmax(lse[:parts].double() * np.log(2), dim=0)  # log2-domain LSEs
     ref = (w[..., None] * o_part[:parts].double().nan_to_num(0.0)).sum(0)
     assert torch.allclose(out.double().cpu(), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("parts,block_r", [(5, 4), (3, 2), (1, 4)])
+def test_combine_rows_matches_softmax_weighting(parts, block_r):
+    """The row-block combine (rows not a multiple of the block) against softmax weighting in
+    float64: an empty part (LSE −inf, O poisoned with NaN) adds nothing although its O is
+    loaded; the 2 parts past `parts` (NaN O, huge LSE) are never read."""
+    from kernels.tree_attention.combine import combine_rows
+
+    g = torch.Generator().manual_seed(parts + 10)
+    t, hq, d = 3, 5, 16  # 15 rows
+    o_part = torch.randn(parts + 2, t, hq, d, generator=g)
+    lse = torch.randn(parts + 2, t, hq, generator=g) * 4
+    o_part[parts:], lse[parts:] = float("nan"), 1e4
+    if parts > 1:
+        lse[1, 0], o_part[1, 0] = float("-inf"), float("nan")
+    out = torch.full((t, hq, d), float("nan"), device=DEV)
+    combine_rows(o_part.to(DEV), lse.to(DEV), out, parts, block_r, use_pdl=False)
+    w = torch.softmax(lse[:parts].double() * np.log(2), dim=0)
+    ref = (w[..., None] * o_part[:parts].double().nan_to_num(0.0)).sum(0)
+    assert torch.allclose(out.double().cpu(), ref, atol=1e-5)
+
+
+def test_launcher_uses_both_combines():
+    """Plans of ≤ COMBINE_ROWS_MAX_PARTS parts merge by row blocks, larger ones by row; both
+    give the fp64 answer through the launcher (10 splits + the tail = 11 parts)."""
+    from kernels.tree_attention.configs import COMBINE_BLOCK_R, COMBINE_ROWS_MAX_PARTS
+
+    q, k, v, batch = make_case(5, [61, 30], [7, 4], 16, 4, 1, 16, torch.float32)
+    ref = tree_attention_ref(q, k, v, batch, 0.25, None, fp64=True)
+    for splits, want in ((2, COMBINE_BLOCK_R), (COMBINE_ROWS_MAX_PARTS + 2, None)):
+        out = torch.full_like(q, float("nan"))
+        tree_attention_triton(q, k, v, batch, 0.25, num_splits=splits, out=out)
+        check(out, ref, torch.float32)
+        plans = [p for key, p in batch.memo.items() if key[0] == "plan" and key[6] == splits]
+        assert [p.combine_rows for p in plans] == [want]
 
 
 def test_plan_choices_follow_the_measured_table():

@@ -47,6 +47,9 @@ def test_verify_rows(tiny_run):
     skipped = [r for r in rows if "skipped" in r]
     assert all(r["ms"] > 0 and r["floor_ms"] > 0 and r["x_floor"] > 0 and r["rows"] ==
                r["batch"] * (r["budget"] + 1) for r in measured)
+    # max(a + b, c + d) ≤ max(a, c) + max(b, d): the dependent-op floor is never below the other
+    assert all(r["floor_dep_ms"] >= r["floor_ms"] * (1 - 1e-9) and r["x_floor_dep"] <=
+               r["x_floor"] * (1 + 1e-9) and 0 < r["attn_TFLOP"] < r["TFLOP"] for r in measured)
     # the KV budget holds 6 requests at the longest context: batch 8 there is skipped
     assert skipped and all(r["batch"] == 8 and r["ctx"] == 256 for r in skipped)
     assert ver["kv_pool"]["max_batch_at_max_ctx"] == 6
