@@ -112,6 +112,9 @@ def combine_rows(o_part, lse_part, out, parts: int, block_r: int, use_pdl: bool)
     if not out.is_cuda:
         fix_interpreter_index()
     t, hq, d = out.shape
+    if not (out.is_contiguous() and o_part.stride()[1:] == (hq * d, d, 1)
+            and lse_part.stride()[1:] == (hq, 1)):
+        raise ValueError("combine_rows needs out and each part of o_part / lse_part contiguous")
     n_rows = t * hq
     _combine_rows_kernel[(triton.cdiv(n_rows, block_r),)](
         o_part, lse_part, out, parts, n_rows, o_part.stride(0), lse_part.stride(0),

@@ -261,14 +261,18 @@ def test_strided_q_rows_and_per_batch_memo():
         tree_attention_triton(gapped, k, v, batch, 0.25)
 
 
-@pytest.mark.parametrize("parts,block_s", [(7, 4), (5, 8), (1, 2)])
-def test_combine_chunked_and_one_shot(parts, block_s):
-    """The LSE merge against softmax weighting in float64, both in one load (parts ≤ BLOCK_S)
-    and in chunks of BLOCK_S parts. An empty split (LSE −inf, O poisoned with NaN) adds nothing
-    and its O is not read; the 2 parts past `parts` (NaN O, huge LSE) must not be read."""
-    from kernels.tree_attention.combine import combine
+@pytest.mark.parametrize("kernel,parts,block", [("per_row", 7, 4), ("per_row", 5, 8),
+                                                ("per_row", 1, 2), ("rows", 5, 4),
+                                                ("rows", 3, 2), ("rows", 1, 4)])
+def test_combines_match_softmax_weighting(kernel, parts, block):
+    """Both LSE merges against softmax weighting in float64 over 15 (token, head) rows: the
+    per-row kernel in one load (parts ≤ BLOCK_S) and in chunks of BLOCK_S parts, the row-block
+    kernel with blocks that do not divide the rows. An empty part (LSE −inf, O poisoned with
+    NaN) adds nothing (the per-row kernel does not read its O, the row-block one discards it);
+    the 2 parts past `parts` (NaN O, huge LSE) must not be read."""
+    from kernels.tree_attention.combine import combine, combine_rows
 
-    g = torch.Generator().manual_seed(parts)
+    g = torch.Generator().manual_seed(parts + 10 * (kernel == "rows"))
     t, hq, d = 3, 5, 16
     o_part = torch.randn(parts + 2, t, hq, d, generator=g)
     lse = torch.randn(parts + 2, t, hq, generator=g) * 4
@@ -276,30 +280,14 @@ def test_combine_chunked_and_one_shot(parts, block_s):
     if parts > 1:
         lse[1, 0], o_part[1, 0] = float("-inf"), float("nan")
     out = torch.full((t, hq, d), float("nan"), device=DEV)
-    combine(o_part.to(DEV), lse.to(DEV), out, parts, block_s,
-            max(2, 1 << (parts - 1).bit_length()), use_pdl=False)
+    if kernel == "rows":
+        combine_rows(o_part.to(DEV), lse.to(DEV), out, parts, block, use_pdl=False)
+        with pytest.raises(ValueError, match="contiguous"):  # rows are read as one flat block
+            combine_rows(o_part.to(DEV)[:, :, ::2], lse.to(DEV), out, parts, block, False)
+    else:
+        combine(o_part.to(DEV), lse.to(DEV), out, parts, block,
+                max(2, 1 << (parts - 1).bit_length()), use_pdl=False)
     w = torch.softmax(lse[:parts].double() * np.log(2), dim=0)  # log2-domain LSEs
-    ref = (w[..., None] * o_part[:parts].double().nan_to_num(0.0)).sum(0)
-    assert torch.allclose(out.double().cpu(), ref, atol=1e-5)
-
-
-@pytest.mark.parametrize("parts,block_r", [(5, 4), (3, 2), (1, 4)])
-def test_combine_rows_matches_softmax_weighting(parts, block_r):
-    """The row-block combine (rows not a multiple of the block) against softmax weighting in
-    float64: an empty part (LSE −inf, O poisoned with NaN) adds nothing although its O is
-    loaded; the 2 parts past `parts` (NaN O, huge LSE) are never read."""
-    from kernels.tree_attention.combine import combine_rows
-
-    g = torch.Generator().manual_seed(parts + 10)
-    t, hq, d = 3, 5, 16  # 15 rows
-    o_part = torch.randn(parts + 2, t, hq, d, generator=g)
-    lse = torch.randn(parts + 2, t, hq, generator=g) * 4
-    o_part[parts:], lse[parts:] = float("nan"), 1e4
-    if parts > 1:
-        lse[1, 0], o_part[1, 0] = float("-inf"), float("nan")
-    out = torch.full((t, hq, d), float("nan"), device=DEV)
-    combine_rows(o_part.to(DEV), lse.to(DEV), out, parts, block_r, use_pdl=False)
-    w = torch.softmax(lse[:parts].double() * np.log(2), dim=0)
     ref = (w[..., None] * o_part[:parts].double().nan_to_num(0.0)).sum(0)
     assert torch.allclose(out.double().cpu(), ref, atol=1e-5)
 
