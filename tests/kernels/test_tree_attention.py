@@ -303,7 +303,7 @@ def test_launcher_uses_both_combines():
         out = torch.full_like(q, float("nan"))
         tree_attention_triton(q, k, v, batch, 0.25, num_splits=splits, out=out)
         check(out, ref, torch.float32)
-        plans = [p for key, p in batch.memo.items() if key[0] == "plan" and key[6] == splits]
+        plans = [p for key, p in batch.memo.items() if key[0] == "plan" and p.parts == splits + 1]
         assert [p.combine_rows for p in plans] == [want]
 
 
