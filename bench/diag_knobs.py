@@ -1,15 +1,20 @@
 """A/B of module-level knobs on the verify step, on the GPU (issue 9).
 
 A knob is a module attribute that a forward reads at launch time (e.g.
-`kernels.fused.kernel.PDL_MODE`). Each variant sets some knobs; per (ctx, rows) the verify step
-— random Qwen3-8B-shape target, bf16, page 16, one random tree: forward + logits + argmax in one
-CUDA graph, captured per variant — is timed for every variant, the variants alternated over
-rounds (shared machines drift); logits compared bitwise with the first variant's; per-kernel
-GPU µs from torch.profiler over graph replays (kernels whose names match --kernels).
+`specserve.models.fused_layer.LT_DOWN_ROWS`). Each variant sets some knobs. Per (ctx, rows),
+the verify step (random Qwen3-8B-shape target, bf16, page 16, one random tree; forward + logits
++ argmax in one CUDA graph, captured per variant) is timed for every variant, the variants
+alternated over rounds (shared machines drift); logits are compared bitwise with the first
+variant's; per-kernel GPU µs come from torch.profiler over graph replays (kernel names matching
+--kernels).
 
-    python3 bench/diag_knobs.py --variants "{'off': {'kernels.fused.kernel.PDL_MODE': None},
-        'early': {'kernels.fused.kernel.PDL_MODE': 'early'}}" [--ctxs 1024,32768,131072]
-        [--rows 17,65] [--rounds 3] [--out $OUT/diag_knobs.json]
+    python3 bench/diag_knobs.py --variants "{'lt': {}, 'default': {
+        'specserve.models.fused_layer.LT_DOWN_ROWS': range(0)}}" [--ctxs 1024,32768,131072]
+        [--rows 17,65] [--rounds 3] [--kernels REGEX] [--out $OUT/diag_knobs.json]
+
+(Values are Python literals, `range(a, b)` included.) Run 1 (raw
+`bench/results/diag_knobs_h200_run1_fused_pdl.json`) A/B'd a PDL knob of the fused layer
+kernels that commit 532d230 had and the next one removed.
 """
 
 from __future__ import annotations
@@ -37,6 +42,22 @@ from profile_step import build_target, make_runner  # noqa: E402
 
 from specserve.attention.base import AttnBatch  # noqa: E402
 from specserve.spec.tree import verify_layout  # noqa: E402
+
+_LITERAL_NODES = (ast.Expression, ast.Dict, ast.Tuple, ast.List, ast.Set, ast.Constant, ast.Load,
+                  ast.UnaryOp, ast.USub)
+
+
+def _literal(text: str):
+    """A Python literal, where `range(a[, b])` may stand for a value."""
+    tree = ast.parse(text, mode="eval")
+    for node in ast.walk(tree):
+        ok = isinstance(node, _LITERAL_NODES) or (isinstance(node, ast.Name)
+                                                  and node.id == "range")
+        if isinstance(node, ast.Call):
+            ok = isinstance(node.func, ast.Name) and node.func.id == "range"
+        if not ok:
+            raise ValueError(f"only literals and range(...) in --variants: {ast.unparse(node)}")
+    return eval(compile(tree, "<variants>", "eval"), {"__builtins__": {"range": range}})
 
 
 def set_knobs(knobs: dict) -> dict:
@@ -102,7 +123,7 @@ def main() -> None:
     ap.add_argument("--kernels", default=".", help="regex of kernel names to report")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "diag_knobs.json"))
     args = ap.parse_args()
-    variants = ast.literal_eval(args.variants)
+    variants = _literal(args.variants)
     for knobs in variants.values():
         set_knobs(set_knobs(knobs))  # every knob exists (ValueError now, not mid-run)
     a = argparse.Namespace(tiny=False, layers=None, device="cuda", std=0.02, page_size=16,

@@ -47,24 +47,12 @@ def _rstd(x, n, eps, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _pdl_prologue(USE_PDL: tl.constexpr, TRIGGER: tl.constexpr):
-    """Launched as a programmatic dependent: wait for the kernel before (its writes visible)
-    before touching memory; TRIGGER: then let the next PDL kernel become resident."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
 def _add_rms_norm_kernel(
     X, R, W, H, XNew,  # pointers: [T, N] x, residual, out h, out x + residual; [N] weight
     n_cols, eps,
     stride_x, stride_r, stride_h, stride_xn,
     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
-    USE_PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):
-    _pdl_prologue(USE_PDL, TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     dt: tl.constexpr = X.dtype.element_ty
     cols = tl.arange(0, BLOCK)
@@ -87,9 +75,7 @@ def _qk_norm_rope_kv_kernel(
     stride_qkv, stride_cos, stride_sin, stride_slot,
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, INTERPRET: tl.constexpr,
-    USE_PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):
-    _pdl_prologue(USE_PDL, TRIGGER)
     t = tl.program_id(0).to(tl.int64)
     dt: tl.constexpr = QKV.dtype.element_ty
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] of q | k | v
@@ -130,10 +116,8 @@ def _silu_mul_kernel(
     GU, Out,  # pointers: [T, 2I] gate | up, [T, I] out
     n_inter,
     stride_gu, stride_out,
-    BLOCK: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    _pdl_prologue(USE_PDL, TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     dt: tl.constexpr = GU.dtype.element_ty
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -152,23 +136,6 @@ def _check_rows(name: str, x: torch.Tensor) -> None:
     if x.dim() != 2 or x.dtype not in _DTYPES or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"{name} must be [T, N] with contiguous rows in {_DTYPES}, got "
                          f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
-
-
-# Programmatic dependent launch of the three kernels (sm_90+): None (off), "wait" (launched
-# early, each waits for the kernel before it) or "early" ("wait", then each lets the next PDL
-# kernel — the attention after qk_norm_rope_kv — become resident at once).
-PDL_MODE: str | None = None
-_CAPS: dict[torch.device, tuple[int, int]] = {}
-
-
-def _pdl(x: torch.Tensor) -> dict:
-    """The launch's PDL constexprs and flag for tensors on x's device."""
-    on = PDL_MODE is not None and x.is_cuda
-    if on:
-        cap = _CAPS.get(x.device) or _CAPS.setdefault(x.device,
-                                                       torch.cuda.get_device_capability(x.device))
-        on = cap[0] >= 9
-    return dict(USE_PDL=on, TRIGGER=on and PDL_MODE == "early", launch_pdl=on)
 
 
 def _interpret(x: torch.Tensor) -> bool:
@@ -205,7 +172,7 @@ def add_rms_norm(
         x, r, weight, h, x_new, n, eps,
         x.stride(0), r.stride(0), h.stride(0), x_new.stride(0),
         HAS_RES=residual is not None, BLOCK=block, INTERPRET=_interpret(x),
-        num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False, **_pdl(x),
+        num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False,
     )
     return h, x_new
 
@@ -265,7 +232,7 @@ def qk_norm_rope_kv(
         qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(1),
         HQ=hq, HKV=hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h,
         HAS_NORM=norm_w is not None, INTERPRET=_interpret(qkv), num_warps=4,
-        enable_fp_fusion=False, **_pdl(qkv),
+        enable_fp_fusion=False,
     )
     return q
 
@@ -283,6 +250,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     _silu_mul_kernel[(t, triton.cdiv(n // 2, block))](
         gate_up, out, n // 2, gate_up.stride(0), out.stride(0),
         BLOCK=block, INTERPRET=_interpret(gate_up), num_warps=4, enable_fp_fusion=False,
-        **_pdl(gate_up),
     )
     return out

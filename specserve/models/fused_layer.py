@@ -8,10 +8,7 @@ every add of the residual stream happens inside a norm kernel — the next layer
 post-attention norm, the final norm. A tapped layer's output is added (materialised) there, as
 the drafter reads it. Per layer: input norm, q|k|v GEMM, `qk_norm_rope_kv` (q/k norm, RoPE,
 K/V cache write), attention, o_proj, post-attention norm, gate|up GEMM, `silu_mul`, down GEMM
-(through cuBLASLt at the row counts where that was measured faster: `down_proj`). On Hopper,
-o_proj's weight is prefetched into L2 on a side stream while RoPE, attention and the combine run
-(`O_PREFETCH_AT`; `kernels/fused/prefetch.py`): at short context those are latency-bound and
-DRAM is idle, so the o GEMM then reads its weight from L2.
+(through cuBLASLt at the row counts where that was measured faster: `down_proj`).
 
 A layer the fused kernels do not cover — projections not fused (`fuse_projections` not called),
 q and k norms with different eps, a cache dtype other than the activations' — runs the torch
@@ -80,15 +77,12 @@ def _layer_fused(ops: FusedOps, layer: DecoderLayer, f: _Fused, x, res, cos, sin
     a, t = layer.self_attn, x.shape[0]
     ln = layer.input_layernorm
     h, x = ops.add_rms_norm(x, res, ln.weight, ln.eps)  # x: the layer's input, materialised
-    side = _fork_prefetch(a.o_proj.weight, t, "qkv")
     qkv = F.linear(h, f.qkv_w, f.qkv_b)  # [T, (Hq + 2·Hkv)·D], bias in the GEMM
-    side = side or _fork_prefetch(a.o_proj.weight, t, "rope")
     eps = a.q_norm.eps if a.q_norm is not None else 0.0
     k_cache, v_cache = kv.k[a.layer], kv.v[a.layer]
     q = ops.qk_norm_rope_kv(qkv, f.qk_norm_w, cos, sin, batch.slot_mapping, k_cache, v_cache,
                             a.num_heads, a.num_kv_heads, eps)
     o = attn_fn(q, k_cache, v_cache, batch, a.scale, a.window)
-    _join(side)
     attn_out = F.linear(o.reshape(t, -1), a.o_proj.weight, a.o_proj.bias)
     ln = layer.post_attention_layernorm
     h, x = ops.add_rms_norm(attn_out, x, ln.weight, ln.eps)  # x + attention, normalised
@@ -114,39 +108,3 @@ def down_proj(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
     finally:
         torch.backends.cuda.preferred_blas_library(prev)
-
-
-# Where o_proj's L2 prefetch forks off the layer's stream: "rope" (after the q|k|v GEMM, so it
-# does not compete with that GEMM for DRAM), "qkv" (before it) or None (no prefetch). Only for
-# forwards of ≤ PREFETCH_MAX_ROWS rows (verify / decode steps; a prefill's GEMMs are compute-bound).
-O_PREFETCH_AT: str | None = None
-PREFETCH_MAX_ROWS = 512
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
-_CAN_PREFETCH: dict[torch.device, bool] = {}
-
-
-def _fork_prefetch(weight: torch.Tensor, rows: int, at: str) -> torch.cuda.Stream | None:
-    """If the prefetch forks `at` here: launch it on the side stream after the work queued so
-    far (also inside CUDA-graph capture: a branch of the graph) and return that stream."""
-    if at != O_PREFETCH_AT or rows > PREFETCH_MAX_ROWS or not weight.is_cuda:
-        return None
-    dev = weight.device
-    if dev not in _CAN_PREFETCH:
-        from kernels.fused import prefetch, triton_available
-
-        _CAN_PREFETCH[dev] = triton_available() and prefetch.supported(dev)
-    if not _CAN_PREFETCH[dev]:
-        return None
-    from kernels.fused.prefetch import l2_prefetch
-
-    side = _SIDE.get(dev) or _SIDE.setdefault(dev, torch.cuda.Stream(dev))
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        l2_prefetch(weight)
-    return side
-
-
-def _join(side: torch.cuda.Stream | None) -> None:
-    """The layer's stream waits for the prefetch branch (a graph's branches must rejoin)."""
-    if side is not None:
-        torch.cuda.current_stream(side.device).wait_stream(side)

@@ -138,3 +138,27 @@ def test_plot_of_the_committed_h200_result(tmp_path):
                            str(png)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_diag_knobs_parses_variants_and_sets_knobs_back():
+    """bench/diag_knobs.py (GPU-only) evaluates --variants: literals and range() only; a knob
+    that does not exist fails before the run, and set_knobs returns what it replaced."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from diag_knobs import _literal, set_knobs
+    finally:
+        sys.path.remove(str(BENCH))
+    from specserve.models import fused_layer
+
+    got = _literal("{'a': {'specserve.models.fused_layer.LT_DOWN_ROWS': range(3, 5)}, 'b': {}}")
+    assert got == {"a": {"specserve.models.fused_layer.LT_DOWN_ROWS": range(3, 5)}, "b": {}}
+    for bad in ("{'a': __import__('os')}", "{'a': ().__class__}", "{'a': [x for x in ()]}"):
+        with pytest.raises(ValueError, match="only literals"):
+            _literal(bad)
+    before = fused_layer.LT_DOWN_ROWS
+    old = set_knobs(got["a"])
+    assert range(3, 5) == fused_layer.LT_DOWN_ROWS
+    set_knobs(old)
+    assert fused_layer.LT_DOWN_ROWS is before
+    with pytest.raises(ValueError, match="no knob"):
+        set_knobs({"specserve.models.fused_layer.NOT_A_KNOB": 1})
