@@ -126,29 +126,6 @@ def combine_rows_block(parts: int, override: int | None = None) -> int | None:
     return COMBINE_BLOCK_R if parts <= COMBINE_ROWS_MAX_PARTS else None
 
 
-# REM_M on sm_90 for 128-row blocks (kernel.py, parts.py): off — on the H200 the carried rows
-# made 65-node trees slower (32k 138.7 → 220.1 µs, 128k 489 → 727; diag_layout run 9)
-REMAINDER_ROWS = 0
-
-
-def remainder_rows(arch: int | None, cfg: Config, sliding: bool,
-                   override: int | None = None) -> int:
-    """REM_M of a plan: a request whose packed rows end ≤ REM_M rows past a full row block has
-    them carried by a full block (one extra 16-row dot per K/V tile there) instead of a block
-    of its own streaming the prefix again; 0: off. On sm_90 for 128-row blocks without a
-    sliding window. `override` (launcher option "rem_rows", A/B runs and tests): 0 or a power
-    of two ≥ 16 below BLOCK_M (any power of two below it under the CPU interpreter)."""
-    if override is None:
-        on = REMAINDER_ROWS and arch == 90 and cfg.block_m == 128 and not sliding
-        return REMAINDER_ROWS if on else 0
-    n = int(override)
-    low = 1 if arch is None else 16
-    if n and (sliding or n & (n - 1) or not low <= n < cfg.block_m):
-        raise ValueError(f"rem_rows must be 0 or a power of two in [{low}, {cfg.block_m}) "
-                         f"without a sliding window, got {override}")
-    return n
-
-
 def rows_bucket(rows: int) -> int:
     """The table bucket of `rows` packed query rows."""
     for bucket in ROW_BUCKETS:

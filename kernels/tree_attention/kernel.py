@@ -33,9 +33,8 @@ import triton.language as tl
 from kernels.tree_attention import check_inputs
 from kernels.tree_attention.combine import combine, combine_rows
 from kernels.tree_attention.configs import Config
-from kernels.tree_attention.parts import _prefix_split, _prefix_split_rem, _tree_tail
 from kernels.tree_attention.plan import plan_launch, scratch
-from kernels.tree_attention.tiles import _load_q
+from kernels.tree_attention.tiles import _dot, _load_q, _online_update, _prefix_tile
 
 LOG2E = 1.4426950408889634
 LAST_LAUNCH: dict = {}  # the last compiled kernels launched (benchmarks read n_regs / spills)
@@ -53,7 +52,7 @@ def _tree_attn_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
     HAS_TREE: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROW_WORDS: tl.constexpr, USE_PDL: tl.constexpr, REM_M: tl.constexpr,
+    ROW_WORDS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel before
         tl.extra.cuda.gdc_wait()
@@ -66,26 +65,13 @@ def _tree_attn_kernel(
     q0 = tl.load(CuQ + b)
     q_len = tl.load(CuQ + b + 1) - q0
     row0 = rb * BLOCK_M
-    rows_b = q_len * GROUP
-    args = (Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart, sm_scale_log2,
-            window, b, h, q0, q_len, row0, part, tl.num_programs(2) - 1, stride_qt, stride_qh,
-            stride_kp, stride_ks, stride_kh, stride_bt, stride_mt, stride_os, stride_ot,
-            stride_oh, stride_ls, stride_lt)
-    if REM_M > 0:  # remainder rows ride along with full row block `part mod full blocks`
-        n_full = rows_b // BLOCK_M
-        rem = rows_b - n_full * BLOCK_M
-        has_rem = (n_full > 0) & (rem > 0) & (rem <= REM_M)
-        carry = has_rem & (rb == part % tl.maximum(n_full, 1))
-        plain = (row0 < rows_b) & (rb < n_full + 1 - has_rem.to(tl.int32))
-        if carry:
-            _attend(*args, GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, SLIDING,
-                    HAS_TREE, MASK_ALL, DOT_PREC, ROW_WORDS, REM_M, n_full * BLOCK_M)
-        elif plain:
-            _attend(*args, GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, SLIDING,
-                    HAS_TREE, MASK_ALL, DOT_PREC, ROW_WORDS, 0, 0)
-    elif row0 < rows_b:
-        _attend(*args, GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, SLIDING, HAS_TREE,
-                MASK_ALL, DOT_PREC, ROW_WORDS, 0, 0)
+    if row0 < q_len * GROUP:
+        _attend(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
+                sm_scale_log2, window, b, h, q0, q_len, row0, part, tl.num_programs(2) - 1,
+                stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, SLIDING, HAS_TREE,
+                MASK_ALL, DOT_PREC, ROW_WORDS)
 
 
 @triton.jit
@@ -97,73 +83,36 @@ def _attend(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
     HAS_TREE: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROW_WORDS: tl.constexpr, REM_M: tl.constexpr, rem0,
+    ROW_WORDS: tl.constexpr,
 ):
     """Part `part` of BLOCK_M packed rows from row0 — prefix split `part` < S, or the tree tail
-    (part S) — written as a normalised partial O and its LSE; with REM_M > 0 also the REM_M
-    rows from rem0 (the request's remainder, parts.py), from the same prefix K/V tiles."""
+    (part S) — written as a normalised partial O and its LSE."""
     rows = row0 + tl.arange(0, BLOCK_M)  # packed (token, head) rows
-    tok, head, valid, flat = _rows(rows, q0, q_len, h, GROUP)
+    tok = rows // GROUP
+    head = h * GROUP + rows % GROUP
+    valid = tok < q_len
+    flat = q0 + tok
     q = _load_q(Q, q0, tok, head, valid, sm_scale_log2, stride_qt, stride_qh, HEAD_DIM)
     ctx = tl.load(CtxLens + b)
-    m_i, l_i, acc = _fresh(BLOCK_M, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = b * stride_bt
     kv_head_off = h * stride_kh
     if SLIDING:
         q_pos = tl.load(Positions + flat, mask=valid, other=2**31 - 1).to(tl.int32)
     else:
         q_pos = tok
-    if REM_M > 0:  # no sliding window here (plan.py)
-        rtok, rhead, rvalid, rflat = _rows(rem0 + tl.arange(0, REM_M), q0, q_len, h, GROUP)
-        qr = _load_q(Q, q0, rtok, rhead, rvalid, sm_scale_log2, stride_qt, stride_qh, HEAD_DIM)
-        mr, lr, accr = _fresh(REM_M, HEAD_DIM)
     if part < num_splits:
-        if REM_M > 0:
-            m_i, l_i, acc, mr, lr, accr = _prefix_split_rem(
-                q, m_i, l_i, acc, qr, mr, lr, accr, K, V, BlockTable, bt_row, ctx, window,
-                kv_head_off, part, num_splits, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE,
-                BLOCK_N, MASK_ALL, DOT_PREC)
-        else:
-            m_i, l_i, acc = _prefix_split(
-                q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, q_pos, window, kv_head_off,
-                part, num_splits, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, SLIDING,
-                MASK_ALL, DOT_PREC)
+        m_i, l_i, acc = _prefix_split(
+            q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, q_pos, window, kv_head_off, part,
+            num_splits, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, SLIDING, MASK_ALL,
+            DOT_PREC)
     else:
         m_i, l_i, acc = _tree_tail(
             q, m_i, l_i, acc, K, V, BlockTable, TreeMask, Positions, bt_row, ctx, q0, q_len,
             row0, tok, flat, valid, q_pos, window, kv_head_off, stride_kp, stride_ks, stride_mt,
             GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, TAIL_N, SLIDING, HAS_TREE, DOT_PREC, ROW_WORDS)
-    _store_part(OPart, LsePart, acc, l_i, m_i, part, flat, head, valid, stride_os, stride_ot,
-                stride_oh, stride_ls, stride_lt, HEAD_DIM)
-    if REM_M > 0:
-        if part == num_splits:  # the tail of the remainder rows, after the block's is stored
-            mr, lr, accr = _tree_tail(
-                qr, mr, lr, accr, K, V, BlockTable, TreeMask, Positions, bt_row, ctx, q0, q_len,
-                rem0, rtok, rflat, rvalid, rtok, window, kv_head_off, stride_kp, stride_ks,
-                stride_mt, GROUP, HEAD_DIM, PAGE_SIZE, REM_M, TAIL_N, False, HAS_TREE, DOT_PREC,
-                ROW_WORDS)
-        _store_part(OPart, LsePart, accr, lr, mr, part, rflat, rhead, rvalid, stride_os,
-                    stride_ot, stride_oh, stride_ls, stride_lt, HEAD_DIM)
-
-
-@triton.jit
-def _rows(rows, q0, q_len, h, GROUP: tl.constexpr):
-    """(token, q head, valid, flat token) of packed rows of kv head h, head fastest."""
-    tok = rows // GROUP
-    return tok, h * GROUP + rows % GROUP, tok < q_len, q0 + tok
-
-
-@triton.jit
-def _fresh(M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """An empty online-softmax state of M rows: running max, sum, accumulator."""
-    return (tl.full([M], float("-inf"), tl.float32), tl.zeros([M], tl.float32),
-            tl.zeros([M, HEAD_DIM], tl.float32))
-
-
-@triton.jit
-def _store_part(OPart, LsePart, acc, l_i, m_i, part, flat, head, valid, stride_os, stride_ot,
-                stride_oh, stride_ls, stride_lt, HEAD_DIM: tl.constexpr):
-    """The part's normalised O and log2-domain LSE (−inf where no key was visible)."""
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -171,6 +120,88 @@ def _store_part(OPart, LsePart, acc, l_i, m_i, part, flat, head, valid, stride_o
     o_ptrs = OPart + part * stride_os + flat[:, None] * stride_ot + head[:, None] * stride_oh
     tl.store(o_ptrs + offs_d[None, :], o, mask=valid[:, None])
     tl.store(LsePart + part * stride_ls + flat * stride_lt + head, lse, mask=valid)
+
+
+@triton.jit
+def _prefix_split(q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, q_pos, window, kv_head_off,
+                  part, num_splits, stride_kp, stride_ks,
+                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SLIDING: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Split `part` of `num_splits` of the paged prefix [0, ctx), range derived on device.
+    MASK_ALL (fp32 inputs): no unmasked hot loop beside the masked last tile — one loop body;
+    the FMA-dot (ieee) kernels then need half the registers (sm_120, D = 256: 255 + 564 B of
+    spill → 103, none)."""
+    if SLIDING:  # noqa: SIM108 — keys below every row's window are never read
+        start = tl.minimum(tl.maximum(tl.min(q_pos, 0) - window + 1, 0), ctx)
+    else:
+        start = 0
+    base = start // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(ctx - base, num_splits), BLOCK_N) * BLOCK_N
+    lo = base + part * chunk
+    hi = tl.minimum(lo + chunk, ctx)
+    if SLIDING or MASK_ALL:  # one loop body, every tile masked
+        for n in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _prefix_tile(
+                q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, start, hi, q_pos, window,
+                kv_head_off, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, SLIDING,
+                DOT_PREC)
+    else:
+        full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        for n in range(lo, full, BLOCK_N):  # the hot loop: no mask ops
+            m_i, l_i, acc = _prefix_tile(
+                q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, lo, hi, q_pos, window,
+                kv_head_off, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False,
+                DOT_PREC)
+        if full < hi:
+            m_i, l_i, acc = _prefix_tile(
+                q, m_i, l_i, acc, K, V, BlockTable, bt_row, full, lo, hi, q_pos, window,
+                kv_head_off, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False,
+                DOT_PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _tree_tail(q, m_i, l_i, acc, K, V, BlockTable, TreeMask, Positions, bt_row, ctx, q0, q_len,
+               row0, tok, flat, valid, q_pos, window, kv_head_off, stride_kp, stride_ks,
+               stride_mt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               BLOCK_M: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
+               HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, ROW_WORDS: tl.constexpr):
+    """The new tokens as keys (they sit at ctx + j in the pool) under the ancestor bitmask, or
+    causal without one. ROW_WORDS: the tile's mask as one word per row, shifted per key (H200,
+    1k context, 65 nodes: 26.1 → 20.6 µs a call; the tail alone 28.5 → 17.0), else a word per
+    (row, key) loaded in the scores' layout (sm_120: the broadcast spills)."""
+    if HAS_TREE:  # noqa: SIM108 — constexpr branches
+        n_keys = q_len
+    else:  # causal: no key beyond the block's last token
+        n_keys = tl.minimum(q_len, (row0 + BLOCK_M - 1) // GROUP + 1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for j0 in range(0, n_keys, TAIL_N):
+        offs_j = j0 + tl.arange(0, TAIL_N)
+        jmask = offs_j < n_keys
+        kpos = ctx + offs_j
+        page = tl.load(BlockTable + bt_row + kpos // PAGE_SIZE, mask=jmask, other=0)
+        tok_off = page * stride_kp + (kpos % PAGE_SIZE) * stride_ks + kv_head_off
+        offs = tok_off[:, None] + offs_d[None, :]
+        k = tl.load(K + offs, mask=jmask[:, None], other=0.0)
+        v = tl.load(V + offs, mask=jmask[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), DOT_PREC)  # [BLOCK_M, TAIL_N]
+        if HAS_TREE and ROW_WORDS:  # one mask word per row covers the tile (TAIL_N | 32)
+            word = tl.load(TreeMask + flat * stride_mt + (j0 >> 5), mask=valid, other=0)
+            bits = (j0 & 31) + tl.arange(0, TAIL_N)
+            vis = ((word[:, None] >> bits[None, :]) & 1) != 0
+        elif HAS_TREE:  # a word per (row, key), in the scores' layout (fewer registers)
+            w_ptrs = TreeMask + flat[:, None] * stride_mt + (offs_j >> 5)[None, :]
+            words = tl.load(w_ptrs, mask=valid[:, None] & jmask[None, :], other=0)
+            vis = ((words >> (offs_j & 31)[None, :]) & 1) != 0
+        else:
+            vis = offs_j[None, :] <= tok[:, None]
+        vis = vis & jmask[None, :]
+        if SLIDING:
+            k_pos = tl.load(Positions + q0 + offs_j, mask=jmask, other=0)
+            vis = vis & ((q_pos[:, None] - k_pos[None, :]) < window)
+        s = tl.where(vis, s, float("-inf"))
+        m_i, l_i, acc = _online_update(s, m_i, l_i, acc, v, True, DOT_PREC)
+    return m_i, l_i, acc
 
 
 def tree_attention_triton(
@@ -229,8 +260,7 @@ def tree_attention_triton(
         BLOCK_N=cfg.block_n, TAIL_N=plan.tail_n, SLIDING=sliding_window is not None,
         HAS_TREE=batch.tree_mask is not None, MASK_ALL=q.dtype == torch.float32,
         DOT_PREC=plan.dot_prec, ROW_WORDS=plan.row_words, USE_PDL=plan.use_pdl,
-        REM_M=plan.rem_rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        launch_pdl=plan.use_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=plan.use_pdl,
     )
     if plan.combine_rows is not None:
         combine_rows(o_part, lse_part, out, plan.parts, plan.combine_rows, plan.use_pdl)

@@ -13,8 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.tree_attention import check_inputs, fix_interpreter_index
-from kernels.tree_attention.kernel import LOG2E
-from kernels.tree_attention.tiles import _dot
+from kernels.tree_attention.kernel import LOG2E, _dot
 
 
 @triton.jit

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from kernels.tree_attention import fix_interpreter_index
 from kernels.tree_attention.configs import (
@@ -22,7 +23,6 @@ from kernels.tree_attention.configs import (
     ctas_per_sm,
     default_num_splits,
     pick_config,
-    remainder_rows,
     sm_count,
     tail_block_n,
     tail_row_words,
@@ -31,9 +31,8 @@ from kernels.tree_attention.configs import (
 # Launcher options (A/B runs; the defaults are the measured choices): "pdl" — programmatic
 # dependent launch on sm_90+; "row_words" — the tree tail's mask load (configs.tail_row_words);
 # "combine_rows" — rows per program of the row-block combine, 0 for the per-row kernel
-# (configs.combine_rows_block); "rem_rows" — remainder rows carried by a full row block, 0 for
-# none (configs.remainder_rows).
-OPTIONS = ("pdl", "row_words", "combine_rows", "rem_rows")
+# (configs.combine_rows_block).
+OPTIONS = ("pdl", "row_words", "combine_rows")
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,6 @@ class Plan:
     use_pdl: bool  # programmatic dependent launch (sm_90+): launch gaps hidden
     row_words: bool  # the tree tail's mask: one word per row per tile (configs.tail_row_words)
     combine_rows: int | None  # rows per program of the row-block combine; None: per-row kernel
-    rem_rows: int  # REM_M: a request's ≤ this many rows past its full row blocks ride along; 0
     tree: torch.Tensor  # the batch's tree mask, or a dummy (cu_q) when causal
 
 
@@ -74,8 +72,7 @@ def plan_launch(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, confi
     use_pdl = bool(opts.get("pdl", True)) and cap is not None and cap[0] >= 9
     row_words = bool(opts.get("row_words", tail_row_words(arch, config)))
     nb = batch.batch_size
-    rem_rows = remainder_rows(arch, config, sliding_window is not None, opts.get("rem_rows"))
-    row_blocks = max(_blocks(n * (hq // hkv), config.block_m, rem_rows) for n in batch.q_lens)
+    row_blocks = triton.cdiv(rows, config.block_m)
     if num_splits is None:
         num_splits = default_num_splits(longest, rows, nb * hkv * row_blocks, sm_count(q.device),
                                         ctas_per_sm(config))
@@ -89,15 +86,7 @@ def plan_launch(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, confi
                  dot_prec=dot_prec, tail_n=tail_block_n(config), block_s=block_s,
                  lse_block=lse_block, use_pdl=use_pdl, row_words=row_words,
                  combine_rows=combine_rows_block(parts, opts.get("combine_rows")),
-                 rem_rows=rem_rows,
                  tree=batch.tree_mask if batch.tree_mask is not None else batch.cu_q)
-
-
-def _blocks(rows: int, block_m: int, rem_rows: int) -> int:
-    """Row-block programs a request of `rows` packed rows needs (kernel.py: a remainder of
-    ≤ rem_rows rows past ≥ 1 full block is carried by a full block)."""
-    full, rem = divmod(rows, block_m)
-    return full if full and 0 < rem <= rem_rows else full + (rem > 0)
 
 
 def scratch(batch, parts, t, hq, d, device) -> tuple[torch.Tensor, torch.Tensor]:

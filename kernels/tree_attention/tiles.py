@@ -1,7 +1,6 @@
 """Tile helpers of the tree-verify attention kernel (kernel.py): the log2-domain dot and online
 softmax update, the paged K/V tile load (one block-table lookup per page-sized tile, or one per
-key for small pages), a prefix tile (for one row block, or for a row block and the request's
-remainder rows from the same K/V tile), and the pre-scaled Q load. Pure `@triton.jit` functions,
+key for small pages), a prefix tile, and the pre-scaled Q load. Pure `@triton.jit` functions,
 inlined into `_tree_attn_kernel`.
 """
 
@@ -42,31 +41,6 @@ def _prefix_tile(
 ):
     k, v, offs_n, kmask = _kv_tile(K, V, BlockTable, bt_row, n, lo_key, hi_key, kv_head_off,
                                    stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, MASKED)
-    return _tile_update(q, m_i, l_i, acc, k, v, offs_n, kmask, q_pos, window, MASKED, SLIDING,
-                        DOT_PREC)
-
-
-@triton.jit
-def _prefix_tile_rem(
-    q, m_i, l_i, acc, qr, mr, lr, accr, K, V, BlockTable, bt_row, n, lo_key, hi_key, window,
-    kv_head_off, stride_kp, stride_ks,
-    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """`_prefix_tile` for a row block and the request's remainder rows (qr: REM_M rows) at once:
-    one K/V tile load, both online states updated from it. No sliding window (plan.py)."""
-    k, v, offs_n, kmask = _kv_tile(K, V, BlockTable, bt_row, n, lo_key, hi_key, kv_head_off,
-                                   stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, MASKED)
-    m_i, l_i, acc = _tile_update(q, m_i, l_i, acc, k, v, offs_n, kmask, 0, window, MASKED,
-                                 False, DOT_PREC)
-    mr, lr, accr = _tile_update(qr, mr, lr, accr, k, v, offs_n, kmask, 0, window, MASKED, False,
-                                DOT_PREC)
-    return m_i, l_i, acc, mr, lr, accr
-
-
-@triton.jit
-def _tile_update(q, m_i, l_i, acc, k, v, offs_n, kmask, q_pos, window, MASKED: tl.constexpr,
-                 SLIDING: tl.constexpr, DOT_PREC: tl.constexpr):
     s = _dot(q, tl.trans(k), DOT_PREC)  # [BLOCK_M, BLOCK_N] log2-domain scores
     if MASKED:
         vis = kmask[None, :]

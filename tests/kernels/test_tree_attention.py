@@ -208,19 +208,6 @@ class TestGPU:
         ref = tree_attention_ref(q, k, v, batch, d**-0.5, 300, fp64=True)
         check(tree_attention_triton(q, k, v, batch, d**-0.5, 300), ref, dtype)
 
-    @pytest.mark.parametrize("page", [1, 16])
-    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-    def test_remainder_rows_of_65_node_trees(self, page, dtype):
-        """128-row blocks, 32 / 8 heads: 65-node trees (260 rows = 2 blocks + 4), the
-        remainder carried (16, 32 rows) or not: the same answer."""
-        q, k, v, batch = make_case(14, [9000, 2100], [64, 64], page, 32, 8, 128, dtype)
-        ref = tree_attention_ref(q, k, v, batch, 0.09, None, fp64=True)
-        cfg = Config(128, 128, 8, 5) if dtype == torch.bfloat16 else None
-        for opts in ({"rem_rows": 16}, {}, {"rem_rows": 32}):
-            for splits in (None, 3):
-                check(tree_attention_triton(q, k, v, batch, 0.09, num_splits=splits,
-                                            config=cfg, options=opts), ref, dtype)
-
     @pytest.mark.parametrize("page", [1, 16, 64])
     def test_large_causal_prefill_chunks(self, page):
         q, k, v, batch = make_case(13, [3001, 0, 77], [-700, -333, -129], page, 32, 8, 128,
@@ -344,52 +331,3 @@ def test_plan_choices_follow_the_measured_table():
     assert default_num_splits(32768, 64, 8, 132, 2) == 32
     assert default_num_splits(32768, 4, 8, 132, 2) == 32
     assert default_num_splits(700, 4, 8, 132, 2) == 2  # chunks stay ≥ 256 tokens
-
-
-REM_CASES = [  # page_size, dtype
-    (16, torch.bfloat16),
-    (1, torch.float32),  # fp32: every prefix tile masked (MASK_ALL), per-key block-table loads
-]
-
-
-@pytest.mark.parametrize("case", REM_CASES, ids=lambda c: f"p{c[0]}-{str(c[1])[6:]}")
-def test_remainder_rows_ride_along_with_a_full_block(case):
-    """Option rem_rows: a request's packed rows past its full row blocks, when ≤ rem_rows of
-    them, are computed by a full block's programs from the same K/V tiles (kernel.py REM_M).
-    32-row blocks, G = 4, rem_rows 8: trees of 36 packed rows (1 block + 4: carried), 40 (+ 8:
-    carried), 44 (+ 12: a block of its own), 20 (no full block), causal 68 (2 blocks + 4); every
-    split count (the carrying block is part mod full blocks); the plan launches the blocks the
-    longest request needs (68 rows: 2, not 3)."""
-    page, dtype = case
-    cfg = Config(32, 16, 4, 1)
-    q, k, v, batch = make_case(9, [70, 33, 0, 51], [8, 9, 10, 4], page, 4, 1, 16, dtype)
-    ref = tree_attention_ref(q, k, v, batch, 0.3, None, fp64=True)
-    for splits in (1, 2, 3, 5):
-        out = torch.full_like(q, float("nan"))
-        tree_attention_triton(q, k, v, batch, 0.3, num_splits=splits, config=cfg, out=out,
-                              options={"rem_rows": 8})
-        check(out, ref, dtype)
-    plans = [p for key, p in batch.memo.items() if key[0] == "plan"]
-    assert {p.rem_rows for p in plans} == {8} and {p.grid[0] for p in plans} == {2}  # 44 rows
-    q, k, v, batch = make_case(10, [45, 0], [-17, -9], page, 4, 1, 16, dtype, trees=False)
-    ref = tree_attention_ref(q, k, v, batch, 0.3, None, fp64=True)
-    for splits in (1, 4):
-        check(tree_attention_triton(q, k, v, batch, 0.3, num_splits=splits, config=cfg,
-                                    options={"rem_rows": 8}), ref, dtype)
-    assert {p.grid[0] for key, p in batch.memo.items() if key[0] == "plan"} == {2}
-
-
-def test_remainder_rows_option_is_validated():
-    from kernels.tree_attention.configs import remainder_rows
-
-    cfg = Config(128, 128, 8, 5)
-    assert remainder_rows(90, cfg, False) == 0 and remainder_rows(90, cfg, True) == 0  # off
-    assert remainder_rows(90, Config(64, 64, 4, 5), False) == 0
-    assert remainder_rows(120, cfg, False) == 0 and remainder_rows(None, cfg, False) == 0
-    assert remainder_rows(90, cfg, False, 0) == 0 and remainder_rows(90, cfg, False, 32) == 32
-    for bad, sliding in ((8, False), (24, False), (128, False), (16, True)):
-        with pytest.raises(ValueError, match="rem_rows"):
-            remainder_rows(90, cfg, sliding, bad)
-    q, k, v, batch = make_case(2, [20], [5], 16, 4, 1, 16, torch.float32)
-    with pytest.raises(ValueError, match="rem_rows"):
-        tree_attention_triton(q, k, v, batch, 0.3, 7, options={"rem_rows": 8})
