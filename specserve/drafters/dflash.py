@@ -132,16 +132,22 @@ class DFlashDrafter:
         for r in requests:
             if (why := self.problem(r)) is not None:
                 raise ValueError(why)
-        step = self.cache.begin([StepItem(r.request_id, self._num_new(r), n)
-                                 for r, n in zip(requests, block_lens, strict=True)])
-        self._write_context(step, [r.context for r in requests if self._num_new(r)])
+        num_new = [self._num_new(r) for r in requests]
+        step = self.cache.begin([StepItem(r.request_id, c, n)
+                                 for r, c, n in zip(requests, num_new, block_lens, strict=True)])
+        graphed = self.graphs is not None and self.graphs.fits(block_lens)
+        in_graph = graphed and all(block_lens) and self.graphs.takes_context(num_new)
+        if not in_graph:  # the graph writes a decode step's few rows itself
+            self._write_context(step, [r.context for r in requests if self._num_new(r)])
         vocab, device = self.model.config.vocab_size, self.cache.device
         empty = torch.empty(0, vocab, dtype=torch.float32, device=device)
         if not any(block_lens):
             return [empty for _ in requests]
-        if self.graphs is not None and self.graphs.fits(block_lens):
+        if graphed:
+            contexts = [r.context if c else None for r, c in zip(requests, num_new, strict=True)]
             got = iter(self.graphs.run(step, [r.bonus_token for r, n in zip(
-                requests, block_lens, strict=True) if n], max(block_lens)))
+                requests, block_lens, strict=True) if n], max(block_lens),
+                contexts if in_graph else None))
             return [next(got) if n else empty for n in block_lens]
         mask = self.model.config.mask_token_id
         ids = torch.tensor([t for r, n in zip(requests, block_lens, strict=True) if n

@@ -231,6 +231,20 @@ class CacheStep:
         k, v = model.context_kv_layers(group.layers, fused[rows], positions)
         group.pool.write_all(flat, k, v)
 
+    def context_slots(self, name: str, rows: int, pad: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Positions and slots `[R·rows]` int64 of the call's new context rows in group `name`,
+        request-major with `rows` per request — request i's c-th new row at i·rows + c (the
+        drafter graphs' static layout, drafters/dflash_graphs.py). Rows past a request's new
+        ones, and rows the group does not keep (below a sliding window), get `pad`'s slot."""
+        group = self.cache.groups[name]
+        positions, slots = np.zeros(len(self._entries) * rows, np.int64), pad.copy()
+        for i, (e, old) in enumerate(zip(self._entries, self._olds, strict=True)):
+            pos = np.arange(old, e.length)  # [n_i] the request's new context positions
+            positions[i * rows : i * rows + len(pos)] = pos
+            kept = np.nonzero(pos >= group.keep_from(e.length))[0]
+            slots[i * rows + kept] = e.pages[name].slots(pos[kept], group.page_size)
+        return positions, slots
+
     def block_layout(self) -> list[tuple[int, dict[str, list[int]], dict[str, np.ndarray]]]:
         """Per request with a block (call order): its context length, its page table and its
         block slots `[block_len]` per layer group — the host metadata of the block batches

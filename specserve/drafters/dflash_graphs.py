@@ -1,10 +1,13 @@
 """CUDA graphs of the DFlash drafter's block forward: one graph per (requests bucket, block length).
 
-Owns the padded, static form of a draft call's block forward — embeddings of `[bonus, mask ×
-(n−1)]`, every layer's block K/V write and block attention over the paged context, the final norm
-and the logits of the mask slots — so a draft step replays one graph instead of launching ~40
-kernels per layer from Python (on the H200 a draft step was ~8 ms of host work around 1.2 ms of
-GPU work, BENCHMARKS.md). The context K/V write stays eager (its row count varies per call).
+Owns the padded, static form of a draft call — the context K/V write of the call's new context
+rows (up to `context_rows` = block size per request: a decode step's accepted tokens), then the
+block forward: embeddings of `[bonus, mask × (n−1)]`, every layer's block K/V write and block
+attention over the paged context, the final norm and the logits of the mask slots — so a draft
+step replays one graph instead of launching ~40 kernels per layer from Python (on the H200 a
+draft step was ~8 ms of host work around 1.2 ms of GPU work, BENCHMARKS.md). Calls with more new
+rows (prefill chunks) write their context eagerly first; the graph's context rows then all go
+to the trash page.
 
 Per step the metadata of every (layer group, causality) block batch — context lengths, page
 tables, block slots and positions — and the block ids go to the device in one copy of a pinned
@@ -34,9 +37,11 @@ class _Static:
 
     def __init__(self, graphs: DraftGraphs, bb: int, n: int) -> None:
         self.bb, self.n = bb, n
+        c = graphs.context_rows
         spec = {"ids": ((bb * n,), np.int64), "pos": ((bb * n,), np.int64),
-                "cu": ((bb + 1,), np.int32)}
+                "cu": ((bb + 1,), np.int32), "cpos": ((bb * c,), np.int64)}
         for g in graphs.cache.groups.values():
+            spec[f"cflat_{g.name}"] = ((2 * len(g.layers) * bb * c,), np.int64)
             spec[f"ctx_{g.name}"] = ((bb,), np.int32)
             spec[f"table_{g.name}"] = ((bb, graphs.max_pages[g.name]), np.int32)
             spec[f"slots_{g.name}"] = ((bb * n,), np.int64)
@@ -44,6 +49,8 @@ class _Static:
                 spec[f"mask_{g.name}"] = ((bb * n, -(-n // 32)), np.int32)
         self.buf = Staging(spec, graphs.device)
         self.views = self.buf.views
+        fc = graphs.model.fc.weight
+        self.feats = torch.zeros(bb * c, fc.shape[1], dtype=fc.dtype, device=graphs.device)
         self.views["cu"][1][:] = np.arange(bb + 1, dtype=np.int32) * n
         self.batches = {key: self._batch(graphs, *key) for key in graphs.batch_keys}
         self.graph, self.logits = None, None
@@ -73,6 +80,7 @@ class DraftGraphs:
         for g in cache.groups.values():  # a page per group no request ever gets
             self.trash[g.name] = heapq.heappop(g.free)
         self.capacity = {g.name: g.pool.num_pages * g.page_size for g in cache.groups.values()}
+        self.context_rows = model.config.block_size  # new context rows per request in a graph
         self.max_pages = {g.name: g.pool.num_pages for g in cache.groups.values()}
         self.batch_keys = sorted({(cache.group_of[i].name, self.causal[i])
                                   for i in range(model.config.num_layers)})
@@ -84,22 +92,36 @@ class DraftGraphs:
         lens = {n for n in block_lens if n}
         return len(lens) == 1 and len(block_lens) <= BATCH_BUCKETS[-1] and min(lens) > 1
 
-    def run(self, step: CacheStep, bonus: list[int], n: int) -> torch.Tensor:
+    def takes_context(self, num_new) -> bool:
+        """Whether a call whose requests bring these many new context rows (every request with
+        a block) can have the graph write them."""
+        return max(num_new, default=0) <= self.context_rows
+
+    def run(self, step: CacheStep, bonus: list[int], n: int,
+            contexts: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """Logits `[R, n − 1, V]` float32 of the R requests of `step` (all block length n): a
         view of the graph's static output, valid until the next replay (`DFlashDrafter.draft`
         consumes it at once; `draft_logits` copies it — the GPU test caught callers keeping
-        views that the next replay overwrote)."""
+        views that the next replay overwrote). `contexts`: each request's new context rows
+        `[n_i, taps · hidden]` (None: none) for the graph to write (`takes_context`); None: the
+        caller wrote them."""
         bb = bucket_of(len(bonus), BATCH_BUCKETS)
         st = self._graphs.get((bb, n)) or self._build(bb, n)
         st.buf.wait()
-        self._fill(st, step, bonus)
+        self._fill(st, step, bonus, contexts is not None)
         st.buf.push()
+        c = self.context_rows
+        for i, ctx in enumerate(contexts or ()):
+            if ctx is not None and ctx.shape[0]:
+                st.feats[i * c : i * c + ctx.shape[0]].copy_(ctx, non_blocking=True)
         logits = self._replay(st)  # [bb, n − 1, V], the graph's static output
         return logits[: len(bonus)]
 
-    def _fill(self, st: _Static, step: CacheStep | None, bonus: list[int]) -> None:
+    def _fill(self, st: _Static, step: CacheStep | None, bonus: list[int],
+              context: bool = False) -> None:
         v = {k: h for k, (_, h) in st.views.items()}
         n, mask_id = st.n, self.model.config.mask_token_id
+        self._fill_context(st, v, step if context else None)
         v["ids"][:] = mask_id
         v["ids"][::n] = 0
         v["pos"].reshape(st.bb, n)[:] = np.arange(n)
@@ -118,6 +140,17 @@ class DraftGraphs:
                 v[f"table_{name}"][i, : len(table)] = table
                 v[f"slots_{name}"][i * n : (i + 1) * n] = slots[name]
 
+    def _fill_context(self, st: _Static, v: dict, step: CacheStep | None) -> None:
+        """The context rows' positions and all-layer slots (`step` None: every row to trash)."""
+        c = self.context_rows
+        v["cpos"][:] = 0
+        for g in self.cache.groups.values():
+            slots = self.trash[g.name] * g.page_size + np.arange(st.bb * c) % g.page_size
+            if step is not None:
+                pos, slots = step.context_slots(g.name, c, slots)
+                v["cpos"][: len(pos)] = pos  # the same positions in every group
+            v[f"cflat_{g.name}"][:] = g.pool.all_layer_slots(slots)
+
     def _build(self, bb: int, n: int) -> _Static:
         st = _Static(self, bb, n)
         self._fill(st, None, [])  # all dummies: safe to run
@@ -130,6 +163,10 @@ class DraftGraphs:
     def _forward(self, st: _Static, batches: dict | None = None) -> torch.Tensor:
         batches = batches or st.batches
         cache = self.cache
+        fused = self.model.fuse_context(st.feats)  # [bb·C, hidden], padding rows included
+        for g in cache.groups.values():  # as DFlashDrafter._write_context, static rows
+            k, v = self.model.context_kv_layers(g.layers, fused, st.views["cpos"][0])
+            g.pool.write_all(st.views[f"cflat_{g.name}"][0], k, v)
 
         def attend(layer, q, k, v, scale):
             group = cache.group_of[layer]

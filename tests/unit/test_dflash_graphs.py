@@ -17,7 +17,7 @@ import torch
 
 from specserve.drafters.base import DraftRequest
 from specserve.drafters.dflash import DFlashDrafter
-from tests.unit.test_dflash_cache import BLOCK, HIDDEN, tiny_model
+from tests.unit.test_dflash_cache import BLOCK, HIDDEN, WINDOW, tiny_model
 
 # (request, new context rows, bonus, max_depth) per call
 CALLS = [[("a", 23, 5, 99)], [("a", 4, 7, 99), ("b", 9, 11, 3)],
@@ -74,3 +74,72 @@ def test_captured_block_forward_equals_dynamic_on_gpu():
     for g, w in zip(got, want, strict=True):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_context_rows_written_inside_the_graph():
+    """Calls whose every request has a block and ≤ block-size new context rows have the graph
+    write those rows (no eager context write); with a sliding window of 3 < the rows of a call,
+    the rows below it go to the trash page. Logits equal the dynamic path's, call after call."""
+    from specserve.models.dflash import DFlashDraftModel
+    from specserve.models.dflash_config import DFlashConfig
+
+    def model():
+        base = tiny_model()
+        cfg = DFlashConfig(**{**vars(base.config), "sliding_window": 3})
+        m = DFlashDraftModel(cfg).eval()
+        m.load_state_dict(base.state_dict())
+        return m
+
+    calls = [[("a", 13, 5), ("b", 9, 3)], [("a", 5, 7), ("b", 6, 2)], [("b", 2, 8), ("a", 1, 4)],
+             [("a", 6, 1), ("b", 4, 9)], [("c", 3, 2), ("a", 2, 6), ("b", 1, 1)]]
+
+    def run(drafter):
+        starts, out, seed = {}, [], 40
+        for call in calls:
+            batch = []
+            for rid, n_new, bonus in call:
+                starts[rid] = starts.get(rid, 0) + n_new
+                seed += 1
+                ctx = torch.randn(n_new, 2 * HIDDEN, generator=torch.Generator().manual_seed(seed))
+                batch.append(DraftRequest(rid, bonus, starts[rid], budget=8, max_depth=99,
+                                          context=ctx))
+            out += drafter.draft_logits(batch)
+        return out
+
+    want = run(DFlashDrafter(model(), num_pages=60, page_size=4, poison=True))
+    drafter = DFlashDrafter(model(), num_pages=60, page_size=4, poison=True, graphs=True,
+                            capture=False)
+    eager_writes = []
+    write = drafter._write_context
+    drafter._write_context = lambda step, ctxs: (eager_writes.append(len(ctxs)), write(step, ctxs))
+    got = run(drafter)
+    assert eager_writes == [2]  # the first call's 13 / 9 rows; the later ones in the graph
+    assert drafter.model.config.sliding_window < 6 == drafter.graphs.context_rows
+    for g, w in zip(got, want, strict=True):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_context_slots_pad_rows_below_the_window_and_past_each_request():
+    """`CacheStep.context_slots`: request-major rows of `rows` each; a request's new rows at
+    their own slots in the full group; in the sliding group (window 12) the rows below the
+    window and the padding keep `pad`'s slot."""
+    import numpy as np
+
+    from specserve.drafters.dflash_cache import FULL, SLIDING, DFlashContextCache, StepItem
+
+    cache = DFlashContextCache(tiny_model().config, 40, page_size=4)
+    cache.begin([StepItem("a", 10, 0), StepItem("b", 3, 0)])
+    step = cache.begin([StepItem("a", 5, 6), StepItem("b", 15, 6)])  # a: 10..14, b: 3..17
+    rows, pad = 16, np.arange(32, dtype=np.int64) + 1000
+    pos, full = step.context_slots(FULL, rows, pad)
+    assert pos[:5].tolist() == list(range(10, 15)) and pos[16:31].tolist() == list(range(3, 18))
+    assert (full[5:16] == pad[5:16]).all() and (full[31:] == pad[31:]).all()
+    for i, rid, first in ((0, "a", 10), (16, "b", 3)):
+        n = 5 if rid == "a" else 15
+        want = cache._requests[rid].pages[FULL].slots(np.arange(first, first + n), 4)
+        assert full[i : i + n].tolist() == want.tolist()
+    _, sliding = step.context_slots(SLIDING, rows, pad)
+    keep_b = 18 - WINDOW + 1  # b holds 18 positions: the window keeps 7..17
+    assert (sliding[16 : 16 + keep_b - 3] == pad[16 : 16 + keep_b - 3]).all()
+    assert (sliding[16 + keep_b - 3 : 31] < 1000).all() and (sliding[:5] < 1000).all()

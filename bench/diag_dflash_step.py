@@ -1,0 +1,181 @@
+"""Where a DFlash decode step's time goes in our engine (issue 9 decode, H200 diagnostic).
+
+bench_e2e's decode section measures our DFlash step (random 5-layer drafter, chain of 15, so
+commit ≈ 1) at 8.3 ms at 1k while the verify it contains is 4.9 ms and the drafter's GPU work
+≈ 1.5 ms. This script runs the same engine, target, drafter and prompt and splits each step:
+
+  engine phases  from `Engine.last_step` (ns stamps): schedule + draft (speculative.plan), verify
+                 (scratch rows, inputs, the forward and its sync), commit (accept walk, KV
+                 compaction, appends); the drafter's own split (`last_stats`: forward incl.
+                 context write, tree); wall = engine.step() + a sync, as bench_e2e times it.
+  timers         (a second pass) each of TIMED wrapped in synchronised timers: ms per step in
+                 each (nested ones inside their callers; the syncs add a little to each);
+  profiler       torch.profiler (CPU + CUDA) over --profile-steps steps: per step the GPU busy
+                 time (sum of kernel times), launches, graph launches, H2D / D2H copies and syncs;
+                 the top CPU ops by self time.
+
+    python3 bench/diag_dflash_step.py [--ctxs 1024,32768] [--new 48] [--out $OUT/diag_dflash.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import torch  # noqa: E402
+from _e2e_common import BLOCK_SIZE, Bench, prompt_ids, sync  # noqa: E402
+from _e2e_engine import make_engine  # noqa: E402
+from bench_e2e import parse_args, setup  # noqa: E402
+
+from specserve.drafters.dflash import DFlashDrafter  # noqa: E402
+from specserve.kvcache.block_manager import pages_for  # noqa: E402
+from specserve.types import SamplingParams  # noqa: E402
+
+COUNTED = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+           "cudaGraphLaunch", "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+           "cudaEventSynchronize")
+
+
+TIMED = [("specserve.engine.speculative", None, "plan"),
+         ("specserve.engine.speculative", None, "draft_requests"),
+         ("specserve.drafters.dflash", "DFlashDrafter", "_run"),
+         ("specserve.drafters.dflash", "DFlashDrafter", "_write_context"),
+         ("specserve.drafters.dflash", "DFlashDrafter", "_tree"),
+         ("specserve.drafters.dflash_cache", "DFlashContextCache", "begin"),
+         ("specserve.drafters.dflash_graphs", "DraftGraphs", "run"),
+         ("specserve.drafters.dflash_graphs", "DraftGraphs", "_fill"),
+         ("specserve.drafters.dflash_graphs", "DraftGraphs", "_replay"),
+         ("specserve.engine.graphs", "StepGraphs", "_fill"),
+         ("specserve.engine.graphs", "StepGraphs", "_replay"),
+         ("specserve.engine.engine", None, "accept"),
+         ("specserve.engine.runner", "ModelRunner", "forward"),
+         ("specserve.engine.engine", "Engine", "_commit_trees")]
+
+
+def _timers(dev) -> tuple[dict, list]:
+    """Wrap every TIMED function in a synchronised timer; returns (ms totals, undo list)."""
+    import importlib
+
+    totals: dict = collections.Counter()
+    undo = []
+    for mod_name, cls_name, attr in TIMED:
+        owner = importlib.import_module(mod_name)
+        owner = getattr(owner, cls_name) if cls_name else owner
+        fn = getattr(owner, attr)
+        key = f"{cls_name or mod_name.rsplit('.', 1)[1]}.{attr}"
+
+        def timed(*a, _fn=fn, _key=key, **k):
+            sync(dev)
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                sync(dev)
+                totals[_key] += (time.perf_counter() - t0) * 1e3
+
+        setattr(owner, attr, timed)
+        undo.append((owner, attr, fn))
+    return totals, undo
+
+
+def _steps(engine, drafter, dev, n: int) -> list[dict]:
+    """n decode steps: wall and the engine's / drafter's phases, ms."""
+    out = []
+    for _ in range(n):
+        if not engine.has_unfinished:
+            break
+        ts = time.perf_counter()
+        engine.step()
+        sync(dev)
+        wall = (time.perf_counter() - ts) * 1e3
+        t, st = engine.last_step, drafter.last_stats
+        out.append(dict(wall=wall, draft=(t.draft_end_ns - t.start_ns) / 1e6,
+                        verify=(t.verify_end_ns - t.draft_end_ns) / 1e6,
+                        commit=(t.end_ns - t.verify_end_ns) / 1e6,
+                        outside=wall - (t.end_ns - t.start_ns) / 1e6,
+                        drafter_forward=st.forward_s * 1e3, drafter_tree=st.tree_s * 1e3))
+    return out
+
+
+def _profile(engine, dev, n: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            engine.step()
+            sync(dev)
+    counts: dict = collections.Counter()
+    gpu_us = 0.0
+    for e in prof.events():
+        if str(e.device_type).endswith("CUDA"):
+            gpu_us += e.device_time
+        elif e.name in COUNTED:
+            counts[e.name] += 1
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    return dict(steps=n, gpu_busy_ms_per_step=gpu_us / n / 1e3,
+                calls_per_step={k: v / n for k, v in sorted(counts.items())}, cpu_table=table)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ctxs", default="1024,32768")
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run on the tiny model")
+    ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "diag_dflash.json"))
+    args = ap.parse_args()
+    b = Bench(parse_args(["--sections", "decode"] + (["--tiny"] if args.tiny else [])))
+    setup(b)
+    res = dict(device=torch.cuda.get_device_name() if b.device.type == "cuda" else "cpu",
+               rows=[])
+    vocab = b.target.config.vocab_size
+    with torch.inference_mode():
+        for ctx in (int(c) for c in args.ctxs.split(",")):
+            engine = make_engine(b, ctx + args.new + 2 * BLOCK_SIZE + 1, BLOCK_SIZE - 1)
+            pages = pages_for(ctx + args.new + BLOCK_SIZE + 1, 16) + 4
+            drafter = DFlashDrafter(b.drafter, pages, 16, tree=False,
+                                    graphs=b.device.type == "cuda")
+            engine.set_drafter(drafter)
+            engine.add_request("r", prompt_ids(vocab, ctx),
+                               SamplingParams(max_tokens=args.new, ignore_eos=True), BLOCK_SIZE - 1)
+            while engine.has_unfinished and not engine.step():  # prefill
+                pass
+            _steps(engine, drafter, b.device, 4)  # warm-up
+            steps = _steps(engine, drafter, b.device, args.new - 24 - args.profile_steps)
+            prof = _profile(engine, b.device, args.profile_steps)
+            totals, undo = _timers(b.device)
+            try:
+                timed = _steps(engine, drafter, b.device, 8)
+            finally:
+                for owner, attr, fn in undo:
+                    setattr(owner, attr, fn)
+            timers = {k: v / len(timed) for k, v in sorted(totals.items())}
+            med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+            res["rows"].append(dict(ctx=ctx, steps=len(steps), median_ms=med, profile=prof,
+                                    timers_ms=timers,
+                                    timed_wall_ms=statistics.median(t["wall"] for t in timed)))
+            print(f"ctx {ctx}: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)
+            print(f"  timers (wall {res['rows'][-1]['timed_wall_ms']:.2f}): " + ", ".join(
+                f"{k} {v:.3f}" for k, v in timers.items()), flush=True)
+            print(f"  GPU busy {prof['gpu_busy_ms_per_step']:.3f} ms/step; per step "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in prof["calls_per_step"].items()))
+            print(prof["cpu_table"], flush=True)
+            while engine.has_unfinished:
+                engine.step()
+            del engine, drafter
+            b.free()
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
