@@ -14,7 +14,8 @@ commit ≈ 1) at 8.3 ms at 1k while the verify it contains is 4.9 ms and the dra
                  time (sum of kernel times), launches, graph launches, H2D / D2H copies and syncs;
                  the top CPU ops by self time.
 
-    python3 bench/diag_dflash_step.py [--ctxs 1024,32768] [--new 48] [--out $OUT/diag_dflash.json]
+    python3 bench/diag_dflash_step.py [--ctxs 1024,32768] [--new 64] [--out $OUT/diag_dflash.json]
+    python3 bench/diag_dflash_step.py --drafter replay --new 256   # the replay drafter's steps
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ TIMED = [("specserve.engine.speculative", None, "plan"),
          ("specserve.engine.graphs", "StepGraphs", "_replay"),
          ("specserve.engine.engine", None, "accept"),
          ("specserve.engine.runner", "ModelRunner", "forward"),
-         ("specserve.engine.engine", "Engine", "_commit_trees")]
+         ("specserve.engine.engine", "Engine", "_commit_trees"),
+         ("specserve.engine.engine", "Engine", "_commit"),
+         ("specserve.engine.speculative", None, "verify_layout"),
+         ("specserve.kvcache.pool", "KVPool", "copy_slots"),
+         ("replay_drafter", "ReplayDrafter", "draft")]
 
 
 def _timers(dev) -> tuple[dict, list]:
@@ -97,13 +102,27 @@ def _steps(engine, drafter, dev, n: int) -> list[dict]:
         engine.step()
         sync(dev)
         wall = (time.perf_counter() - ts) * 1e3
-        t, st = engine.last_step, drafter.last_stats
+        t, st = engine.last_step, getattr(drafter, "last_stats", None)
         out.append(dict(wall=wall, draft=(t.draft_end_ns - t.start_ns) / 1e6,
                         verify=(t.verify_end_ns - t.draft_end_ns) / 1e6,
                         commit=(t.end_ns - t.verify_end_ns) / 1e6,
-                        outside=wall - (t.end_ns - t.start_ns) / 1e6,
-                        drafter_forward=st.forward_s * 1e3, drafter_tree=st.tree_s * 1e3))
+                        outside=wall - (t.end_ns - t.start_ns) / 1e6))
+        if st is not None:
+            out[-1].update(drafter_forward=st.forward_s * 1e3, drafter_tree=st.tree_s * 1e3)
     return out
+
+
+def _replay_drafter(engine, vocab: int, prompt: list[int], params):
+    """The replay drafter over the target's greedy continuation (one AR run first)."""
+    from replay_drafter import ReplayDrafter
+
+    engine.add_request("ar", prompt, params, 0)
+    ref = []
+    while engine.has_unfinished:
+        ref += [t for o in engine.step() for t in o.new_token_ids]
+    drafter = ReplayDrafter(vocab, BLOCK_SIZE, 8.0)
+    drafter.set_reference("r", len(prompt), ref)
+    return drafter
 
 
 def _profile(engine, dev, n: int) -> dict:
@@ -131,6 +150,11 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on the tiny model")
+    ap.add_argument("--max-len", type=int, default=0,
+                    help="the engine's max_model_len (0: the context + what the run needs)")
+    ap.add_argument("--drafter", default="dflash", choices=("dflash", "replay"),
+                    help="replay: the BENCHMARK-ONLY replay drafter (chain of 16, commit 8) "
+                         "over the target's own greedy continuation")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "diag_dflash.json"))
     args = ap.parse_args()
     b = Bench(parse_args(["--sections", "decode"] + (["--tiny"] if args.tiny else [])))
@@ -140,21 +164,28 @@ def main() -> None:
     vocab = b.target.config.vocab_size
     with torch.inference_mode():
         for ctx in (int(c) for c in args.ctxs.split(",")):
-            engine = make_engine(b, ctx + args.new + 2 * BLOCK_SIZE + 1, BLOCK_SIZE - 1)
-            pages = pages_for(ctx + args.new + BLOCK_SIZE + 1, 16) + 4
-            drafter = DFlashDrafter(b.drafter, pages, 16, tree=False,
-                                    graphs=b.device.type == "cuda")
+            engine = make_engine(b, max(args.max_len, ctx + args.new + 2 * BLOCK_SIZE + 1),
+                                 BLOCK_SIZE)
+            prompt, params = prompt_ids(vocab, ctx), SamplingParams(max_tokens=args.new,
+                                                                    ignore_eos=True)
+            if args.drafter == "replay":
+                drafter, budget = _replay_drafter(engine, vocab, prompt, params), BLOCK_SIZE
+            else:
+                pages = pages_for(ctx + args.new + BLOCK_SIZE + 1, 16) + 4
+                drafter = DFlashDrafter(b.drafter, pages, 16, tree=False,
+                                        graphs=b.device.type == "cuda")
+                budget = BLOCK_SIZE - 1
             engine.set_drafter(drafter)
-            engine.add_request("r", prompt_ids(vocab, ctx),
-                               SamplingParams(max_tokens=args.new, ignore_eos=True), BLOCK_SIZE - 1)
+            engine.add_request("r", prompt, params, budget)
             while engine.has_unfinished and not engine.step():  # prefill
                 pass
             _steps(engine, drafter, b.device, 4)  # warm-up
-            steps = _steps(engine, drafter, b.device, args.new - 24 - args.profile_steps)
+            left = args.new - 24 - args.profile_steps if args.drafter == "dflash" else 12
+            steps = _steps(engine, drafter, b.device, left)
             prof = _profile(engine, b.device, args.profile_steps)
             totals, undo = _timers(b.device)
             try:
-                timed = _steps(engine, drafter, b.device, 8)
+                timed = _steps(engine, drafter, b.device, 8 if args.drafter == "dflash" else 4)
             finally:
                 for owner, attr, fn in undo:
                     setattr(owner, attr, fn)
