@@ -157,7 +157,9 @@ def main() -> None:
                          "over the target's own greedy continuation")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "diag_dflash.json"))
     args = ap.parse_args()
-    b = Bench(parse_args(["--sections", "decode"] + (["--tiny"] if args.tiny else [])))
+    meta = str(Path(args.out).with_suffix(".bench.json"))  # where setup() saves its JSON
+    b = Bench(parse_args(["--sections", "decode", "--out", meta] + (["--tiny"] if args.tiny
+                                                                    else [])))
     setup(b)
     res = dict(device=torch.cuda.get_device_name() if b.device.type == "cuda" else "cpu",
                rows=[])
