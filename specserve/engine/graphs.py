@@ -209,10 +209,11 @@ class StepGraphs:
         real = []
         for i, (x, table) in enumerate(zip(inputs, page_tables, strict=True)):
             n, r0, ctx = len(x.token_ids), i * nb, x.ctx_len
+            table = np.asarray(table)  # once: a list of thousands of pages is slow to convert
             v["table"][i, : len(table)] = table
             v["ctx"][i] = ctx
             pos = np.arange(ctx, ctx + nb)  # K/V slots: tree rows, then pad rows after them
-            v["slots"][r0 : r0 + nb] = np.asarray(table)[pos // ps] * ps + pos % ps
+            v["slots"][r0 : r0 + nb] = table[pos // ps].astype(np.int64) * ps + pos % ps
             v["pos"][r0 : r0 + nb] = ctx  # pad rows sit at the root's position (RoPE, window)
             v["pos"][r0 : r0 + n] = np.asarray(x.positions, dtype=np.int64)
             v["ids"][r0 : r0 + n] = np.asarray(x.token_ids, dtype=np.int64)

@@ -84,7 +84,7 @@ class ModelRunner:
         features `[T, n_taps * hidden]` of every row when `taps` (else None).
         """
         if self.graphs is not None and self.graphs.fits(inputs):  # decode / verify only
-            return self.graphs.run(inputs, [self.blocks.page_table(x.request_id) for x in inputs],
+            return self.graphs.run(inputs, [self.blocks.page_array(x.request_id) for x in inputs],
                                    logit_rows, self.tap_layers if taps else ())
         masks = [x.tree_mask for x in inputs]
         any_tree = any(m is not None for m in masks)

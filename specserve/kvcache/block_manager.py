@@ -1,4 +1,4 @@
-"""KV page bookkeeping: which pages each request owns. Pure Python — no torch.
+"""KV page bookkeeping: which pages each request owns. No torch (numpy for the page arrays).
 
 Policy lives here, memory lives in `kvcache.pool`. A request first *reserves* the pages it can
 ever need (admission control: the sum of reservations never exceeds the pool, so a running request
@@ -11,6 +11,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from specserve.errors import CapacityExhausted
 
 
@@ -22,6 +24,12 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 class _Entry:
     reserved: int  # pages promised to this request
     pages: list[int] = field(default_factory=list)  # allocated page ids, in position order
+    array: np.ndarray | None = field(default=None, repr=False, compare=False)  # [reserved]
+    # int32: pages[i] at i (page_array); built in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.array is None:
+            self.array = np.zeros(self.reserved, dtype=np.int32)
 
 
 class BlockManager:
@@ -94,7 +102,8 @@ class BlockManager:
                 f"reservation of {entry.reserved} pages"
             )
         while len(entry.pages) < need:
-            entry.pages.append(heapq.heappop(self._free))
+            entry.array[len(entry.pages)] = page = heapq.heappop(self._free)
+            entry.pages.append(page)
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Free the pages not needed to hold positions [0, num_tokens)."""
@@ -115,6 +124,15 @@ class BlockManager:
     # ---- lookups -----------------------------------------------------------------------------
     def page_table(self, request_id: str) -> list[int]:
         return list(self._entries[request_id].pages)
+
+    def page_array(self, request_id: str) -> np.ndarray:  # [pages] int32
+        """`page_table` as a read-only array view, no copy (a long context's table is thousands
+        of pages: converting the list per step cost ~0.1-0.2 ms per 2k pages on the host);
+        valid until the request's pages next change."""
+        entry = self._entries[request_id]
+        view = entry.array[: len(entry.pages)]
+        view.flags.writeable = False
+        return view
 
     def num_slots(self, request_id: str) -> int:
         return len(self._entries[request_id].pages) * self.page_size

@@ -11,6 +11,8 @@ from specserve.kvcache.block_manager import BlockManager, pages_for
 
 
 def _check_invariants(bm: BlockManager, ids):
+    for r in ids:  # the array view mirrors the list through every ensure / truncate
+        assert bm.page_array(r).tolist() == bm.page_table(r)
     owned = [p for r in ids if r in bm for p in bm.page_table(r)]
     assert len(owned) == len(set(owned)), "a page has two owners"
     assert len(owned) + bm.num_free_pages == bm.num_pages
@@ -37,6 +39,21 @@ def test_reserve_ensure_truncate_free():
     bm.free("a")
     bm.free("a")  # idempotent
     assert bm.num_used_pages == 0 and bm.num_reserved_pages == 0
+
+
+def test_page_array_is_a_read_only_view():
+    bm = BlockManager(num_pages=8, page_size=4)
+    bm.reserve("a", 24)
+    bm.ensure("a", 9)
+    arr = bm.page_array("a")
+    assert arr.dtype.name == "int32" and arr.tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="read-only"):
+        arr[0] = 5
+    bm.truncate("a", 4)
+    bm.reserve("b", 8)
+    bm.ensure("b", 8)  # takes pages 1 and 2
+    bm.ensure("a", 13)
+    assert bm.page_array("a").tolist() == bm.page_table("a") == [0, 3, 4, 5]
 
 
 def test_slots_follow_page_table_after_reuse():

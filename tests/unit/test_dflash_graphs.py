@@ -143,3 +143,23 @@ def test_context_slots_pad_rows_below_the_window_and_past_each_request():
     keep_b = 18 - WINDOW + 1  # b holds 18 positions: the window keeps 7..17
     assert (sliding[16 : 16 + keep_b - 3] == pad[16 : 16 + keep_b - 3]).all()
     assert (sliding[16 + keep_b - 3 : 31] < 1000).all() and (sliding[:5] < 1000).all()
+
+
+def test_page_arrays_follow_the_pages_through_allocate_free_release():
+    """The cached arrays of a request's drafter pages (table_array, slots) are rebuilt after
+    every change: allocation, pages leaving a sliding window, release."""
+    import numpy as np
+
+    from specserve.drafters.dflash_cache import SLIDING, DFlashContextCache, StepItem
+
+    cache = DFlashContextCache(tiny_model().config, 40, page_size=4)
+    for new, block in ((10, 0), (6, 6), (9, 6), (1, 6)):  # the window (12) drops pages
+        cache.begin([StepItem("a", new, block)])
+        pages = cache._requests["a"].pages[SLIDING]
+        assert pages.table_array().tolist() == pages.table()
+        held = np.arange(pages.dead * 4, (pages.dead + len(pages.live)) * 4)
+        want = [pages.live[p // 4 - pages.dead] * 4 + p % 4 for p in held]
+        assert pages.slots(held, 4).tolist() == want
+    assert pages.dead > 0  # the window dropped leading pages
+    cache.release("a")
+    assert pages.table_array().tolist() == [] and pages.table() == []
