@@ -162,3 +162,23 @@ def test_diag_knobs_parses_variants_and_sets_knobs_back():
     assert fused_layer.LT_DOWN_ROWS is before
     with pytest.raises(ValueError, match="no knob"):
         set_knobs({"specserve.models.fused_layer.NOT_A_KNOB": 1})
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "replay"])
+def test_diag_dflash_step_tiny(tmp_path, drafter):
+    """bench/diag_dflash_step.py on the tiny CPU model: every step phase, the timer pass and the
+    profile land in its JSON; the bench setup's JSON goes beside it, not into the cwd."""
+    out = tmp_path / "diag.json"
+    new = "40" if drafter == "dflash" else "200"
+    proc = subprocess.run([sys.executable, str(BENCH / "diag_dflash_step.py"), "--tiny",
+                           "--ctxs", "64", "--new", new, "--drafter", drafter, "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    med = row["median_ms"]
+    assert row["ctx"] == 64 and row["steps"] >= 4
+    assert med["wall"] > 0 and med["verify"] > 0 and med["draft"] > 0
+    assert med["draft"] + med["verify"] + med["commit"] <= 1.1 * med["wall"] + 0.5  # inside
+    assert row["timers_ms"]["ModelRunner.forward"] > 0 and row["profile"]["steps"] == 5
+    assert ("DFlashDrafter._run" in row["timers_ms"]) == (drafter == "dflash")
+    assert (tmp_path / "diag.bench.json").exists() and not (tmp_path / "bench_e2e.json").exists()
