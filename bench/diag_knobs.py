@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _e2e_common import ceilings  # noqa: E402
 from _e2e_verify import random_tree  # noqa: E402
 from diag_kernel import _kernel_times  # noqa: E402
+from diag_step import graph_ms  # noqa: E402
 from profile_step import build_target, make_runner  # noqa: E402
 
 from specserve.attention.base import AttnBatch  # noqa: E402
@@ -71,15 +71,6 @@ def set_knobs(knobs: dict) -> dict:
         old[path] = getattr(m, attr)
         setattr(m, attr, value)
     return old
-
-
-def graph_ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, return_mode="median")
 
 
 def point(model, kv, table, ctx, rows, variants, rounds, kernels) -> dict:

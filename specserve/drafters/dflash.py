@@ -136,18 +136,19 @@ class DFlashDrafter:
         step = self.cache.begin([StepItem(r.request_id, c, n)
                                  for r, c, n in zip(requests, num_new, block_lens, strict=True)])
         graphed = self.graphs is not None and self.graphs.fits(block_lens)
-        in_graph = graphed and all(block_lens) and self.graphs.takes_context(num_new)
+        in_graph = graphed and self.graphs.takes_context(block_lens, num_new)
         if not in_graph:  # the graph writes a decode step's few rows itself
-            self._write_context(step, [r.context for r in requests if self._num_new(r)])
+            self._write_context(step, [r.context for r, c in zip(requests, num_new, strict=True)
+                                       if c])
         vocab, device = self.model.config.vocab_size, self.cache.device
         empty = torch.empty(0, vocab, dtype=torch.float32, device=device)
         if not any(block_lens):
             return [empty for _ in requests]
         if graphed:
-            contexts = [r.context if c else None for r, c in zip(requests, num_new, strict=True)]
+            contexts = [r.context if c else None for r, c in zip(requests, num_new, strict=True)
+                        ] if in_graph else None
             got = iter(self.graphs.run(step, [r.bonus_token for r, n in zip(
-                requests, block_lens, strict=True) if n], max(block_lens),
-                contexts if in_graph else None))
+                requests, block_lens, strict=True) if n], max(block_lens), contexts))
             return [next(got) if n else empty for n in block_lens]
         mask = self.model.config.mask_token_id
         ids = torch.tensor([t for r, n in zip(requests, block_lens, strict=True) if n

@@ -67,11 +67,10 @@ class _Pages:
 
     dead: int = 0  # leading page-table entries freed or never allocated
     live: list[int] = field(default_factory=list)  # page ids of the entries after them
-    _live_arr: np.ndarray | None = field(default=None, repr=False, compare=False)  # int64
     _table_arr: np.ndarray | None = field(default=None, repr=False, compare=False)  # int32
 
     def changed(self) -> None:
-        self._live_arr = self._table_arr = None
+        self._table_arr = None
 
     def table(self) -> list[int]:
         return [0] * self.dead + self.live
@@ -86,11 +85,9 @@ class _Pages:
         return self._table_arr
 
     def slots(self, positions: np.ndarray, page_size: int) -> np.ndarray:  # [N] int64
-        if self._live_arr is None:
-            self._live_arr = np.asarray(self.live, dtype=np.int64)
-            self._live_arr.flags.writeable = False
-        live = self._live_arr
-        return live[positions // page_size - self.dead] * page_size + positions % page_size
+        """Slots of `positions` (all at or after the first live page's)."""
+        pages = self.table_array()[positions // page_size].astype(np.int64)
+        return pages * page_size + positions % page_size
 
 
 class _Group:

@@ -92,10 +92,10 @@ class DraftGraphs:
         lens = {n for n in block_lens if n}
         return len(lens) == 1 and len(block_lens) <= BATCH_BUCKETS[-1] and min(lens) > 1
 
-    def takes_context(self, num_new) -> bool:
-        """Whether a call whose requests bring these many new context rows (every request with
-        a block) can have the graph write them."""
-        return max(num_new, default=0) <= self.context_rows
+    def takes_context(self, block_lens, num_new) -> bool:
+        """Whether a call that `fits` can also have the graph write its new context rows: every
+        request has a block (a slot of the static layout) and ≤ `context_rows` new rows."""
+        return all(block_lens) and max(num_new, default=0) <= self.context_rows
 
     def run(self, step: CacheStep, bonus: list[int], n: int,
             contexts: list[torch.Tensor | None] | None = None) -> torch.Tensor:
