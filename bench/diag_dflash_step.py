@@ -12,7 +12,7 @@ commit ≈ 1) at 8.3 ms at 1k while the verify it contains is 4.9 ms and the dra
                  each (nested ones inside their callers; the syncs add a little to each);
   profiler       torch.profiler (CPU + CUDA) over --profile-steps steps: per step the GPU busy
                  time (sum of kernel times), launches, graph launches, H2D / D2H copies and syncs;
-                 the top CPU ops by self time.
+                 the top CPU ops by self time and the top kernels by GPU time.
 
     python3 bench/diag_dflash_step.py [--ctxs 1024,32768] [--new 64] [--out $OUT/diag_dflash.json]
     python3 bench/diag_dflash_step.py --drafter replay --new 256   # the replay drafter's steps
@@ -112,7 +112,7 @@ def _steps(engine, drafter, dev, n: int) -> list[dict]:
     return out
 
 
-def _replay_drafter(engine, vocab: int, prompt: list[int], params):
+def _replay_drafter(engine, vocab: int, prompt: list[int], params, budget: int):
     """The replay drafter over the target's greedy continuation (one AR run first)."""
     from replay_drafter import ReplayDrafter
 
@@ -120,7 +120,7 @@ def _replay_drafter(engine, vocab: int, prompt: list[int], params):
     ref = []
     while engine.has_unfinished:
         ref += [t for o in engine.step() for t in o.new_token_ids]
-    drafter = ReplayDrafter(vocab, BLOCK_SIZE, 8.0)
+    drafter = ReplayDrafter(vocab, budget, 8.0)
     drafter.set_reference("r", len(prompt), ref)
     return drafter
 
@@ -133,15 +133,20 @@ def _profile(engine, dev, n: int) -> dict:
             engine.step()
             sync(dev)
     counts: dict = collections.Counter()
-    gpu_us = 0.0
+    kernels: dict = collections.Counter()
+    launches: dict = collections.Counter()
     for e in prof.events():
         if str(e.device_type).endswith("CUDA"):
-            gpu_us += e.device_time
+            kernels[e.name[:110]] += e.device_time
+            launches[e.name[:110]] += 1
         elif e.name in COUNTED:
             counts[e.name] += 1
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-    return dict(steps=n, gpu_busy_ms_per_step=gpu_us / n / 1e3,
-                calls_per_step={k: v / n for k, v in sorted(counts.items())}, cpu_table=table)
+    top = [dict(us_per_step=us / n, launches_per_step=launches[name] / n, name=name)
+           for name, us in kernels.most_common(16)]
+    return dict(steps=n, gpu_busy_ms_per_step=sum(kernels.values()) / n / 1e3,
+                calls_per_step={k: v / n for k, v in sorted(counts.items())}, cuda_top=top,
+                cpu_table=table)
 
 
 def main() -> None:
@@ -153,8 +158,10 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=0,
                     help="the engine's max_model_len (0: the context + what the run needs)")
     ap.add_argument("--drafter", default="dflash", choices=("dflash", "replay"),
-                    help="replay: the BENCHMARK-ONLY replay drafter (chain of 16, commit 8) "
-                         "over the target's own greedy continuation")
+                    help="replay: the BENCHMARK-ONLY replay drafter (a chain of "
+                         "--replay-budget, commit 8) over the target's own greedy continuation")
+    ap.add_argument("--replay-budget", type=int, default=BLOCK_SIZE,
+                    help="the replay drafter's chain length (tree budget)")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "diag_dflash.json"))
     args = ap.parse_args()
     meta = str(Path(args.out).with_suffix(".bench.json"))  # where setup() saves its JSON
@@ -171,7 +178,8 @@ def main() -> None:
             prompt, params = prompt_ids(vocab, ctx), SamplingParams(max_tokens=args.new,
                                                                     ignore_eos=True)
             if args.drafter == "replay":
-                drafter, budget = _replay_drafter(engine, vocab, prompt, params), BLOCK_SIZE
+                budget = args.replay_budget
+                drafter = _replay_drafter(engine, vocab, prompt, params, budget)
             else:
                 pages = pages_for(ctx + args.new + BLOCK_SIZE + 1, 16) + 4
                 drafter = DFlashDrafter(b.drafter, pages, 16, tree=False,

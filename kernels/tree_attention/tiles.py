@@ -98,3 +98,54 @@ def _load_q(Q, q0, tok, head, valid, sm_scale_log2, stride_qt, stride_qh, HEAD_D
     ptrs = Q + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh
     q = tl.load(ptrs + offs_d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
     return (q.to(tl.float32) * sm_scale_log2).to(Q.dtype.element_ty)
+
+
+@triton.jit
+def _tma_page(D_, BlockTable, bt_row, n, col, PAGE_SIZE: tl.constexpr):
+    """The [box, D] block of keys from position n (box ≤ PAGE_SIZE, one page) through the copy
+    engine: the pool viewed as [slots, Hkv·D], its KV head at column `col`."""
+    page = tl.load(BlockTable + bt_row + n // PAGE_SIZE)
+    return D_.load([page * PAGE_SIZE + n % PAGE_SIZE, col])
+
+
+@triton.jit
+def _prefix_tile_tma(q, m_i, l_i, acc, KD, VD, BlockTable, bt_row, n, col,
+                     PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """An unmasked prefix tile of one page box (BLOCK_N ≤ PAGE_SIZE keys) loaded by TMA."""
+    k = _tma_page(KD, BlockTable, bt_row, n, col, PAGE_SIZE)
+    v = _tma_page(VD, BlockTable, bt_row, n, col, PAGE_SIZE)
+    s = _dot(q, tl.trans(k), DOT_PREC)  # [BLOCK_M, BLOCK_N]
+    return _online_update(s, m_i, l_i, acc, v, False, DOT_PREC)
+
+
+@triton.jit
+def _prefix_tile_tma4(q, m_i, l_i, acc, KD, VD, BlockTable, bt_row, n, col,
+                      PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """An unmasked prefix tile of four pages (BLOCK_N = 4·PAGE_SIZE keys), one TMA box per page
+    and per K/V; four score blocks share one online-softmax update."""
+    k0 = _tma_page(KD, BlockTable, bt_row, n, col, PAGE_SIZE)
+    k1 = _tma_page(KD, BlockTable, bt_row, n + PAGE_SIZE, col, PAGE_SIZE)
+    k2 = _tma_page(KD, BlockTable, bt_row, n + 2 * PAGE_SIZE, col, PAGE_SIZE)
+    k3 = _tma_page(KD, BlockTable, bt_row, n + 3 * PAGE_SIZE, col, PAGE_SIZE)
+    s0 = _dot(q, tl.trans(k0), DOT_PREC)  # [BLOCK_M, PAGE_SIZE] each
+    s1 = _dot(q, tl.trans(k1), DOT_PREC)
+    s2 = _dot(q, tl.trans(k2), DOT_PREC)
+    s3 = _dot(q, tl.trans(k3), DOT_PREC)
+    m_new = tl.maximum(tl.maximum(m_i, tl.maximum(tl.max(s0, 1), tl.max(s1, 1))),
+                       tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
+    alpha = tl.exp2(m_i - m_new)
+    p0 = tl.exp2(s0 - m_new[:, None])
+    p1 = tl.exp2(s1 - m_new[:, None])
+    p2 = tl.exp2(s2 - m_new[:, None])
+    p3 = tl.exp2(s3 - m_new[:, None])
+    l_i = l_i * alpha + (tl.sum(p0, 1) + tl.sum(p1, 1)) + (tl.sum(p2, 1) + tl.sum(p3, 1))
+    acc = acc * alpha[:, None]
+    v0 = _tma_page(VD, BlockTable, bt_row, n, col, PAGE_SIZE)
+    v1 = _tma_page(VD, BlockTable, bt_row, n + PAGE_SIZE, col, PAGE_SIZE)
+    v2 = _tma_page(VD, BlockTable, bt_row, n + 2 * PAGE_SIZE, col, PAGE_SIZE)
+    v3 = _tma_page(VD, BlockTable, bt_row, n + 3 * PAGE_SIZE, col, PAGE_SIZE)
+    acc = tl.dot(p0.to(v0.dtype), v0, acc, input_precision=DOT_PREC)
+    acc = tl.dot(p1.to(v1.dtype), v1, acc, input_precision=DOT_PREC)
+    acc = tl.dot(p2.to(v2.dtype), v2, acc, input_precision=DOT_PREC)
+    acc = tl.dot(p3.to(v3.dtype), v3, acc, input_precision=DOT_PREC)
+    return m_new, l_i, acc
