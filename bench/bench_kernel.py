@@ -132,10 +132,9 @@ _ALIGNED = ("stride_qt", "stride_kp", "stride_ks", "stride_kh", "stride_os", "st
 
 
 def _compile(fn, dt: str, cons: dict, num_warps: int, num_stages: int, arch: int,
-             ptxas: str, descs: dict | None = None) -> dict:
+             ptxas: str) -> dict:
     """triton.compile `fn` for GPUTarget("cuda", arch, 32) with inputs of dtype `dt`; its
-    shared memory (bytes), registers and spill bytes (ptxas -v on the PTX). `descs`: {argument:
-    block shape} of the arguments that are TMA descriptors (KD / VD of the TMA variants)."""
+    shared memory (bytes), registers and spill bytes (ptxas -v on the PTX)."""
     import re
     import subprocess
     import tempfile
@@ -148,8 +147,6 @@ def _compile(fn, dt: str, cons: dict, num_warps: int, num_stages: int, arch: int
     for name in fn.arg_names:
         if name in cons:
             sig[name] = "constexpr"
-        elif name in (descs or {}):
-            sig[name] = f"tensordesc<{dt}[{','.join(map(str, descs[name]))}]>"
         elif name in ("Q", "K", "V", "Out", "O1", "O2"):
             sig[name] = "*" + dt
         elif name in _PTR_TYPES:

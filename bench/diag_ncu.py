@@ -4,7 +4,7 @@ that graph timings cannot show.
 
     ncu --clock-control none --kernel-name regex:_tree_attn --launch-skip 3 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats python bench/diag_ncu.py \\
-        --ctx 32768 --n 16 --variant "({'tma': 1}, None, (64, 16, 4, 8))"
+        --ctx 32768 --n 16 --variant "({}, 16)"
 """
 
 from __future__ import annotations

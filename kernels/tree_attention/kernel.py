@@ -34,14 +34,7 @@ from kernels.tree_attention import check_inputs
 from kernels.tree_attention.combine import combine, combine_rows
 from kernels.tree_attention.configs import Config
 from kernels.tree_attention.plan import plan_launch, scratch
-from kernels.tree_attention.tiles import (
-    _dot,
-    _load_q,
-    _online_update,
-    _prefix_tile,
-    _prefix_tile_tma,
-    _prefix_tile_tma4,
-)
+from kernels.tree_attention.tiles import _dot, _load_q, _online_update, _prefix_tile
 
 LOG2E = 1.4426950408889634
 LAST_LAUNCH: dict = {}  # the last compiled kernels launched (benchmarks read n_regs / spills)
@@ -61,46 +54,6 @@ def _tree_attn_kernel(
     HAS_TREE: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr,
     ROW_WORDS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """K/V by pointers (every config; the kernel the tables and the sm_120 check cover)."""
-    _program(Q, K, V, K, V, BlockTable, CuQ, CtxLens, Positions, TreeMask, OPart, LsePart,
-             sm_scale_log2, window, h_kv, stride_qt, stride_qh, stride_kp, stride_ks, stride_kh,
-             stride_bt, stride_mt, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-             GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, SLIDING, HAS_TREE, MASK_ALL,
-             DOT_PREC, ROW_WORDS, USE_PDL, 0)
-
-
-@triton.jit(do_not_specialize=_NO_SPEC)
-def _tree_attn_tma_kernel(
-    Q, K, V, KD, VD, BlockTable, CuQ, CtxLens, Positions, TreeMask, OPart, LsePart,
-    sm_scale_log2, window, h_kv,
-    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
-    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
-    HAS_TREE: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROW_WORDS: tl.constexpr, USE_PDL: tl.constexpr, USE_TMA: tl.constexpr,
-):
-    """The unmasked prefix tiles through TMA descriptors KD / VD (sm_90+; plan.tma); the masked
-    tile and the tree tail by pointers. A kernel of its own: two more parameters in the pointer
-    kernel made ptxas spill 24 B in an sm_120 fp32 config."""
-    _program(Q, K, V, KD, VD, BlockTable, CuQ, CtxLens, Positions, TreeMask, OPart, LsePart,
-             sm_scale_log2, window, h_kv, stride_qt, stride_qh, stride_kp, stride_ks, stride_kh,
-             stride_bt, stride_mt, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-             GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, SLIDING, HAS_TREE, MASK_ALL,
-             DOT_PREC, ROW_WORDS, USE_PDL, USE_TMA)
-
-
-@triton.jit
-def _program(
-    Q, K, V, KD, VD, BlockTable, CuQ, CtxLens, Positions, TreeMask, OPart, LsePart,
-    sm_scale_log2, window, h_kv,
-    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
-    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
-    HAS_TREE: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROW_WORDS: tl.constexpr, USE_PDL: tl.constexpr, USE_TMA: tl.constexpr,
-):
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the combine may become resident (it waits)
@@ -113,24 +66,24 @@ def _program(
     q_len = tl.load(CuQ + b + 1) - q0
     row0 = rb * BLOCK_M
     if row0 < q_len * GROUP:
-        _attend(Q, K, V, KD, VD, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
+        _attend(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
                 sm_scale_log2, window, b, h, q0, q_len, row0, part, tl.num_programs(2) - 1,
                 stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                 GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, SLIDING, HAS_TREE,
-                MASK_ALL, DOT_PREC, ROW_WORDS, USE_TMA)
+                MASK_ALL, DOT_PREC, ROW_WORDS)
 
 
 @triton.jit
 def _attend(
-    Q, K, V, KD, VD, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
+    Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
     sm_scale_log2, window, b, h, q0, q_len, row0, part, num_splits,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
     HAS_TREE: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROW_WORDS: tl.constexpr, USE_TMA: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
 ):
     """Part `part` of BLOCK_M packed rows from row0 — prefix split `part` < S, or the tree tail
     (part S) — written as a normalised partial O and its LSE."""
@@ -152,9 +105,9 @@ def _attend(
         q_pos = tok
     if part < num_splits:
         m_i, l_i, acc = _prefix_split(
-            q, m_i, l_i, acc, K, V, KD, VD, BlockTable, bt_row, ctx, q_pos, window, kv_head_off,
-            h * HEAD_DIM, part, num_splits, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N,
-            SLIDING, MASK_ALL, DOT_PREC, USE_TMA)
+            q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, q_pos, window, kv_head_off, part,
+            num_splits, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, SLIDING, MASK_ALL,
+            DOT_PREC)
     else:
         m_i, l_i, acc = _tree_tail(
             q, m_i, l_i, acc, K, V, BlockTable, TreeMask, Positions, bt_row, ctx, q0, q_len,
@@ -170,11 +123,10 @@ def _attend(
 
 
 @triton.jit
-def _prefix_split(q, m_i, l_i, acc, K, V, KD, VD, BlockTable, bt_row, ctx, q_pos, window,
-                  kv_head_off, col, part, num_splits, stride_kp, stride_ks,
+def _prefix_split(q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, q_pos, window, kv_head_off,
+                  part, num_splits, stride_kp, stride_ks,
                   HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SLIDING: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr,
-                  USE_TMA: tl.constexpr):
+                  SLIDING: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr):
     """Split `part` of `num_splits` of the paged prefix [0, ctx), range derived on device.
     MASK_ALL (fp32 inputs): no unmasked hot loop beside the masked last tile — one loop body;
     the FMA-dot (ieee) kernels then need half the registers (sm_120, D = 256: 255 + 564 B of
@@ -195,20 +147,11 @@ def _prefix_split(q, m_i, l_i, acc, K, V, KD, VD, BlockTable, bt_row, ctx, q_pos
                 DOT_PREC)
     else:
         full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-        if USE_TMA == 1:  # the hot loop through the copy engine: one page box a tile
-            for n in range(lo, full, BLOCK_N):
-                m_i, l_i, acc = _prefix_tile_tma(q, m_i, l_i, acc, KD, VD, BlockTable, bt_row,
-                                                 n, col, PAGE_SIZE, DOT_PREC)
-        elif USE_TMA == 4:  # four page boxes a tile
-            for n in range(lo, full, BLOCK_N):
-                m_i, l_i, acc = _prefix_tile_tma4(q, m_i, l_i, acc, KD, VD, BlockTable, bt_row,
-                                                  n, col, PAGE_SIZE, DOT_PREC)
-        else:
-            for n in range(lo, full, BLOCK_N):  # the hot loop: no mask ops
-                m_i, l_i, acc = _prefix_tile(
-                    q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, lo, hi, q_pos, window,
-                    kv_head_off, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, False,
-                    False, DOT_PREC)
+        for n in range(lo, full, BLOCK_N):  # the hot loop: no mask ops
+            m_i, l_i, acc = _prefix_tile(
+                q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, lo, hi, q_pos, window,
+                kv_head_off, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False,
+                DOT_PREC)
         if full < hi:
             m_i, l_i, acc = _prefix_tile(
                 q, m_i, l_i, acc, K, V, BlockTable, bt_row, full, lo, hi, q_pos, window,
@@ -305,12 +248,9 @@ def tree_attention_triton(
                                              max_ctx_len, config, dict(opts))
     o_part, lse_part = scratch(batch, plan.parts, t, hq, d, q.device)
     cfg, hkv, tree = plan.config, plan.hkv, plan.tree
-    kernel, extra = _tree_attn_kernel, {}
-    if plan.tma:
-        kernel, extra = _tree_attn_tma_kernel, dict(USE_TMA=plan.tma)
-    LAST_LAUNCH["attn"] = kernel[plan.grid](
-        q, k_pool, v_pool, *_descriptors(k_pool, v_pool, plan), batch.block_table, batch.cu_q,
-        batch.ctx_lens_t, batch.positions, tree, o_part, lse_part,
+    LAST_LAUNCH["attn"] = _tree_attn_kernel[plan.grid](
+        q, k_pool, v_pool, batch.block_table, batch.cu_q, batch.ctx_lens_t, batch.positions,
+        tree, o_part, lse_part,
         scale * LOG2E, plan.window, hkv,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         batch.block_table.stride(0), tree.stride(0),
@@ -320,23 +260,10 @@ def tree_attention_triton(
         BLOCK_N=cfg.block_n, TAIL_N=plan.tail_n, SLIDING=sliding_window is not None,
         HAS_TREE=batch.tree_mask is not None, MASK_ALL=q.dtype == torch.float32,
         DOT_PREC=plan.dot_prec, ROW_WORDS=plan.row_words, USE_PDL=plan.use_pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=plan.use_pdl, **extra,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=plan.use_pdl,
     )
     if plan.combine_rows is not None:
         combine_rows(o_part, lse_part, out, plan.parts, plan.combine_rows, plan.use_pdl)
     else:
         combine(o_part, lse_part, out, plan.parts, plan.block_s, plan.lse_block, plan.use_pdl)
     return out
-
-
-def _descriptors(k_pool, v_pool, plan):
-    """TMA descriptors of the pools viewed [slots, Hkv·D], one box a page (or a BLOCK_N-row
-    part of one) — none when the plan loads K/V by pointers."""
-    if not plan.tma:
-        return ()
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    p, page, hkv, d = k_pool.shape
-    box = [page if plan.tma == 4 else plan.config.block_n, d]
-    return tuple(TensorDescriptor(x.view(p * page, hkv * d), [p * page, hkv * d], [hkv * d, 1],
-                                  box) for x in (k_pool, v_pool))

@@ -31,9 +31,8 @@ from kernels.tree_attention.configs import (
 # Launcher options (A/B runs; the defaults are the measured choices): "pdl" — programmatic
 # dependent launch on sm_90+; "row_words" — the tree tail's mask load (configs.tail_row_words);
 # "combine_rows" — rows per program of the row-block combine, 0 for the per-row kernel
-# (configs.combine_rows_block); "tma" — the unmasked prefix tiles through the copy engine: 1 one
-# page box a tile (BLOCK_N ≤ page size), 4 four page boxes (BLOCK_N = 4 · page size), 0 pointers.
-OPTIONS = ("pdl", "row_words", "combine_rows", "tma")
+# (configs.combine_rows_block).
+OPTIONS = ("pdl", "row_words", "combine_rows")
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,6 @@ class Plan:
     use_pdl: bool  # programmatic dependent launch (sm_90+): launch gaps hidden
     row_words: bool  # the tree tail's mask: one word per row per tile (configs.tail_row_words)
     combine_rows: int | None  # rows per program of the row-block combine; None: per-row kernel
-    tma: int  # 0: K/V by pointers; 1 / 4: the hot loop's tiles as 1 / 4 TMA page boxes
     tree: torch.Tensor  # the batch's tree mask, or a dummy (cu_q) when causal
 
 
@@ -73,7 +71,6 @@ def plan_launch(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, confi
                                                                     q.element_size(), longest)
     use_pdl = bool(opts.get("pdl", True)) and cap is not None and cap[0] >= 9
     row_words = bool(opts.get("row_words", tail_row_words(arch, config)))
-    tma = _tma_mode(int(opts.get("tma", 0)), cap, q.dtype, k_pool.shape[1], config.block_n)
     nb = batch.batch_size
     row_blocks = triton.cdiv(rows, config.block_m)
     if num_splits is None:
@@ -88,19 +85,8 @@ def plan_launch(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, confi
                  window=int(sliding_window) if sliding_window is not None else 0,
                  dot_prec=dot_prec, tail_n=tail_block_n(config), block_s=block_s,
                  lse_block=lse_block, use_pdl=use_pdl, row_words=row_words,
-                 combine_rows=combine_rows_block(parts, opts.get("combine_rows")), tma=tma,
+                 combine_rows=combine_rows_block(parts, opts.get("combine_rows")),
                  tree=batch.tree_mask if batch.tree_mask is not None else batch.cu_q)
-
-
-def _tma_mode(tma: int, cap, dtype, page: int, block_n: int) -> int:
-    """The TMA mode asked for, checked against the device and the tile shape (ValueError)."""
-    if not tma:
-        return 0
-    if cap is None or cap[0] < 9 or dtype == torch.float32:
-        raise ValueError("tma needs sm_90+ and 16-bit inputs")
-    if (tma == 1 and block_n > page) or (tma == 4 and block_n != 4 * page) or tma not in (1, 4):
-        raise ValueError(f"tma={tma} does not fit BLOCK_N {block_n} over pages of {page}")
-    return tma
 
 
 def scratch(batch, parts, t, hq, d, device) -> tuple[torch.Tensor, torch.Tensor]:
