@@ -201,7 +201,8 @@ def main() -> None:
                     setattr(owner, attr, fn)
             timers = {k: v / len(timed) for k, v in sorted(totals.items())}
             med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
-            res["rows"].append(dict(ctx=ctx, steps=len(steps), median_ms=med, profile=prof,
+            res["rows"].append(dict(ctx=ctx, budget=budget, steps=len(steps), median_ms=med,
+                                    profile=prof,
                                     timers_ms=timers,
                                     timed_wall_ms=statistics.median(t["wall"] for t in timed)))
             print(f"ctx {ctx}: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)

@@ -171,7 +171,8 @@ def test_diag_dflash_step_tiny(tmp_path, drafter):
     out = tmp_path / "diag.json"
     new = "40" if drafter == "dflash" else "200"
     proc = subprocess.run([sys.executable, str(BENCH / "diag_dflash_step.py"), "--tiny",
-                           "--ctxs", "64", "--new", new, "--drafter", drafter, "--out", str(out)],
+                           "--ctxs", "64", "--new", new, "--drafter", drafter, "--out", str(out),
+                           "--replay-budget", "7"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
@@ -181,4 +182,6 @@ def test_diag_dflash_step_tiny(tmp_path, drafter):
     assert med["draft"] + med["verify"] + med["commit"] <= 1.1 * med["wall"] + 0.5  # inside
     assert row["timers_ms"]["ModelRunner.forward"] > 0 and row["profile"]["steps"] == 5
     assert ("DFlashDrafter._run" in row["timers_ms"]) == (drafter == "dflash")
+    assert row["budget"] == (7 if drafter == "replay" else 15)  # BLOCK_SIZE - 1 for DFlash
+    assert isinstance(row["profile"]["cuda_top"], list)  # kernels by GPU time (none on CPU)
     assert (tmp_path / "diag.bench.json").exists() and not (tmp_path / "bench_e2e.json").exists()
