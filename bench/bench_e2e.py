@@ -94,7 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--eager-drafter", dest="draft_graphs", action="store_false",
         help="decode: the DFlash drafter's block forward eagerly, not from its CUDA graphs "
              "(dflash_graphs.py, the default on CUDA)")
-    add("--replay-budget", type=int, default=16)
+    add("--replay-budget", type=int, default=15,
+        help="the replay chain's length: 15 + root = 16 nodes = 64 packed rows, one full row "
+             "block (H200, 32k: 1.08-1.11 × the bar vs 1.04-1.06 at 16; BENCHMARKS runs 23-27)")
     add("--commit-len", type=float, default=8.0)
     add("--replay-mode", default="geometric", choices=("geometric", "fixed"))
     add("--max-passes", type=int, default=32)

@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--drafter", default="dflash", choices=("dflash", "replay"),
                     help="replay: the BENCHMARK-ONLY replay drafter (a chain of "
                          "--replay-budget, commit 8) over the target's own greedy continuation")
-    ap.add_argument("--replay-budget", type=int, default=BLOCK_SIZE,
+    ap.add_argument("--replay-budget", type=int, default=BLOCK_SIZE - 1,
                     help="the replay drafter's chain length (tree budget)")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "diag_dflash.json"))
     args = ap.parse_args()
