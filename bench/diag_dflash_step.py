@@ -11,7 +11,9 @@ commit ≈ 1) at 8.3 ms at 1k while the verify it contains is 4.9 ms and the dra
   timers         (a second pass) each of TIMED wrapped in synchronised timers: ms per step in
                  each (nested ones inside their callers; the syncs add a little to each);
   profiler       torch.profiler (CPU + CUDA) over --profile-steps steps: per step the GPU busy
-                 time (sum of kernel times), launches, graph launches, H2D / D2H copies and syncs;
+                 time (sum of kernel times: kernels that overlap, such as a PDL-launched kernel
+                 waiting on the one before it, count twice), launches, graph launches, H2D / D2H
+                 copies and syncs;
                  the top CPU ops by self time and the top kernels by GPU time.
 
     python3 bench/diag_dflash_step.py [--ctxs 1024,32768] [--new 64] [--out $OUT/diag_dflash.json]
@@ -202,8 +204,7 @@ def main() -> None:
             timers = {k: v / len(timed) for k, v in sorted(totals.items())}
             med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
             res["rows"].append(dict(ctx=ctx, budget=budget, steps=len(steps), median_ms=med,
-                                    profile=prof,
-                                    timers_ms=timers,
+                                    profile=prof, timers_ms=timers,
                                     timed_wall_ms=statistics.median(t["wall"] for t in timed)))
             print(f"ctx {ctx}: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)
             print(f"  timers (wall {res['rows'][-1]['timed_wall_ms']:.2f}): " + ", ".join(
