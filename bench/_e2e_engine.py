@@ -23,6 +23,7 @@ import contextlib
 import time
 import traceback
 from dataclasses import dataclass, field
+from functools import partial
 
 from _e2e_common import BLOCK_SIZE, median, prompt_ids, sync
 from replay_drafter import ReplayDrafter
@@ -220,15 +221,19 @@ def run_decode(b) -> None:
                         p=drafter.p, mode=a.replay_mode, budget=a.replay_budget, passes=passes,
                         diverged_at=off, benchmark_only=True)
 
-        def dflash(ctx=ctx, engine=engine, prompt=prompt) -> dict:
+        def dflash(ctx=ctx, engine=engine, prompt=prompt, fused=False) -> dict:
             pages = pages_for(ctx + new + BLOCK_SIZE + 1, a.page_size) + 4
             drafter = DFlashDrafter(b.drafter, pages, a.page_size, tree=False,
-                                    graphs=a.draft_graphs)
-            run = generate(b, engine, f"dflash{ctx}", prompt, new, BLOCK_SIZE - 1, drafter,
-                           label=f"DFlash {ctx}")
-            return dict(**summary(run, a.warm_steps), budget=BLOCK_SIZE - 1, tree="chain")
+                                    graphs=a.draft_graphs, fused_layers=fused)
+            run = generate(b, engine, f"dflash{ctx}{'f' * fused}", prompt, new, BLOCK_SIZE - 1,
+                           drafter, label=f"DFlash {ctx}")
+            return dict(**summary(run, a.warm_steps), budget=BLOCK_SIZE - 1, tree="chain",
+                        fused_layers=fused)
 
-        for impl, fn in (("ours_ar", ar), ("ours_spec_replay", replay), ("ours_dflash", dflash)):
+        impls = [("ours_ar", ar), ("ours_spec_replay", replay), ("ours_dflash", dflash)]
+        if a.fused_drafter:  # the same DFlash run with the block forward as fused layers
+            impls.append(("ours_dflash_fused", partial(dflash, fused=True)))
+        for impl, fn in impls:
             why = ("no AR reference" if impl != "ours_ar" and "ref" not in state else
                    "time budget" if b.out_of_time(5) else None)
             if why:
@@ -238,5 +243,5 @@ def run_decode(b) -> None:
             b.log(f"decode {ctx} {impl}: " + (
                 f"{row['tok_per_s']:.1f} tok/s, {row['ms_per_step']:.2f} ms/step, commit "
                 f"{row['commit_len']:.2f}" if "tok_per_s" in row else str(row.get("error"))))
-        del engine, ar, replay, dflash, fn  # the closures hold the engine (its KV pool)
+        del engine, ar, replay, dflash, fn, impls  # the closures hold the engine (its KV pool)
         b.free()

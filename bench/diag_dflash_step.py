@@ -162,6 +162,8 @@ def main() -> None:
     ap.add_argument("--drafter", default="dflash", choices=("dflash", "replay"),
                     help="replay: the BENCHMARK-ONLY replay drafter (a chain of "
                          "--replay-budget, commit 8) over the target's own greedy continuation")
+    ap.add_argument("--fused-drafter", action="store_true",
+                    help="the DFlash drafter's block forward as fused layers (fused_layers)")
     ap.add_argument("--replay-budget", type=int, default=BLOCK_SIZE - 1,
                     help="the replay drafter's chain length (tree budget)")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "diag_dflash.json"))
@@ -185,7 +187,8 @@ def main() -> None:
             else:
                 pages = pages_for(ctx + args.new + BLOCK_SIZE + 1, 16) + 4
                 drafter = DFlashDrafter(b.drafter, pages, 16, tree=False,
-                                        graphs=b.device.type == "cuda")
+                                        graphs=b.device.type == "cuda",
+                                        fused_layers=args.fused_drafter)
                 budget = BLOCK_SIZE - 1
             engine.set_drafter(drafter)
             engine.add_request("r", prompt, params, budget)

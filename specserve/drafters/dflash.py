@@ -41,7 +41,7 @@ class DFlashDrafter:
     def __init__(self, model: DFlashDraftModel, num_pages: int, page_size: int = 16, *,
                  sliding_num_pages: int | None = None, tree: bool = True,
                  poison: bool = False, graphs: bool | None = None,
-                 capture: bool | None = None) -> None:
+                 capture: bool | None = None, fused_layers: bool = False) -> None:
         weight = model.fc.weight
         self.model, self.tree = model.eval(), tree
         self.cache = DFlashContextCache(model.config, num_pages, page_size,
@@ -52,7 +52,9 @@ class DFlashDrafter:
         # 1k context (bench/diag_draft.py --graphs): a DDTree step 11.9 → 6.1 ms wall
         if graphs is None:
             graphs = weight.device.type == "cuda"
-        self.graphs = DraftGraphs(self.model, self.cache, capture) if graphs else None
+        # fused_layers: the graphs' block forward through the target's fused layer kernels
+        # (DraftGraphs `fused`; not yet measured on a GPU, so off by default)
+        self.graphs = DraftGraphs(self.model, self.cache, capture, fused_layers) if graphs else None
         self.last_stats: DraftStats | None = None
 
     needs_context = True  # drafts from the target's tap-layer features

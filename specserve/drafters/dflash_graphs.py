@@ -72,7 +72,8 @@ class _Static:
 class DraftGraphs:
     """Padded static block forwards of a `DFlashDrafter`'s model over its context cache."""
 
-    def __init__(self, model, cache: DFlashContextCache, capture: bool | None = None) -> None:
+    def __init__(self, model, cache: DFlashContextCache, capture: bool | None = None,
+                 fused: bool = False) -> None:
         self.model, self.cache, self.device = model, cache, cache.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.causal = model.config.causal
@@ -84,6 +85,12 @@ class DraftGraphs:
         self.max_pages = {g.name: g.pool.num_pages for g in cache.groups.values()}
         self.batch_keys = sorted({(cache.group_of[i].name, self.causal[i])
                                   for i in range(model.config.num_layers)})
+        # `fused`: the block forward as the target's fused layers (models/fused_layer.py: Triton
+        # kernels on CUDA, their torch twins elsewhere) where they cover every layer. Off by
+        # default until measured on a GPU (BENCHMARKS.md, "The DFlash block forward as fused
+        # layers"); the CPU twin is tested against the module path.
+        self.fused = fused and all(model.fused_covers(g.pool.shape.dtype)
+                                   for g in cache.groups.values())
         self._graphs: dict[tuple[int, int], _Static] = {}
         self._pool = None
 
@@ -168,15 +175,23 @@ class DraftGraphs:
             k, v = self.model.context_kv_layers(g.layers, fused, st.views["cpos"][0])
             g.pool.write_all(st.views[f"cflat_{g.name}"][0], k, v)
 
-        def attend(layer, q, k, v, scale):
+        def layer_kv(layer):  # layer's caches, block batch and window
             group = cache.group_of[layer]
-            batch = batches[(group.name, self.causal[layer])]
             i = group.index[layer]
-            group.pool.write(i, batch.slot_mapping, k, v)
-            return cache.attn_backend(q, group.pool.k[i], group.pool.v[i], batch, scale,
-                                      group.window)
+            return (group.pool.k[i], group.pool.v[i], batches[(group.name, self.causal[layer])],
+                    group.window)
 
-        hidden = self.model(st.views["ids"][0], st.views["pos"][0], attend)  # [bb·n, hidden]
+        def attend(layer, q, k, v, scale):  # the module path's BlockAttention
+            group = cache.group_of[layer]
+            k_cache, v_cache, batch, window = layer_kv(layer)
+            group.pool.write(group.index[layer], batch.slot_mapping, k, v)
+            return cache.attn_backend(q, k_cache, v_cache, batch, scale, window)
+
+        ids, pos = st.views["ids"][0], st.views["pos"][0]
+        if self.fused:
+            hidden = self.model.forward_fused(ids, pos, layer_kv, cache.attn_backend)
+        else:
+            hidden = self.model(ids, pos, attend)  # [bb·n, hidden]
         hidden = hidden.view(st.bb, st.n, -1)[:, 1:]  # the mask slots
         return self.model.logits(hidden.reshape(st.bb * (st.n - 1), -1)).view(
             st.bb, st.n - 1, -1)

@@ -168,19 +168,16 @@ def _ptrs(layer: DecoderLayer) -> tuple[int, ...]:
     return tuple(out)
 
 
-class DecoderModel(nn.Module):
-    """Causal LM over a paged KV cache. Parameter names match HF checkpoints."""
+class FusedProjections:
+    """Mixin of a model whose layers have `self_attn.{q,k,v}_proj` (+ q/k norms) and
+    `mlp.{gate,up}_proj`: their fused weights (`_Fused`, one per layer), kept valid through
+    `.to()` and weight replacement. The target (`DecoderModel`) and the DFlash drafter
+    (`models/dflash.py`) share it; `fused_layer.py` runs their layers on it."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(cfg.rope, cfg.head_dim)
-        self.attn_backend: AttentionBackend = torch_ref_attention
-        self._fused: list[_Fused | None] | None = None
+    _fused: list[_Fused | None] | None = None
+
+    def fusable_layers(self) -> nn.ModuleList:
+        raise NotImplementedError
 
     def fuse_projections(self) -> None:
         """Store each layer's q/k/v weights (and biases) as one tensor, and gate/up as one, so
@@ -192,7 +189,7 @@ class DecoderModel(nn.Module):
         `safetensors.save_file`). `.to()` / `.half()` re-fuse; if the weights are replaced any
         other way, the next inference forward sees it (data pointers) and re-fuses.
         """
-        layers = self.model.layers
+        layers = self.fusable_layers()
         if self._fused is None:
             self._fused = [None] * len(layers)
         with torch.inference_mode(False), torch.no_grad():
@@ -207,6 +204,33 @@ class DecoderModel(nn.Module):
         if fused is not None:
             self.fuse_projections()
         return out
+
+    def fused_layer(self, i: int) -> _Fused | None:
+        """Layer i's fused weights (None before `fuse_projections`); fused again first if the
+        weights were replaced since."""
+        f = self._fused[i] if self._fused is not None else None
+        if f is not None and not f.valid(self.fusable_layers()[i]):
+            self.fuse_projections()
+            f = self._fused[i]
+        return f
+
+
+class DecoderModel(FusedProjections, nn.Module):
+    """Causal LM over a paged KV cache. Parameter names match HF checkpoints."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+        self.attn_backend: AttentionBackend = torch_ref_attention
+        self._fused: list[_Fused | None] | None = None
+
+    def fusable_layers(self) -> nn.ModuleList:
+        return self.model.layers
 
     def forward(
         self,
@@ -250,15 +274,6 @@ class DecoderModel(nn.Module):
         features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         norm = backbone.norm
         return rms_norm(x, norm.weight, norm.eps), features
-
-    def fused_layer(self, i: int) -> _Fused | None:
-        """Layer i's fused weights (None before `fuse_projections`); fused again first if the
-        weights were replaced since."""
-        f = self._fused[i] if self._fused is not None else None
-        if f is not None and not f.valid(self.model.layers[i]):
-            self.fuse_projections()
-            f = self._fused[i]
-        return f
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.lm_head(hidden).float()

@@ -19,9 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fused import fused_ops
+from specserve.attention.base import AttnBatch
 from specserve.errors import ModelError
-from specserve.models.decoder import MLP, RMSNorm
+from specserve.models.decoder import MLP, FusedProjections, RMSNorm
 from specserve.models.dflash_config import DFlashConfig, load_dflash_config, read_config_json
+from specserve.models.fused_layer import covered, layer_fused
 from specserve.models.loader import read_tensors, resolve_dtype, tensor_files
 from specserve.models.rope import Rotary, apply_rotary
 
@@ -79,7 +82,12 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashDraftModel(nn.Module):
+# layer_kv(layer) -> (k_cache, v_cache [P, page_size, Hkv, D], batch, window): where `forward_fused`
+# writes a layer's block K/V (batch.slot_mapping) and what its block attention reads.
+LayerCaches = Callable[[int], tuple[torch.Tensor, torch.Tensor, AttnBatch, int | None]]
+
+
+class DFlashDraftModel(FusedProjections, nn.Module):
     """The drafter; parameter names match the checkpoint (`embed`, `lm_head`: the target's)."""
 
     def __init__(self, cfg: DFlashConfig) -> None:
@@ -92,6 +100,9 @@ class DFlashDraftModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
+
+    def fusable_layers(self) -> nn.ModuleList:
+        return self.layers
 
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
         """`[T, taps * hidden]` target features → `[T, hidden]` fused context rows."""
@@ -144,6 +155,34 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             x = layer(x, rope, attend)
         return self.norm(x)
+
+    def fused_covers(self, dtype: torch.dtype) -> bool:
+        """Whether `forward_fused` covers every layer for caches and activations of `dtype`
+        (fusing the projections first)."""
+        self.fuse_projections()
+        return all(covered(layer, self.fused_layer(i), dtype, self.fc.weight.dtype)
+                   for i, layer in enumerate(self.layers))
+
+    @torch.inference_mode()
+    def forward_fused(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, layer_kv: LayerCaches,
+        attn_fn, impl: str = "auto",
+    ) -> torch.Tensor:  # [T] block ids, [T] positions -> [T, hidden] after the final norm
+        """`forward` with each layer run as the target's fused layer (models/fused_layer.py: q|k|v
+        and gate|up as one GEMM each, add + RMSNorm, q/k norm + RoPE + the block K/V write in
+        one kernel, silu · up; `impl` as `kernels.fused.fused_ops`). The block K/V of layer i
+        go to `layer_kv(i)`'s caches at its batch's slot mapping, and
+        `attn_fn(q, k_cache, v_cache, batch, scale, window)` attends (a `BlockAttention`
+        without the write). Needs `fused_covers`."""
+        ops = fused_ops(impl, input_ids.device)
+        x = F.embedding(input_ids, self.embed.weight) * self.config.input_embedding_scale
+        cos, sin = self.rotary.rolled_tables(positions, x.dtype)  # [T, 1, D]
+        res = None  # pending residual: the stream is x + res
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache, batch, window = layer_kv(i)
+            x, res = layer_fused(ops, layer, self.fused_layer(i), x, res, cos, sin, batch,
+                                 (k_cache, v_cache), window, attn_fn)
+        return ops.add_rms_norm(x, res, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
         logits = self.lm_head(hidden).float() * self.config.output_multiplier

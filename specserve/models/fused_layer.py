@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from kernels.fused import FusedOps, fused_ops
 from specserve.attention.base import AttnBatch
 from specserve.kvcache.pool import KVPool
-from specserve.models.decoder import DecoderLayer, DecoderModel, _Fused, _layer_inference
+from specserve.models.decoder import DecoderModel, _Fused, _layer_inference
 
 
 def forward_fused(
@@ -47,42 +47,48 @@ def forward_fused(
     wanted = set(taps)
     for i, layer in enumerate(backbone.layers):
         f = model.fused_layer(i)
-        if _covered(layer, f, kv, x.dtype):
-            x, res = _layer_fused(ops, layer, f, x, res, cos, sin, batch, kv, attn_fn)
+        a = layer.self_attn
+        if covered(layer, f, kv.shape.dtype, x.dtype):
+            x, res = layer_fused(ops, layer, f, x, res, cos, sin, batch,
+                                 (kv.k[a.layer], kv.v[a.layer]), a.window, attn_fn)
         else:
-            x, res = _layer_inference(layer, f, _added(x, res), cos, sin, batch, kv, attn_fn), None
+            x, res = _layer_inference(layer, f, added(x, res), cos, sin, batch, kv, attn_fn), None
         if i in wanted:
-            x, res = _added(x, res), None
+            x, res = added(x, res), None
             tapped[i] = x
     features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
     norm = backbone.norm
     return ops.add_rms_norm(x, res, norm.weight, norm.eps)[0], features
 
 
-def _added(x: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
+def added(x: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
+    """The stream x + res materialised (res None: x)."""
     return x if res is None else x + res
 
 
-def _covered(layer: DecoderLayer, f: _Fused | None, kv: KVPool, dtype: torch.dtype) -> bool:
-    """Whether the fused kernels cover this layer (else it runs `_layer_inference`)."""
+def covered(layer, f: _Fused | None, cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether the fused kernels cover this layer (else it runs its torch path)."""
     a = layer.self_attn
     return (f is not None and (a.q_norm is None or f.qk_norm_w is not None)
-            and kv.shape.dtype == dtype)
+            and cache_dtype == dtype)
 
 
-def _layer_fused(ops: FusedOps, layer: DecoderLayer, f: _Fused, x, res, cos, sin, batch, kv,
-                 attn_fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer on the stream x + res; returns (MLP output, stream after attention): the
-    layer's output is their sum, left for the next norm kernel to add."""
+def layer_fused(ops: FusedOps, layer, f: _Fused, x, res, cos, sin, batch: AttnBatch,
+                caches: tuple[torch.Tensor, torch.Tensor], window: int | None,
+                attn_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer (a `DecoderLayer` or a DFlash drafter layer: the same module names) on the
+    stream x + res, its K/V written at `batch.slot_mapping` into `caches` (k, v
+    `[P, page_size, Hkv, D]`); returns (MLP output, stream after attention): the layer's
+    output is their sum, left for the next norm kernel to add."""
     a, t = layer.self_attn, x.shape[0]
     ln = layer.input_layernorm
     h, x = ops.add_rms_norm(x, res, ln.weight, ln.eps)  # x: the layer's input, materialised
     qkv = F.linear(h, f.qkv_w, f.qkv_b)  # [T, (Hq + 2·Hkv)·D], bias in the GEMM
     eps = a.q_norm.eps if a.q_norm is not None else 0.0
-    k_cache, v_cache = kv.k[a.layer], kv.v[a.layer]
+    k_cache, v_cache = caches
     q = ops.qk_norm_rope_kv(qkv, f.qk_norm_w, cos, sin, batch.slot_mapping, k_cache, v_cache,
                             a.num_heads, a.num_kv_heads, eps)
-    o = attn_fn(q, k_cache, v_cache, batch, a.scale, a.window)
+    o = attn_fn(q, k_cache, v_cache, batch, a.scale, window)
     attn_out = F.linear(o.reshape(t, -1), a.o_proj.weight, a.o_proj.bias)
     ln = layer.post_attention_layernorm
     h, x = ops.add_rms_norm(attn_out, x, ln.weight, ln.eps)  # x + attention, normalised

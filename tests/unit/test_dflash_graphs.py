@@ -10,6 +10,7 @@ lengths take the dynamic path), a sliding-window causal layer and a full bidirec
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -39,10 +40,20 @@ def run_calls(drafter: DFlashDrafter, device: str = "cpu") -> list[torch.Tensor]
     return out
 
 
-def test_static_block_forward_equals_dynamic():
-    want = run_calls(DFlashDrafter(tiny_model(), num_pages=60, page_size=4, poison=True))
-    drafter = DFlashDrafter(tiny_model(), num_pages=60, page_size=4, poison=True, graphs=True,
-                            capture=False)
+def scaled(model):  # a checkpoint that scales its input embeddings (both paths must)
+    model.config = dataclasses.replace(model.config, input_embedding_scale=1.7)
+    return model
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused_layers"])
+def test_static_block_forward_equals_dynamic(fused):
+    """fused_layers: the block forward as the target's fused layers (their torch twins on the
+    CPU: q|k|v and gate|up GEMMs, add + norm, q/k norm + RoPE + the block K/V write)."""
+    want = run_calls(DFlashDrafter(scaled(tiny_model()), num_pages=60, page_size=4,
+                                   poison=True))
+    drafter = DFlashDrafter(scaled(tiny_model()), num_pages=60, page_size=4, poison=True,
+                            graphs=True, capture=False, fused_layers=fused)
+    assert drafter.graphs.fused == fused
     got = run_calls(drafter)
     assert sorted(drafter.graphs._graphs) == [(1, BLOCK), (2, BLOCK), (4, BLOCK)]
     assert [g.shape for g in got] == [w.shape for w in want] and len(got) == 11
@@ -63,13 +74,16 @@ def test_trash_pages_are_never_handed_out():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or bool(os.environ.get("TRITON_INTERPRET")),
                     reason="needs a CUDA device (and TRITON_INTERPRET unset)")
-def test_captured_block_forward_equals_dynamic_on_gpu():
+@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused_layers"])
+def test_captured_block_forward_equals_dynamic_on_gpu(fused):
     """The same scenario with the block forwards captured as CUDA graphs and replayed (head_dim
-    16: the Triton kernel's smallest)."""
+    16: the Triton kernel's smallest); fused_layers: through the fused layer kernels."""
     model = tiny_model(head_dim=16).cuda()
     want = run_calls(DFlashDrafter(model, num_pages=60, page_size=4, poison=True), "cuda")
-    drafter = DFlashDrafter(model, num_pages=60, page_size=4, poison=True, graphs=True)
+    drafter = DFlashDrafter(model, num_pages=60, page_size=4, poison=True, graphs=True,
+                            fused_layers=fused)
     got = run_calls(drafter, "cuda")
+    assert drafter.graphs.fused == fused
     assert all(st.graph is not None for st in drafter.graphs._graphs.values())
     for g, w in zip(got, want, strict=True):
         assert torch.isfinite(g).all()
