@@ -7,7 +7,8 @@ The math mirrors `dflash.model.DFlashDraftModel`: context features → `hidden_n
 per-layer K/V (k_norm + RoPE at the context rows' absolute positions) every block query attends
 to; block queries are the target embeddings of `[bonus, mask × (n−1)]`. The model does not own a
 cache: context K/V come out of `context_kv`, and block attention goes through an `attend`
-callback (drafters/dflash_cache.py keeps the pages).
+callback (drafters/dflash_cache.py keeps the pages). `forward_fused` is the same forward with
+the layers run as the target's fused layers (models/fused_layer.py), for the drafter's graphs.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ K/V cache write), attention, o_proj, post-attention norm, gate|up GEMM, `silu_mu
 A layer the fused kernels do not cover — projections not fused (`fuse_projections` not called),
 q and k norms with different eps, a cache dtype other than the activations' — runs the torch
 layer instead. `DecoderModel._forward_inference` calls this on CUDA; tests call it anywhere
-(impl="triton" under the CPU interpreter, impl="ref" for the torch ops in this structure).
+(impl="triton" under the CPU interpreter, impl="ref" for the torch ops in this structure). The
+DFlash drafter runs its layers through `layer_fused` too (`DFlashDraftModel.forward_fused`:
+the same module names, its own caches and windows).
 """
 
 from __future__ import annotations
@@ -52,17 +54,16 @@ def forward_fused(
             x, res = layer_fused(ops, layer, f, x, res, cos, sin, batch,
                                  (kv.k[a.layer], kv.v[a.layer]), a.window, attn_fn)
         else:
-            x, res = _layer_inference(layer, f, added(x, res), cos, sin, batch, kv, attn_fn), None
+            x, res = _layer_inference(layer, f, _added(x, res), cos, sin, batch, kv, attn_fn), None
         if i in wanted:
-            x, res = added(x, res), None
+            x, res = _added(x, res), None
             tapped[i] = x
     features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
     norm = backbone.norm
     return ops.add_rms_norm(x, res, norm.weight, norm.eps)[0], features
 
 
-def added(x: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
-    """The stream x + res materialised (res None: x)."""
+def _added(x: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
     return x if res is None else x + res
 
 
