@@ -62,6 +62,28 @@ def test_static_block_forward_equals_dynamic(fused):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton interpreter on the CPU (CI sets TRITON_INTERPRET=1)")
+def test_fused_layers_through_the_triton_kernels_equal_their_torch_twins(monkeypatch):
+    """The fused block forward with the Triton kernels themselves (interpreted: add + norm, q/k
+    norm + RoPE + the block K/V write into the drafter's paged groups, silu · up) gives the
+    torch twins' logits over the same scenario."""
+    import kernels.fused
+    import specserve.models.dflash as dflash_model
+
+    def drafter():
+        return DFlashDrafter(scaled(tiny_model()), num_pages=60, page_size=4, poison=True,
+                             graphs=True, capture=False, fused_layers=True)
+
+    want = run_calls(drafter())
+    monkeypatch.setattr(dflash_model, "fused_ops",
+                        lambda impl, device: kernels.fused.fused_ops("triton", device))
+    got = run_calls(drafter())
+    for g, w in zip(got, want, strict=True):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_trash_pages_are_never_handed_out():
     drafter = DFlashDrafter(tiny_model(), num_pages=60, page_size=4, graphs=True, capture=False)
     run_calls(drafter)
