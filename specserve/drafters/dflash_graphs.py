@@ -170,9 +170,9 @@ class DraftGraphs:
     def _forward(self, st: _Static, batches: dict | None = None) -> torch.Tensor:
         batches = batches or st.batches
         cache = self.cache
-        fused = self.model.fuse_context(st.feats)  # [bb·C, hidden], padding rows included
+        rows = self.model.fuse_context(st.feats)  # [bb·C, hidden], padding rows included
         for g in cache.groups.values():  # as DFlashDrafter._write_context, static rows
-            k, v = self.model.context_kv_layers(g.layers, fused, st.views["cpos"][0])
+            k, v = self.model.context_kv_layers(g.layers, rows, st.views["cpos"][0])
             g.pool.write_all(st.views[f"cflat_{g.name}"][0], k, v)
 
         def layer_kv(layer):  # layer's caches, block batch and window
