@@ -24,12 +24,11 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 class _Entry:
     reserved: int  # pages promised to this request
     pages: list[int] = field(default_factory=list)  # allocated page ids, in position order
-    array: np.ndarray | None = field(default=None, repr=False, compare=False)  # [reserved]
-    # int32: pages[i] at i (page_array); built in __post_init__
+    # [reserved] int32, pages[i] at i (what page_array views)
+    array: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.array is None:
-            self.array = np.zeros(self.reserved, dtype=np.int32)
+        self.array = np.zeros(self.reserved, dtype=np.int32)
 
 
 class BlockManager:
