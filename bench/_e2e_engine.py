@@ -13,8 +13,11 @@ decode: per context, greedy with ignore_eos: (1) plain AR (budget 0); (2) specul
   the tree-verify numerics leaves the AR reference (near-tied bf16 logits), the run is repeated
   with its own output as the reference (`passes`) until it stays on it; (3) speculation with our
   DFlash drafter (random weights: it is never right, so this is the per-step cost of a DFlash
-  step, drafter forward included, at commit length ≈ 1). Decode figures skip the first
-  `--warm-steps` steps (compile / warm-up); commit_len averages steps not cut by max_tokens.
+  step, drafter forward included, at commit length ≈ 1), the drafter and the engine's graphs
+  for its tap layers warmed first as the services warm them (every block length, every tree
+  size), so the last steps before max_tokens replay too. Decode figures skip the first
+  `--warm-steps` steps (compile / warm-up); commit_len averages steps not cut by max_tokens;
+  each row keeps every timed step's ms (`step_ms`), its p90 and max.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from specserve.attention import prefill
 from specserve.config import EngineConfig
 from specserve.drafters.dflash import DFlashDrafter
 from specserve.engine.engine import Engine
+from specserve.engine.warmup import warm_up_drafter
 from specserve.kvcache.block_manager import pages_for
 from specserve.types import SamplingParams
 
@@ -106,6 +110,8 @@ def summary(run: Run, warm: int) -> dict:
     return dict(new_tokens=len(run.tokens), steps=len(run.step_ms), timed_steps=len(ms),
                 prefill_s=run.prefill_s, ms_per_step=median(ms),
                 ms_per_step_mean=sum(ms) / len(ms) if ms else float("nan"),
+                ms_per_step_p90=sorted(ms)[int(0.9 * (len(ms) - 1))] if ms else float("nan"),
+                ms_per_step_max=max(ms, default=float("nan")), step_ms=[round(x, 3) for x in ms],
                 tok_per_s=sum(n) / (sum(ms) / 1e3) if ms else float("nan"),
                 commit_len=sum(full) / len(full) if full else float("nan"),
                 fallbacks=run.fallbacks, head_tokens=run.tokens[:16])
@@ -221,18 +227,21 @@ def run_decode(b) -> None:
                         p=drafter.p, mode=a.replay_mode, budget=a.replay_budget, passes=passes,
                         diverged_at=off, benchmark_only=True)
 
-        def dflash(ctx=ctx, engine=engine, prompt=prompt, fused=False) -> dict:
+        def dflash(ctx=ctx, engine=engine, prompt=prompt, fused=True) -> dict:
             pages = pages_for(ctx + new + BLOCK_SIZE + 1, a.page_size) + 4
             drafter = DFlashDrafter(b.drafter, pages, a.page_size, tree=False,
                                     graphs=a.draft_graphs, fused_layers=fused)
-            run = generate(b, engine, f"dflash{ctx}{'f' * fused}", prompt, new, BLOCK_SIZE - 1,
-                           drafter, label=f"DFlash {ctx}")
+            warm_up_drafter(drafter, min(300, ctx))  # as the drafter service does first
+            if engine.runner.graphs is not None:  # the verifier's warm-up with the drafter's
+                engine.runner.graphs.warm(1, drafter.target_layer_ids)  # taps: every tree size
+            run = generate(b, engine, f"dflash{ctx}{'' if fused else 'u'}", prompt, new,
+                           BLOCK_SIZE - 1, drafter, label=f"DFlash {ctx}")
             return dict(**summary(run, a.warm_steps), budget=BLOCK_SIZE - 1, tree="chain",
                         fused_layers=fused)
 
         impls = [("ours_ar", ar), ("ours_spec_replay", replay), ("ours_dflash", dflash)]
-        if a.fused_drafter:  # the same DFlash run with the block forward as fused layers
-            impls.append(("ours_dflash_fused", partial(dflash, fused=True)))
+        if a.unfused_drafter:  # the same DFlash run with the block forward through modules
+            impls.append(("ours_dflash_unfused", partial(dflash, fused=False)))
         for impl, fn in impls:
             why = ("no AR reference" if impl != "ours_ar" and "ref" not in state else
                    "time budget" if b.out_of_time(5) else None)

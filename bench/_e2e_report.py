@@ -82,8 +82,8 @@ def prefill_table(rows) -> str:
 
 
 def decode_table(rows) -> str:
-    lines = ["| ctx | impl | new tokens | steps | commit len | ms/step | tok/s | × our AR tok/s "
-             "| note |", "|" + "---|" * 9]
+    lines = ["| ctx | impl | new tokens | steps | commit len | ms/step | p90 / max ms | tok/s "
+             "| × our AR tok/s | note |", "|" + "---|" * 10]
     for r in rows:
         ar = _find(rows, ctx=r.get("ctx"), impl="ours_ar")
         rel = (r["tok_per_s"] / ar["tok_per_s"] if ar and "tok_per_s" in r and "tok_per_s" in ar
@@ -104,7 +104,8 @@ def decode_table(rows) -> str:
             note += f" {r['fallbacks']} fallback steps"
         lines.append(f"| {r.get('ctx', '')} | {r['impl']} | {_f(r.get('new_tokens'))} | "
                      f"{_f(r.get('steps'))} | {_f(r.get('commit_len'))} | "
-                     f"{_f(r.get('ms_per_step'))} | {_f(r.get('tok_per_s'), '.1f')} | "
+                     f"{_f(r.get('ms_per_step'))} | {_f(r.get('ms_per_step_p90'))} / "
+                     f"{_f(r.get('ms_per_step_max'))} | {_f(r.get('tok_per_s'), '.1f')} | "
                      f"{_f(rel)} | {note} |")
     return "\n".join(lines)
 

@@ -94,9 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--eager-drafter", dest="draft_graphs", action="store_false",
         help="decode: the DFlash drafter's block forward eagerly, not from its CUDA graphs "
              "(dflash_graphs.py, the default on CUDA)")
-    add("--fused-drafter", action="store_true",
-        help="decode: also run the DFlash drafter with its block forward as fused layers "
-             "(DFlashDrafter fused_layers), a row beside the default one")
+    add("--unfused-drafter", action="store_true",
+        help="decode: also run the DFlash drafter with its block forward through its modules "
+             "(DFlashDrafter fused_layers=False; default: the fused layers), a row beside")
     add("--replay-budget", type=int, default=15,
         help="the replay chain's length: 15 + root = 16 nodes = 64 packed rows, one full row "
              "block (H200, 32k: 1.08-1.11 × the bar vs 1.04-1.06 at 16; BENCHMARKS runs 23-27)")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
 import statistics
@@ -40,6 +41,7 @@ from _e2e_engine import make_engine  # noqa: E402
 from bench_e2e import parse_args, setup  # noqa: E402
 
 from specserve.drafters.dflash import DFlashDrafter  # noqa: E402
+from specserve.engine.warmup import warm_up_drafter  # noqa: E402
 from specserve.kvcache.block_manager import pages_for  # noqa: E402
 from specserve.types import SamplingParams  # noqa: E402
 
@@ -94,24 +96,62 @@ def _timers(dev) -> tuple[dict, list]:
     return totals, undo
 
 
+class _GcPauses:
+    """Python garbage-collector pauses (gc.callbacks): ms of the ones since the last `take`."""
+
+    def __init__(self) -> None:
+        self.t0, self.ms = 0.0, []
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        else:
+            self.ms.append((info["generation"], (time.perf_counter() - self.t0) * 1e3))
+
+    def take(self) -> list:
+        got, self.ms = self.ms, []
+        return got
+
+
+GC = _GcPauses()
+
+
 def _steps(engine, drafter, dev, n: int) -> list[dict]:
-    """n decode steps: wall and the engine's / drafter's phases, ms."""
+    """n decode steps: wall, the engine's / drafter's phases and the GC pauses inside, ms."""
     out = []
     for _ in range(n):
         if not engine.has_unfinished:
             break
+        GC.take()
         ts = time.perf_counter()
         engine.step()
         sync(dev)
         wall = (time.perf_counter() - ts) * 1e3
+        pauses = GC.take()
         t, st = engine.last_step, getattr(drafter, "last_stats", None)
         out.append(dict(wall=wall, draft=(t.draft_end_ns - t.start_ns) / 1e6,
                         verify=(t.verify_end_ns - t.draft_end_ns) / 1e6,
                         commit=(t.end_ns - t.verify_end_ns) / 1e6,
-                        outside=wall - (t.end_ns - t.start_ns) / 1e6))
+                        outside=wall - (t.end_ns - t.start_ns) / 1e6,
+                        gc=sum(ms for _, ms in pauses), gc_gen=max((g for g, _ in pauses),
+                                                                    default=None)))
         if st is not None:
             out[-1].update(drafter_forward=st.forward_s * 1e3, drafter_tree=st.tree_s * 1e3)
     return out
+
+
+def _spread(steps: list[dict]) -> tuple[dict, dict, list]:
+    """(median per phase, {phase: mean / p90 / max}, the steps slower than 1.5 × the median
+    wall with their index) of `_steps`' rows."""
+    keys = [k for k in steps[0] if k != "gc_gen"]
+    med = {k: statistics.median(s[k] for s in steps) for k in keys}
+    spread = {}
+    for k in keys:
+        xs = sorted(s[k] for s in steps)
+        spread[k] = dict(mean=sum(xs) / len(xs), p90=xs[int(0.9 * (len(xs) - 1))], max=xs[-1])
+    slow = [dict(step=i) | s for i, s in enumerate(steps) if s["wall"] > 1.5 * med["wall"]]
+    return med, spread, slow
 
 
 def _replay_drafter(engine, vocab: int, prompt: list[int], params, budget: int):
@@ -162,8 +202,9 @@ def main() -> None:
     ap.add_argument("--drafter", default="dflash", choices=("dflash", "replay"),
                     help="replay: the BENCHMARK-ONLY replay drafter (a chain of "
                          "--replay-budget, commit 8) over the target's own greedy continuation")
-    ap.add_argument("--fused-drafter", action="store_true",
-                    help="the DFlash drafter's block forward as fused layers (fused_layers)")
+    ap.add_argument("--unfused-drafter", action="store_true",
+                    help="the DFlash drafter's block forward through its modules "
+                         "(fused_layers=False; default: the fused layers)")
     ap.add_argument("--replay-budget", type=int, default=BLOCK_SIZE - 1,
                     help="the replay drafter's chain length (tree budget)")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "diag_dflash.json"))
@@ -188,7 +229,8 @@ def main() -> None:
                 pages = pages_for(ctx + args.new + BLOCK_SIZE + 1, 16) + 4
                 drafter = DFlashDrafter(b.drafter, pages, 16, tree=False,
                                         graphs=b.device.type == "cuda",
-                                        fused_layers=args.fused_drafter)
+                                        fused_layers=not args.unfused_drafter)
+                warm_up_drafter(drafter, min(300, ctx))  # as the drafter service does first
                 budget = BLOCK_SIZE - 1
             engine.set_drafter(drafter)
             engine.add_request("r", prompt, params, budget)
@@ -205,11 +247,16 @@ def main() -> None:
                 for owner, attr, fn in undo:
                     setattr(owner, attr, fn)
             timers = {k: v / len(timed) for k, v in sorted(totals.items())}
-            med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+            med, spread, slow = _spread(steps)
             res["rows"].append(dict(ctx=ctx, budget=budget, steps=len(steps), median_ms=med,
+                                    spread_ms=spread, slow_steps=slow, step_ms=steps,
                                     profile=prof, timers_ms=timers,
                                     timed_wall_ms=statistics.median(t["wall"] for t in timed)))
             print(f"ctx {ctx}: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)
+            print(f"  wall mean {spread['wall']['mean']:.3f}, p90 {spread['wall']['p90']:.3f}, "
+                  f"max {spread['wall']['max']:.3f}; {len(slow)} steps > 1.5 × median: "
+                  + "; ".join(", ".join(f"{k} {v:.2f}" for k, v in s.items() if v is not None)
+                              for s in slow[:6]), flush=True)
             print(f"  timers (wall {res['rows'][-1]['timed_wall_ms']:.2f}): " + ", ".join(
                 f"{k} {v:.3f}" for k, v in timers.items()), flush=True)
             print(f"  GPU busy {prof['gpu_busy_ms_per_step']:.3f} ms/step; per step "

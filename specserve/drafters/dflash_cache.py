@@ -229,6 +229,12 @@ class CacheStep:
         offsets = np.cumsum([0] + [it.num_new for it in items])
         self._items, self._entries, self._olds, self._offsets = items, entries, olds, offsets
 
+    def subset(self, idx: Sequence[int]) -> CacheStep:
+        """The same call restricted to requests `idx` (call order kept): its pages are already
+        placed, so the drafter graphs can replay a call's block lengths one group at a time."""
+        return CacheStep(self.cache, [self._items[i] for i in idx],
+                         [self._entries[i] for i in idx], [self._olds[i] for i in idx])
+
     def _context_rows(self, group: _Group) -> tuple[torch.Tensor, ...]:
         if group.name not in self._context:
             rows, positions, slots = [], [], []

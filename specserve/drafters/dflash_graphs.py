@@ -7,7 +7,8 @@ attention over the paged context, the final norm and the logits of the mask slot
 step replays one graph instead of launching ~40 kernels per layer from Python (on the H200 a
 draft step was ~8 ms of host work around 1.2 ms of GPU work, BENCHMARKS.md). Calls with more new
 rows (prefill chunks) write their context eagerly first; the graph's context rows then all go
-to the trash page.
+to the trash page. A call whose requests have different block lengths (one near its max_tokens
+has a shorter block) replays one graph per length (`DFlashDrafter._replay`).
 
 Per step the metadata of every (layer group, causality) block batch — context lengths, page
 tables, block slots and positions — and the block ids go to the device in one copy of a pinned
@@ -86,18 +87,19 @@ class DraftGraphs:
         self.batch_keys = sorted({(cache.group_of[i].name, self.causal[i])
                                   for i in range(model.config.num_layers)})
         # `fused`: the block forward as the target's fused layers (models/fused_layer.py: Triton
-        # kernels on CUDA, their torch twins elsewhere) where they cover every layer. Off by
-        # default until measured on a GPU (BENCHMARKS.md, "The DFlash block forward as fused
-        # layers"); the CPU twin is tested against the module path.
+        # kernels on CUDA, their torch twins elsewhere) where they cover every layer; the
+        # drafter's default (BENCHMARKS.md, "The DFlash block forward as fused layers"). The
+        # CPU twin is tested against the module path, the captured kernels on a GPU.
         self.fused = fused and all(model.fused_covers(g.pool.shape.dtype)
                                    for g in cache.groups.values())
         self._graphs: dict[tuple[int, int], _Static] = {}
         self._pool = None
 
     def fits(self, block_lens) -> bool:
-        """Whether a call with these block lengths can replay (one length, ≤ the last bucket)."""
-        lens = {n for n in block_lens if n}
-        return len(lens) == 1 and len(block_lens) <= BATCH_BUCKETS[-1] and min(lens) > 1
+        """Whether a call with these block lengths can replay: ≤ the last batch bucket of
+        requests, blocks > 1 (`DFlashDrafter` replays one graph per distinct length)."""
+        lens = [n for n in block_lens if n]
+        return bool(lens) and len(block_lens) <= BATCH_BUCKETS[-1] and min(lens) > 1
 
     def takes_context(self, block_lens, num_new) -> bool:
         """Whether a call that `fits` can also have the graph write its new context rows: every

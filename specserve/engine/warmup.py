@@ -9,8 +9,8 @@ chains of every size class up to `max_draft_tokens` — of every rows bucket, ca
 CUDA graphs for one request, when the engine uses them — and an AR step; on CUDA also long
 prefill chunks through `attention.prefill`'s cuDNN path: one, plus every regular chunk of a
 `max_model_len` prompt, whose per-shape plans it builds); `warm_up_drafter`
-does the same for a DFlash drafter (a context chunk, then blocks of every depth class). Both
-leave no state.
+does the same for a DFlash drafter (a context chunk, then blocks of every depth class; with
+CUDA graphs, of every depth). Both leave no state.
 """
 
 from __future__ import annotations
@@ -94,7 +94,10 @@ def warm_up_engine(engine) -> float:
 
 
 def warm_up_drafter(drafter, context_rows: int = 300) -> float:
-    """Warm a DFlash drafter (`DFlashDrafter`): a context chunk, then a draft per depth class."""
+    """Warm a DFlash drafter (`DFlashDrafter`): a context chunk, then a draft per depth class
+    — with its CUDA graphs, per depth 1 … block size − 1: every block length has its own graph,
+    and a request's last steps before max_tokens shrink its block a token a step (captured
+    lazily, each was a 15-50 ms step on the H200, BENCHMARKS.md)."""
     t0, cfg = time.perf_counter(), drafter.model.config
     weight = drafter.model.fc.weight
     gen = torch.Generator().manual_seed(0)
@@ -102,7 +105,8 @@ def warm_up_drafter(drafter, context_rows: int = 300) -> float:
     context = torch.randn(context_rows, width, generator=gen).to(weight.device, weight.dtype)
     start = context_rows
     try:
-        for depth in size_classes(cfg.block_size - 1):
+        graphed = getattr(drafter, "graphs", None) is not None
+        for depth in range(1, cfg.block_size) if graphed else size_classes(cfg.block_size - 1):
             drafter.draft([DraftRequest(WARMUP_ID, 1, start, 16, depth, context)])
             context = None
     finally:

@@ -3,8 +3,9 @@
 On the CPU the static path runs eagerly (`capture=False`): the same padded buffers, dummy
 requests on a trash page and per-step metadata copy a CUDA graph replays on a GPU. Its draft
 logits must equal the dynamic path's over a batched multi-call scenario — requests joining late,
-a bucket of 4 holding 3 real requests plus a dummy, blocks shrinking near max_depth (mixed block
-lengths take the dynamic path), a sliding-window causal layer and a full bidirectional one,
+a bucket of 4 holding 3 real requests plus a dummy, blocks shrinking near max_depth (a call with
+mixed block lengths replays one graph per length), a sliding-window causal layer and a full
+bidirectional one,
 4-token pages interleaved between requests and poisoned with NaN.
 """
 
@@ -55,7 +56,8 @@ def test_static_block_forward_equals_dynamic(fused):
                             graphs=True, capture=False, fused_layers=fused)
     assert drafter.graphs.fused == fused
     got = run_calls(drafter)
-    assert sorted(drafter.graphs._graphs) == [(1, BLOCK), (2, BLOCK), (4, BLOCK)]
+    # calls 2 and 3 mix a full block with one of depth 3 / 2: a graph of one request each
+    assert sorted(drafter.graphs._graphs) == [(1, 3), (1, 4), (1, BLOCK), (2, BLOCK), (4, BLOCK)]
     assert [g.shape for g in got] == [w.shape for w in want] and len(got) == 11
     for g, w in zip(got, want, strict=True):
         assert torch.isfinite(g).all()
@@ -82,6 +84,21 @@ def test_fused_layers_through_the_triton_kernels_equal_their_torch_twins(monkeyp
     for g, w in zip(got, want, strict=True):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_warm_up_builds_a_graph_per_block_length():
+    """The services' drafter warm-up builds batch bucket 1's graph of every block length, so
+    the shrinking blocks of requests near max_tokens (and the one-request groups of mixed
+    calls) replay; it leaves no request behind."""
+    from specserve.engine.warmup import WARMUP_ID, warm_up_drafter
+
+    drafter = DFlashDrafter(tiny_model(), num_pages=60, page_size=4, graphs=True, capture=False)
+    warm_up_drafter(drafter, context_rows=9)
+    warmed = set(drafter.graphs._graphs)
+    assert warmed == {(1, n) for n in range(2, BLOCK + 1)}
+    assert drafter.cache.length(WARMUP_ID) == 0
+    run_calls(drafter)
+    assert set(drafter.graphs._graphs) - warmed == {(2, BLOCK), (4, BLOCK)}
 
 
 def test_trash_pages_are_never_handed_out():
