@@ -67,6 +67,10 @@ def test_decode_rows_and_replay_commit_len(tiny_run):
             r = rows[(ctx, impl)]
             assert "error" not in r, r
             assert r["tok_per_s"] > 0 and r["ms_per_step"] > 0 and r["new_tokens"] == 64
+            ms = r["step_ms"]  # every timed step: its median, p90 and max are the row's
+            assert len(ms) == r["timed_steps"] and max(ms) == pytest.approx(r["ms_per_step_max"],
+                                                                            abs=1e-3)
+            assert min(ms) <= r["ms_per_step"] <= r["ms_per_step_p90"] <= r["ms_per_step_max"]
         ar, spec = rows[(ctx, "ours_ar")], rows[(ctx, "ours_spec_replay")]
         assert ar["commit_len"] == 1.0 and ar["steps"] == 63
         assert spec["benchmark_only"] is True and spec["fallbacks"] == 0
@@ -187,3 +191,24 @@ def test_diag_dflash_step_tiny(tmp_path, drafter):
     assert row["budget"] == (7 if drafter == "replay" else 15)  # BLOCK_SIZE - 1 for DFlash
     assert isinstance(row["profile"]["cuda_top"], list)  # kernels by GPU time (none on CPU)
     assert (tmp_path / "diag.bench.json").exists() and not (tmp_path / "bench_e2e.json").exists()
+    spread = row["spread_ms"]["wall"]  # every step kept: mean / p90 / max beside the median
+    assert len(row["step_ms"]) == row["steps"] and med["wall"] <= spread["p90"] <= spread["max"]
+
+
+def test_diag_draft_batch_tiny(tmp_path):
+    """bench/diag_draft_batch.py on the tiny CPU model: a call mixing block lengths goes through
+    one graph per length (the static path), its logits equal the eager path's."""
+    out = tmp_path / "batch.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "diag_draft_batch.py"), "--tiny", "--ctx",
+                           "40", "--steps", "3", "--batch", "3", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {(r["mix"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(m, g) for m in ("uniform", "mixed") for g in ("graphs", "eager")}
+    block = 16  # the tiny drafter's block: full depth 15, the short request depth 4 → 5
+    graphs = rows[("mixed", "graphs")]["graphs"]  # (batch bucket, block length) as lists
+    assert [1, 5] in graphs and rows[("mixed", "eager")]["graphs"] is None
+    for mix in ("uniform", "mixed"):
+        assert rows[(mix, "eager")]["max_diff_vs_graphs"] < 1e-4
+        assert all(ms > 0 for ms in rows[(mix, "graphs")]["ms"])
+    assert [2, block] in graphs  # the two full-depth requests: one replay of bucket 2
