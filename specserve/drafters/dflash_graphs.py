@@ -102,9 +102,11 @@ class DraftGraphs:
         return bool(lens) and len(block_lens) <= BATCH_BUCKETS[-1] and min(lens) > 1
 
     def takes_context(self, block_lens, num_new) -> bool:
-        """Whether a call that `fits` can also have the graph write its new context rows: every
-        request has a block (a slot of the static layout) and ≤ `context_rows` new rows."""
-        return all(block_lens) and max(num_new, default=0) <= self.context_rows
+        """Whether a call that `fits` can also have the graph write its new context rows: one
+        replay (a single block length), every request has a block (a slot of the static
+        layout) and ≤ `context_rows` new rows."""
+        return (all(block_lens) and len(set(block_lens)) == 1
+                and max(num_new, default=0) <= self.context_rows)
 
     def run(self, step: CacheStep, bonus: list[int], n: int,
             contexts: list[torch.Tensor | None] | None = None) -> torch.Tensor:

@@ -97,7 +97,7 @@ def warm_up_drafter(drafter, context_rows: int = 300) -> float:
     """Warm a DFlash drafter (`DFlashDrafter`): a context chunk, then a draft per depth class
     — with its CUDA graphs, per depth 1 … block size − 1: every block length has its own graph,
     and a request's last steps before max_tokens shrink its block a token a step (captured
-    lazily, each was a 15-50 ms step on the H200, BENCHMARKS.md)."""
+    lazily, each was a 15-64 ms step on the H200, BENCHMARKS.md)."""
     t0, cfg = time.perf_counter(), drafter.model.config
     weight = drafter.model.fc.weight
     gen = torch.Generator().manual_seed(0)
