@@ -128,6 +128,11 @@ def median(xs) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
+def p90(xs) -> float:
+    """The 90th percentile (the lower of the two samples around it; nan for none)."""
+    return float(sorted(xs)[int(0.9 * (len(xs) - 1))]) if xs else float("nan")
+
+
 def ceilings(device, tiny: bool) -> dict:
     """This run's copy bandwidth (D2D, bytes read + written) and matmul rate (8192³, bf16)."""
     cuda = torch.device(device).type == "cuda"

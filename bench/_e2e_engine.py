@@ -28,7 +28,7 @@ import traceback
 from dataclasses import dataclass, field
 from functools import partial
 
-from _e2e_common import BLOCK_SIZE, median, prompt_ids, sync
+from _e2e_common import BLOCK_SIZE, median, p90, prompt_ids, sync
 from replay_drafter import ReplayDrafter
 
 from specserve.attention import prefill
@@ -110,7 +110,7 @@ def summary(run: Run, warm: int) -> dict:
     return dict(new_tokens=len(run.tokens), steps=len(run.step_ms), timed_steps=len(ms),
                 prefill_s=run.prefill_s, ms_per_step=median(ms),
                 ms_per_step_mean=sum(ms) / len(ms) if ms else float("nan"),
-                ms_per_step_p90=sorted(ms)[int(0.9 * (len(ms) - 1))] if ms else float("nan"),
+                ms_per_step_p90=p90(ms),
                 ms_per_step_max=max(ms, default=float("nan")), step_ms=[round(x, 3) for x in ms],
                 tok_per_s=sum(n) / (sum(ms) / 1e3) if ms else float("nan"),
                 commit_len=sum(full) / len(full) if full else float("nan"),

@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
-from _e2e_common import BLOCK_SIZE, Bench, prompt_ids, sync  # noqa: E402
+from _e2e_common import BLOCK_SIZE, Bench, p90, prompt_ids, sync  # noqa: E402
 from _e2e_engine import make_engine  # noqa: E402
 from bench_e2e import parse_args, setup  # noqa: E402
 
@@ -148,8 +148,8 @@ def _spread(steps: list[dict]) -> tuple[dict, dict, list]:
     med = {k: statistics.median(s[k] for s in steps) for k in keys}
     spread = {}
     for k in keys:
-        xs = sorted(s[k] for s in steps)
-        spread[k] = dict(mean=sum(xs) / len(xs), p90=xs[int(0.9 * (len(xs) - 1))], max=xs[-1])
+        xs = [s[k] for s in steps]
+        spread[k] = dict(mean=sum(xs) / len(xs), p90=p90(xs), max=max(xs))
     slow = [dict(step=i) | s for i, s in enumerate(steps) if s["wall"] > 1.5 * med["wall"]]
     return med, spread, slow
 

@@ -171,7 +171,7 @@ class DFlashDrafter:
         out = [empty] * len(requests)
         for n in lens:
             idx = [i for i, m in enumerate(block_lens) if m == n]
-            sub = step if len(lens) == 1 and len(idx) == len(requests) else step.subset(idx)
+            sub = step if len(idx) == len(requests) else step.subset(idx)
             got = self.graphs.run(sub, [requests[i].bonus_token for i in idx], n, contexts)
             for i, lg in zip(idx, got, strict=True):
                 out[i] = lg if len(lens) == 1 else lg.clone()

@@ -227,7 +227,6 @@ class DecoderModel(FusedProjections, nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
         self.attn_backend: AttentionBackend = torch_ref_attention
-        self._fused: list[_Fused | None] | None = None
 
     def fusable_layers(self) -> nn.ModuleList:
         return self.model.layers
