@@ -8,9 +8,12 @@ throw-away request on the target (a prefill of a full chunk plus a remainder, ve
 chains of every size class up to `max_draft_tokens` — of every rows bucket, capturing their
 CUDA graphs for one request, when the engine uses them — and an AR step; on CUDA also long
 prefill chunks through `attention.prefill`'s cuDNN path: one, plus every regular chunk of a
-`max_model_len` prompt, whose per-shape plans it builds); `warm_up_drafter`
-does the same for a DFlash drafter (a context chunk, then blocks of every depth class; with
-CUDA graphs, of every depth). Both leave no state.
+`max_model_len` prompt, whose per-shape plans it builds — and, through `warm_up_causal_chunks`,
+a causal chunk of every rows bucket over a short and over a long prefix, for each window of the
+model's layers: the warm-up prompt's own chunks reach one rows bucket only, and on the H200 the
+demo probe's first 16k prompt spent 1.6 s of its prefill compiling the 128-row variant);
+`warm_up_drafter` does the same for a DFlash drafter (a context chunk, then blocks of every depth
+class; with CUDA graphs, of every depth). Both leave no state.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from specserve.attention import prefill
+from specserve.attention.base import AttnBatch
 from specserve.drafters.base import DraftRequest
 from specserve.spec.tree import DraftTree, chain_tree
 from specserve.types import SamplingParams
@@ -87,10 +92,43 @@ def warm_up_engine(engine) -> float:
         prefill.warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, engine.runner.dtype,
                         engine.runner.device, engine.blocks.page_size,
                         chunk=cfg.max_num_batched_tokens, max_len=engine.max_model_len)
+        warm_up_causal_chunks(mc, engine.runner.dtype, engine.runner.device,
+                              engine.blocks.page_size)
     seconds = time.perf_counter() - t0
     log.info("warm-up: prompt %d, trees %s, %d more graphs, %.1f s", prompt_len, sizes,
              captured, seconds)
     return seconds
+
+
+def causal_chunk_shapes(mc) -> list[tuple[int, int, int | None]]:
+    """(new tokens, prefix, window) of the chunks `warm_up_causal_chunks` runs: per rows bucket
+    of the launch-config table the most tokens whose packed rows (tokens · GQA group) fit it, over
+    an empty prefix and over one just past `configs.SHORT_CONTEXT` (the two context classes of
+    `configs.pick_config`), for every distinct window of the model's layers (None: full)."""
+    from kernels.tree_attention.configs import ROW_BUCKETS, SHORT_CONTEXT
+
+    group = mc.num_heads // mc.num_kv_heads
+    tokens = sorted({max(1, bucket // group) for bucket in ROW_BUCKETS})
+    windows = sorted({mc.window(i) for i in range(mc.num_layers)}, key=lambda w: w or 0)
+    return [(n, ctx, w) for ctx in (0, SHORT_CONTEXT + 1) for n in tokens for w in windows]
+
+
+def warm_up_causal_chunks(mc, dtype: torch.dtype, device: torch.device, page_size: int) -> int:
+    """Run `causal_chunk_shapes(mc)` through the attention backend on random K/V (not the
+    model's pool), so each causal kernel variant a prompt can reach is compiled. Calls made."""
+    shapes = causal_chunk_shapes(mc)
+    most = max(n + ctx for n, ctx, _ in shapes)
+    pages = -(-most // page_size)
+    gen = torch.Generator(device).manual_seed(0)
+    k, v = (torch.randn(pages, page_size, mc.num_kv_heads, mc.head_dim, generator=gen,
+                        device=device, dtype=dtype) for _ in range(2))
+    q = torch.randn(max(n for n, _, _ in shapes), mc.num_heads, mc.head_dim, generator=gen,
+                    device=device, dtype=dtype)
+    for n, ctx, window in shapes:
+        batch = AttnBatch.build([n], [ctx], [list(range(pages))], np.arange(ctx, ctx + n),
+                                page_size, None, device=device)
+        prefill.prefill_attention(q[:n], k, v, batch, mc.head_dim ** -0.5, window)
+    return len(shapes)
 
 
 def warm_up_drafter(drafter, context_rows: int = 300) -> float:
