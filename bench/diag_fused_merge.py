@@ -1,0 +1,398 @@
+"""Tree kernel with the merge inside it, and per-CTA timelines (H200 diagnostic, issues 5 and 9).
+
+Three questions, one harness (bench_kernel.py's pools rotated beyond L2, 36-call CUDA graphs):
+1. **Where a call's time goes**: each CTA of the attention kernel stamps %globaltimer at its
+   start, when its part is done and (fused) when its merge is done, with its %smid — the ramp
+   (last start − first), the drain (last end − median end) and the merge, per shape.
+2. **A fused merge**: every CTA writes its partial, arrives at a per-(row block, request · kv
+   head) counter, waits until all parts have arrived (a spin on an acquire load: the grid is
+   one wave, launched cooperatively, so every CTA is resident), then merges its share of the
+   block's rows from L2 — no combine kernel, no launch gap, the merge spread over every CTA.
+   The last CTA to finish resets the counters for the next call.
+3. **Work stealing for the drain**: the prefix's last 1/2^STEAL_SHIFT is cut into chunks of
+   STEAL_CHUNK tiles that CTAs of the same row block take from an atomic ticket once their own
+   split is done (an unmasked prefix adds in any order: one partial per CTA still); the
+   tree-tail CTA steals too, after its tail.
+
+    python bench/diag_fused_merge.py [--out PATH] [--shapes "[(32768, 16)]"] [--variants "..."]
+
+A variant: (name, fuse, cooperative, steal_shift or None, steal_chunk, num_splits or None,
+config tuple or None). Rows give µs per call next to the production launcher in the same run,
+the max |diff| vs production and the error vs an fp32 reference (after ≥ 1000 graph calls too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernels.tree_attention.kernel import _attend, _prefix_split, _tree_tail  # noqa: E402
+from kernels.tree_attention.tiles import _load_q, _prefix_tile  # noqa: E402
+
+VARIANTS = ("[('fused', True, True, None, 2, None, None), "
+            "('fused_nocoop', True, False, None, 2, None, None), "
+            "('fused_steal4x1', True, True, 4, 1, None, None), "
+            "('split_timed', False, False, None, 2, None, None)]")
+
+
+@triton.jit
+def _now():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _smid():
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _steal(q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, x0, Ticket, q_pos, window,
+           kv_head_off, stride_kp, stride_ks, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+           BLOCK_N: tl.constexpr, STEAL_CHUNK: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Chunks of STEAL_CHUNK tiles of [x0, ctx) taken from the row block's ticket."""
+    span = STEAL_CHUNK * BLOCK_N
+    n_chunks = tl.cdiv(ctx - x0, span)
+    c = tl.atomic_add(Ticket, 1, sem="relaxed", scope="gpu")
+    while c < n_chunks:
+        lo = x0 + c * span
+        hi = tl.minimum(lo + span, ctx)
+        full = lo + (hi - lo) // BLOCK_N * BLOCK_N
+        for n in range(lo, full, BLOCK_N):
+            m_i, l_i, acc = _prefix_tile(q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, lo, hi,
+                                         q_pos, window, kv_head_off, stride_kp, stride_ks,
+                                         HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, DOT_PREC)
+        if full < hi:
+            m_i, l_i, acc = _prefix_tile(q, m_i, l_i, acc, K, V, BlockTable, bt_row, full, lo,
+                                         hi, q_pos, window, kv_head_off, stride_kp, stride_ks,
+                                         HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, DOT_PREC)
+        c = tl.atomic_add(Ticket, 1, sem="relaxed", scope="gpu")
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_steal(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart, Ticket,
+                  sm_scale_log2, window, b, h, q0, q_len, row0, part, num_splits,
+                  stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
+                  stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr,
+                  HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, ROW_WORDS: tl.constexpr,
+                  STEAL_SHIFT: tl.constexpr, STEAL_CHUNK: tl.constexpr):
+    """kernel._attend for an unmasked-prefix bf16 plan, with the prefix's end stolen."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = h * GROUP + rows % GROUP
+    valid = tok < q_len
+    flat = q0 + tok
+    q = _load_q(Q, q0, tok, head, valid, sm_scale_log2, stride_qt, stride_qh, HEAD_DIM)
+    ctx = tl.load(CtxLens + b)
+    x0 = (ctx - (ctx >> STEAL_SHIFT)) // BLOCK_N * BLOCK_N  # static splits cover [0, x0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = b * stride_bt
+    kv_head_off = h * stride_kh
+    q_pos = tok
+    if part < num_splits:
+        m_i, l_i, acc = _prefix_split(q, m_i, l_i, acc, K, V, BlockTable, bt_row, x0, q_pos,
+                                      window, kv_head_off, part, num_splits, stride_kp,
+                                      stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False,
+                                      DOT_PREC)
+    else:
+        m_i, l_i, acc = _tree_tail(q, m_i, l_i, acc, K, V, BlockTable, TreeMask, Positions,
+                                   bt_row, ctx, q0, q_len, row0, tok, flat, valid, q_pos, window,
+                                   kv_head_off, stride_kp, stride_ks, stride_mt, GROUP, HEAD_DIM,
+                                   PAGE_SIZE, BLOCK_M, TAIL_N, False, HAS_TREE, DOT_PREC,
+                                   ROW_WORDS)
+    m_i, l_i, acc = _steal(q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, x0, Ticket, q_pos,
+                           window, kv_head_off, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE,
+                           BLOCK_N, STEAL_CHUNK, DOT_PREC)
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    offs_d = tl.arange(0, HEAD_DIM)
+    o_ptrs = OPart + part * stride_os + flat[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(o_ptrs + offs_d[None, :], o, mask=valid[:, None])
+    tl.store(LsePart + part * stride_ls + flat * stride_lt + head, lse, mask=valid)
+
+
+@triton.jit
+def _merge_share(OPart, LsePart, Out, h, q0, n_rows, row0, part, num_parts,
+                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_qt, stride_qh,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                 PB: tl.constexpr, MR: tl.constexpr):
+    """Rows [row0 + part·per, …) of the block (per = cdiv(rows, parts)): all parts' partials
+    (from L2, .cg: other SMs wrote them) merged and stored in the output dtype."""
+    n_blk = tl.minimum(BLOCK_M, n_rows - row0)
+    per = tl.cdiv(n_blk, num_parts)
+    lo = row0 + part * per
+    hi = tl.minimum(lo + per, row0 + n_blk)
+    offs_p = tl.arange(0, PB)
+    pmask = offs_p < num_parts
+    offs_d = tl.arange(0, HEAD_DIM)
+    for r0 in range(lo, hi, MR):
+        r = r0 + tl.arange(0, MR)
+        rmask = r < hi
+        t = q0 + r // GROUP
+        hd = h * GROUP + r % GROUP
+        m2 = rmask[:, None] & pmask[None, :]
+        lse = tl.load(LsePart + offs_p[None, :] * stride_ls + (t * stride_lt + hd)[:, None],
+                      mask=m2, other=float("-inf"), cache_modifier=".cg")  # [MR, PB]
+        o_off = (offs_p[None, :, None] * stride_os + (t * stride_ot + hd * stride_oh)[:, None, None]
+                 + offs_d[None, None, :])
+        o = tl.load(OPart + o_off, mask=m2[:, :, None], other=0.0,
+                    cache_modifier=".cg")  # [MR, PB, HEAD_DIM], not waiting for the LSEs
+        o = tl.where((lse > float("-inf"))[:, :, None], o, 0.0)
+        m = tl.max(lse, 1)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m[:, None])
+        l_sum = tl.sum(w, 1)
+        out = tl.sum(o * w[:, :, None], 1) / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+        o_ptr = Out + t[:, None] * stride_qt + hd[:, None] * stride_qh + offs_d[None, :]
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=rmask[:, None])
+
+
+_NO_SPEC = ["window", "h_kv", "stride_bt", "stride_mt", "stride_ls", "stride_lt", "num_parts"]
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _fused_kernel(
+    Q, K, V, BlockTable, CuQ, CtxLens, Positions, TreeMask, OPart, LsePart, Out, Sync, Times,
+    sm_scale_log2, window, h_kv, num_parts,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_out_t, stride_out_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr,
+    HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, ROW_WORDS: tl.constexpr,
+    FUSE: tl.constexpr, STEAL_SHIFT: tl.constexpr, STEAL_CHUNK: tl.constexpr,
+    PB: tl.constexpr, MR: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if not FUSE:
+            tl.extra.cuda.gdc_launch_dependents()
+    t_start = _now()
+    rb = tl.program_id(0)
+    bh = tl.program_id(1)
+    part = tl.program_id(2)
+    n_rb = tl.num_programs(0)
+    b = bh // h_kv
+    h = bh % h_kv
+    q0 = tl.load(CuQ + b)
+    q_len = tl.load(CuQ + b + 1) - q0
+    row0 = rb * BLOCK_M
+    idx = bh * n_rb + rb
+    if row0 < q_len * GROUP:
+        if STEAL_SHIFT > 0:
+            _attend_steal(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
+                          Sync + idx * 4 + 2, sm_scale_log2, window, b, h, q0, q_len, row0,
+                          part, num_parts - 1, stride_qt, stride_qh, stride_kp, stride_ks,
+                          stride_kh, stride_bt, stride_mt, stride_os, stride_ot, stride_oh,
+                          stride_ls, stride_lt, GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N,
+                          TAIL_N, HAS_TREE, DOT_PREC, ROW_WORDS, STEAL_SHIFT, STEAL_CHUNK)
+        else:
+            _attend(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
+                    sm_scale_log2, window, b, h, q0, q_len, row0, part, num_parts - 1,
+                    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
+                    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                    GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, False, HAS_TREE,
+                    False, DOT_PREC, ROW_WORDS)
+    t_done = _now()
+    t_merged = t_done
+    if FUSE:
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        tl.atomic_add(Sync + idx * 4, 1, sem="release", scope="gpu")
+        seen = tl.atomic_add(Sync + idx * 4, 0, sem="acquire", scope="gpu")
+        while seen < num_parts:
+            seen = tl.atomic_add(Sync + idx * 4, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+        if row0 < q_len * GROUP:
+            _merge_share(OPart, LsePart, Out, h, q0, q_len * GROUP, row0, part, num_parts,
+                         stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_out_t,
+                         stride_out_h, GROUP, HEAD_DIM, BLOCK_M, PB, MR)
+        t_merged = _now()
+        gone = tl.atomic_add(Sync + idx * 4 + 1, 1, sem="acq_rel", scope="gpu")
+        if gone == num_parts - 1:  # the last one out: every CTA has passed the wait
+            tl.atomic_xchg(Sync + idx * 4, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(Sync + idx * 4 + 1, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(Sync + idx * 4 + 2, 0, sem="relaxed", scope="gpu")
+    cta = (part * tl.num_programs(1) + bh) * n_rb + rb
+    tl.store(Times + cta * 4, t_start)
+    tl.store(Times + cta * 4 + 1, t_done)
+    tl.store(Times + cta * 4 + 2, t_merged)
+    tl.store(Times + cta * 4 + 3, _smid().to(tl.int64))
+
+
+def _launch(q, k_pool, v_pool, batch, scale, out, variant, sync, times):
+    """One call of a variant: the fused kernel (merge inside) or it + the production combine."""
+    import kernels.tree_attention.kernel as kmod
+    from kernels.tree_attention.combine import combine, combine_rows
+    from kernels.tree_attention.configs import Config
+    from kernels.tree_attention.plan import plan_launch, scratch
+
+    _, fuse, coop, shift, chunk, splits, cfg = variant
+    key = ("diag_fused", q.shape, splits, cfg)
+    plan = batch.memo.get(key)
+    if plan is None:
+        plan = batch.memo[key] = plan_launch(q, k_pool, batch, None, splits,
+                                             None, Config(*cfg) if cfg else None, {})
+    o_part, lse_part = scratch(batch, plan.parts, *q.shape, q.device)
+    c, d = plan.config, q.shape[2]
+    pb = 1 << (plan.parts - 1).bit_length()
+    per = -(-min(c.block_m, max(batch.q_lens) * q.shape[1] // plan.hkv) // plan.parts)
+    mr = max(1, min(1 << (per - 1).bit_length(), 16384 // (pb * d)))  # one round if it fits
+    kmod.LAST_LAUNCH["fused"] = _fused_kernel[plan.grid](
+        q, k_pool, v_pool, batch.block_table, batch.cu_q, batch.ctx_lens_t, batch.positions,
+        plan.tree, o_part, lse_part, out, sync, times, scale * kmod.LOG2E, 0, plan.hkv,
+        plan.parts, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+        k_pool.stride(2), batch.block_table.stride(0), plan.tree.stride(0), o_part.stride(0),
+        o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=q.shape[1] // plan.hkv, HEAD_DIM=d, PAGE_SIZE=k_pool.shape[1], BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n, TAIL_N=plan.tail_n, HAS_TREE=batch.tree_mask is not None,
+        DOT_PREC=plan.dot_prec, ROW_WORDS=plan.row_words, FUSE=fuse,
+        STEAL_SHIFT=shift or 0, STEAL_CHUNK=chunk, PB=pb, MR=mr, USE_PDL=plan.use_pdl,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=plan.use_pdl,
+        launch_cooperative_grid=coop)
+    if not fuse:
+        if plan.combine_rows is not None:
+            combine_rows(o_part, lse_part, out, plan.parts, plan.combine_rows, plan.use_pdl)
+        else:
+            combine(o_part, lse_part, out, plan.parts, plan.block_s, plan.lse_block,
+                    plan.use_pdl)
+    return out, plan
+
+
+def _timeline(times, plan, fused: bool) -> dict:
+    """µs stats of one call's CTA stamps, relative to the first start: the prefix splits' and
+    the tree tails' (part S, the last grid[0]·grid[1] CTAs) end times and work spans."""
+    import numpy as np
+
+    n_tail = plan.grid[0] * plan.grid[1]
+    n = n_tail * plan.grid[2]
+    t = times.view(-1, 4)[:n].cpu().numpy().astype(np.float64)
+    t0 = t[:, 0].min()
+    start, done, merged = (t[:, 0] - t0) / 1e3, (t[:, 1] - t0) / 1e3, (t[:, 2] - t0) / 1e3
+    work = done - start
+    span = float(done.max())
+    pre, tail = slice(0, n - n_tail), slice(n - n_tail, n)
+    slots = len(np.unique(t[:, 3])) * (2 if plan.config.block_m <= 64 else 1)
+    pct = (lambda x, q: float(np.percentile(x, q)) if len(x) else None)  # noqa: E731
+    out = dict(ctas=n, sms=int(len(np.unique(t[:, 3]))), ramp_us=float(start.max()),
+               prefix_done_p10_us=pct(done[pre], 10), prefix_done_median_us=pct(done[pre], 50),
+               prefix_done_max_us=pct(done[pre], 100), prefix_work_median_us=pct(work[pre], 50),
+               tail_done_max_us=pct(done[tail], 100), tail_work_median_us=pct(work[tail], 50),
+               done_max_us=span, busy_frac=float(work.sum() / (slots * span)) if span else None)
+    if fused:
+        out.update(merge_us=float(merged.max() - span), end_us=float(merged.max()))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shapes", default="[(1024, 65), (1024, 17), (4096, 65), (32768, 16), "
+                                        "(32768, 1), (131072, 16), (131072, 1)]")
+    ap.add_argument("--variants", default=VARIANTS, help="see the module docstring")
+    args = ap.parse_args()
+
+    import numpy as np
+    import torch
+    from bench_kernel import _copy_bw, _point
+    from diag_kernel import _graph_us
+
+    import kernels.tree_attention.kernel as kmod
+    from kernels.tree_attention.configs import ctas_per_sm, sm_count
+    from kernels.tree_attention.ref import tree_attention_ref
+
+    hq, hkv, d, page = 32, 8, 128, 16
+    copy_bw = _copy_bw(torch, triton)
+    print(f"# {torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s")
+    print("| ctx | N | variant | S | floor µs | graph×36 µs | % floor | diff vs prod | rel err | "
+          "after graphs | ramp | prefix done p10 / med / max | tail done max | busy | merge |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for ctx, n in eval(args.shapes):  # noqa: S307 — our own CLI
+        sets = _point(ctx, n, hq, hkv, page, True, 7, torch, np)
+        qs = [torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16) for _ in sets]
+        prod = [lambda q=q, s=s: kmod.tree_attention_triton(q, *s, d**-0.5)
+                for q, s in zip(qs, sets, strict=True)]
+        want = prod[0]()
+        ref = tree_attention_ref(qs[0], *sets[0], d**-0.5).float()
+        floor = 2 * ctx * hkv * d * 2 / copy_bw * 1e6
+        g_prod = _graph_us(prod, 12, torch)
+        rows.append(dict(ctx=ctx, n=n, variant="production", floor_us=floor, graph36_us=g_prod))
+        print(f"| {ctx} | {n} | production | auto | {floor:.1f} | {g_prod:.1f} | "
+              f"{100 * floor / g_prod:.0f}% | 0 | | | | | | | |", flush=True)
+        for variant in eval(args.variants):  # noqa: S307
+            row = _variant_row(variant, ctx, n, sets, qs, want, ref, floor, torch, _graph_us,
+                               ctas_per_sm, sm_count)
+            rows.append(row)
+        del sets, qs, prod
+        torch.cuda.empty_cache()
+    out = Path(args.out or Path(os.environ.get("OUT", ".")) / "diag_fused_merge.json")
+    out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_GBps=copy_bw / 1e9,
+                                   rows=rows), separators=(",", ":")))  # stamps: compact
+    print(f"wrote {out}")
+
+
+def _variant_row(variant, ctx, n, sets, qs, want, ref, floor, torch, graph_us, ctas_per_sm,
+                 sm_count) -> dict:
+    import kernels.tree_attention.kernel as kmod
+
+    name, fuse = variant[0], variant[1]
+    d = qs[0].shape[2]
+    outs = [torch.empty_like(q) for q in qs]
+    n_sync = 4 * 8 * 64 * 8  # ≥ 4 ints per (row block, request · kv head)
+    sync = torch.zeros(n_sync, dtype=torch.int32, device="cuda")
+    times = torch.zeros(4 * 65536, dtype=torch.int64, device="cuda")
+    row = dict(ctx=ctx, n=n, variant=name, spec=repr(variant), floor_us=floor)
+    try:
+        _, plan = _launch(qs[0], *sets[0], d**-0.5, outs[0], variant, sync, times)
+        ctas = plan.grid[0] * plan.grid[1] * plan.grid[2]
+        if fuse and not variant[2] and ctas > sm_count(qs[0].device) * ctas_per_sm(plan.config):
+            print(f"| {ctx} | {n} | {name} | skipped: {ctas} CTAs > one wave |")
+            return row | dict(skipped=f"{ctas} CTAs > one wave")
+        calls = [lambda q=q, s=s, o=o: _launch(q, *s, d**-0.5, o, variant, sync, times)
+                 for q, s, o in zip(qs, sets, outs, strict=True)]
+        torch.cuda.synchronize()
+        got = outs[0].clone()
+        g36 = graph_us(calls, 12, torch)
+        torch.cuda.synchronize()
+        tl_stats = _timeline(times, plan, fuse)
+        outs[0].fill_(float("nan"))
+        calls[0]()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 — a variant that does not build: say so, go on
+        print(f"| {ctx} | {n} | {name} | failed: {e!r:.300} |", flush=True)
+        return row | dict(error=repr(e)[:2000])
+    diff = float((got.float() - want.float()).abs().max())
+    err = float((got.float() - ref).abs().max() / ref.abs().max())
+    after = float((outs[0].float() - got.float()).abs().max())
+    row.update(splits=plan.parts - 1, graph36_us=g36, pct_floor=100 * floor / g36, max_diff=diff,
+               rel_err=err, diff_after_graphs=after, timeline=tl_stats,
+               n_regs=getattr(kmod.LAST_LAUNCH["fused"], "n_regs", None),
+               n_spills=getattr(kmod.LAST_LAUNCH["fused"], "n_spills", None),
+               stamps=times[:4 * ctas].tolist())
+    s = tl_stats
+    print(f"| {ctx} | {n} | {name} | {plan.parts - 1} | {floor:.1f} | {g36:.1f} | "
+          f"{row['pct_floor']:.0f}% | {diff:.1e} | {err:.1e} | {after:.1e} | {s['ramp_us']:.1f} | "
+          f"{s['prefix_done_p10_us'] or 0:.1f} / {s['prefix_done_median_us'] or 0:.1f} / "
+          f"{s['prefix_done_max_us'] or 0:.1f} | {s['tail_done_max_us'] or 0:.1f} | "
+          f"{s['busy_frac']:.2f} | {s.get('merge_us', 0):.1f} |", flush=True)
+    return row
+
+
+if __name__ == "__main__":
+    main()
