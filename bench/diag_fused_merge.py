@@ -1,6 +1,6 @@
 """Tree kernel with the merge inside it, and per-CTA timelines (H200 diagnostic, issues 5 and 9).
 
-Three questions, one harness (bench_kernel.py's pools rotated beyond L2, 36-call CUDA graphs):
+Two questions, one harness (bench_kernel.py's pools rotated beyond L2, 36-call CUDA graphs):
 1. **Where a call's time goes**: each CTA of the attention kernel stamps %globaltimer at its
    start, when its part is done and (fused) when its merge is done, with its %smid — the ramp
    (last start − first), the drain (last end − median end) and the merge, per shape.
@@ -9,16 +9,16 @@ Three questions, one harness (bench_kernel.py's pools rotated beyond L2, 36-call
    one wave, launched cooperatively, so every CTA is resident), then merges its share of the
    block's rows from L2 — no combine kernel, no launch gap, the merge spread over every CTA.
    The last CTA to finish resets the counters for the next call.
-3. **Work stealing for the drain**: the prefix's last 1/2^STEAL_SHIFT is cut into chunks of
-   STEAL_CHUNK tiles that CTAs of the same row block take from an atomic ticket once their own
-   split is done (an unmasked prefix adds in any order: one partial per CTA still); the
-   tree-tail CTA steals too, after its tail.
+(Work stealing of the prefix's end — CTAs of a row block taking its last tiles from an atomic
+ticket once their own split is done — was measured with this script at commit ea5a13e and
+removed: BENCHMARKS.md, "per-CTA timelines".)
 
     python bench/diag_fused_merge.py [--out PATH] [--shapes "[(32768, 16)]"] [--variants "..."]
 
-A variant: (name, fuse, cooperative, steal_shift or None, steal_chunk, num_splits or None,
-config tuple or None). Rows give µs per call next to the production launcher in the same run,
-the max |diff| vs production and the error vs an fp32 reference (after ≥ 1000 graph calls too).
+A variant: (name, fuse, cooperative launch, num_splits or None, config tuple or None). Rows give
+µs per call next to the production launcher in the same run, the max |diff| vs production and
+the error vs an fp32 reference (after ≥ 1000 graph calls too). Stamps are written by every
+variant; `split_timed` (no fusion) is the production kernel's arithmetic plus its combine.
 """
 
 from __future__ import annotations
@@ -35,13 +35,10 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels.tree_attention.kernel import _attend, _prefix_split, _tree_tail  # noqa: E402
-from kernels.tree_attention.tiles import _load_q, _prefix_tile  # noqa: E402
+from kernels.tree_attention.kernel import _attend  # noqa: E402
 
-VARIANTS = ("[('fused', True, True, None, 2, None, None), "
-            "('fused_nocoop', True, False, None, 2, None, None), "
-            "('fused_steal4x1', True, True, 4, 1, None, None), "
-            "('split_timed', False, False, None, 2, None, None)]")
+VARIANTS = ("[('fused', True, True, None, None), ('fused_nocoop', True, False, None, None), "
+            "('split_timed', False, False, None, None)]")
 
 
 @triton.jit
@@ -54,77 +51,6 @@ def _now():
 def _smid():
     return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
                                      is_pure=False, pack=1)
-
-
-@triton.jit
-def _steal(q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, x0, Ticket, q_pos, window,
-           kv_head_off, stride_kp, stride_ks, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-           BLOCK_N: tl.constexpr, STEAL_CHUNK: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Chunks of STEAL_CHUNK tiles of [x0, ctx) taken from the row block's ticket."""
-    span = STEAL_CHUNK * BLOCK_N
-    n_chunks = tl.cdiv(ctx - x0, span)
-    c = tl.atomic_add(Ticket, 1, sem="relaxed", scope="gpu")
-    while c < n_chunks:
-        lo = x0 + c * span
-        hi = tl.minimum(lo + span, ctx)
-        full = lo + (hi - lo) // BLOCK_N * BLOCK_N
-        for n in range(lo, full, BLOCK_N):
-            m_i, l_i, acc = _prefix_tile(q, m_i, l_i, acc, K, V, BlockTable, bt_row, n, lo, hi,
-                                         q_pos, window, kv_head_off, stride_kp, stride_ks,
-                                         HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, DOT_PREC)
-        if full < hi:
-            m_i, l_i, acc = _prefix_tile(q, m_i, l_i, acc, K, V, BlockTable, bt_row, full, lo,
-                                         hi, q_pos, window, kv_head_off, stride_kp, stride_ks,
-                                         HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, DOT_PREC)
-        c = tl.atomic_add(Ticket, 1, sem="relaxed", scope="gpu")
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _attend_steal(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart, Ticket,
-                  sm_scale_log2, window, b, h, q0, q_len, row0, part, num_splits,
-                  stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
-                  stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr,
-                  HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, ROW_WORDS: tl.constexpr,
-                  STEAL_SHIFT: tl.constexpr, STEAL_CHUNK: tl.constexpr):
-    """kernel._attend for an unmasked-prefix bf16 plan, with the prefix's end stolen."""
-    rows = row0 + tl.arange(0, BLOCK_M)
-    tok = rows // GROUP
-    head = h * GROUP + rows % GROUP
-    valid = tok < q_len
-    flat = q0 + tok
-    q = _load_q(Q, q0, tok, head, valid, sm_scale_log2, stride_qt, stride_qh, HEAD_DIM)
-    ctx = tl.load(CtxLens + b)
-    x0 = (ctx - (ctx >> STEAL_SHIFT)) // BLOCK_N * BLOCK_N  # static splits cover [0, x0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    bt_row = b * stride_bt
-    kv_head_off = h * stride_kh
-    q_pos = tok
-    if part < num_splits:
-        m_i, l_i, acc = _prefix_split(q, m_i, l_i, acc, K, V, BlockTable, bt_row, x0, q_pos,
-                                      window, kv_head_off, part, num_splits, stride_kp,
-                                      stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False,
-                                      DOT_PREC)
-    else:
-        m_i, l_i, acc = _tree_tail(q, m_i, l_i, acc, K, V, BlockTable, TreeMask, Positions,
-                                   bt_row, ctx, q0, q_len, row0, tok, flat, valid, q_pos, window,
-                                   kv_head_off, stride_kp, stride_ks, stride_mt, GROUP, HEAD_DIM,
-                                   PAGE_SIZE, BLOCK_M, TAIL_N, False, HAS_TREE, DOT_PREC,
-                                   ROW_WORDS)
-    m_i, l_i, acc = _steal(q, m_i, l_i, acc, K, V, BlockTable, bt_row, ctx, x0, Ticket, q_pos,
-                           window, kv_head_off, stride_kp, stride_ks, HEAD_DIM, PAGE_SIZE,
-                           BLOCK_N, STEAL_CHUNK, DOT_PREC)
-    has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    offs_d = tl.arange(0, HEAD_DIM)
-    o_ptrs = OPart + part * stride_os + flat[:, None] * stride_ot + head[:, None] * stride_oh
-    tl.store(o_ptrs + offs_d[None, :], o, mask=valid[:, None])
-    tl.store(LsePart + part * stride_ls + flat * stride_lt + head, lse, mask=valid)
 
 
 @triton.jit
@@ -175,8 +101,7 @@ def _fused_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr,
     HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, ROW_WORDS: tl.constexpr,
-    FUSE: tl.constexpr, STEAL_SHIFT: tl.constexpr, STEAL_CHUNK: tl.constexpr,
-    PB: tl.constexpr, MR: tl.constexpr, USE_PDL: tl.constexpr,
+    FUSE: tl.constexpr, PB: tl.constexpr, MR: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -194,20 +119,12 @@ def _fused_kernel(
     row0 = rb * BLOCK_M
     idx = bh * n_rb + rb
     if row0 < q_len * GROUP:
-        if STEAL_SHIFT > 0:
-            _attend_steal(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
-                          Sync + idx * 4 + 2, sm_scale_log2, window, b, h, q0, q_len, row0,
-                          part, num_parts - 1, stride_qt, stride_qh, stride_kp, stride_ks,
-                          stride_kh, stride_bt, stride_mt, stride_os, stride_ot, stride_oh,
-                          stride_ls, stride_lt, GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N,
-                          TAIL_N, HAS_TREE, DOT_PREC, ROW_WORDS, STEAL_SHIFT, STEAL_CHUNK)
-        else:
-            _attend(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
-                    sm_scale_log2, window, b, h, q0, q_len, row0, part, num_parts - 1,
-                    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
-                    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                    GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, False, HAS_TREE,
-                    False, DOT_PREC, ROW_WORDS)
+        _attend(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
+                sm_scale_log2, window, b, h, q0, q_len, row0, part, num_parts - 1,
+                stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, TAIL_N, False, HAS_TREE,
+                False, DOT_PREC, ROW_WORDS)
     t_done = _now()
     t_merged = t_done
     if FUSE:
@@ -226,7 +143,6 @@ def _fused_kernel(
         if gone == num_parts - 1:  # the last one out: every CTA has passed the wait
             tl.atomic_xchg(Sync + idx * 4, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(Sync + idx * 4 + 1, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(Sync + idx * 4 + 2, 0, sem="relaxed", scope="gpu")
     cta = (part * tl.num_programs(1) + bh) * n_rb + rb
     tl.store(Times + cta * 4, t_start)
     tl.store(Times + cta * 4 + 1, t_done)
@@ -241,7 +157,7 @@ def _launch(q, k_pool, v_pool, batch, scale, out, variant, sync, times):
     from kernels.tree_attention.configs import Config
     from kernels.tree_attention.plan import plan_launch, scratch
 
-    _, fuse, coop, shift, chunk, splits, cfg = variant
+    _, fuse, coop, splits, cfg = variant
     key = ("diag_fused", q.shape, splits, cfg)
     plan = batch.memo.get(key)
     if plan is None:
@@ -262,7 +178,7 @@ def _launch(q, k_pool, v_pool, batch, scale, out, variant, sync, times):
         GROUP=q.shape[1] // plan.hkv, HEAD_DIM=d, PAGE_SIZE=k_pool.shape[1], BLOCK_M=c.block_m,
         BLOCK_N=c.block_n, TAIL_N=plan.tail_n, HAS_TREE=batch.tree_mask is not None,
         DOT_PREC=plan.dot_prec, ROW_WORDS=plan.row_words, FUSE=fuse,
-        STEAL_SHIFT=shift or 0, STEAL_CHUNK=chunk, PB=pb, MR=mr, USE_PDL=plan.use_pdl,
+        PB=pb, MR=mr, USE_PDL=plan.use_pdl,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=plan.use_pdl,
         launch_cooperative_grid=coop)
     if not fuse:
@@ -299,13 +215,37 @@ def _timeline(times, plan, fused: bool) -> dict:
     return out
 
 
+def compile_check() -> list[dict]:
+    """The one-wave premise of the fused merge on sm_90: two 64-row CTAs per SM (shared memory
+    ≤ 116,736 B each, registers ≤ 255) and no spills, with the merge's largest tiles."""
+    import bench_kernel as bk
+
+    ptr_types = dict(bk._PTR_TYPES, Sync="*i32", Times="*i64")
+    bk._PTR_TYPES = ptr_types
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    out = []
+    for fuse, pb, mr in [(True, 64, 2), (True, 8, 16), (False, 64, 2)]:
+        cons = dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=64, TAIL_N=32,
+                    HAS_TREE=True, DOT_PREC="tf32", ROW_WORDS=True, FUSE=fuse, PB=pb, MR=mr,
+                    USE_PDL=True)
+        got = bk._compile(_fused_kernel, "bf16", cons, 4, 5, 90, str(ptxas))
+        out.append(dict(fuse=fuse, parts_block=pb, merge_rows=mr, **got))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="[(1024, 65), (1024, 17), (4096, 65), (32768, 16), "
                                         "(32768, 1), (131072, 16), (131072, 1)]")
     ap.add_argument("--variants", default=VARIANTS, help="see the module docstring")
+    ap.add_argument("--compile-check", action="store_true",
+                    help="no GPU: cross-compile the fused and unfused kernel for sm_90 (64-row "
+                         "block, 33 / 5 parts) and print shared memory, registers, spills")
     args = ap.parse_args()
+    if args.compile_check:
+        print(json.dumps(compile_check()))
+        return
 
     import numpy as np
     import torch

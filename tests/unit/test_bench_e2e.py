@@ -212,3 +212,21 @@ def test_diag_draft_batch_tiny(tmp_path):
         assert rows[(mix, "eager")]["max_diff_vs_graphs"] < 1e-4
         assert all(ms > 0 for ms in rows[(mix, "graphs")]["ms"])
     assert [2, block] in graphs  # the two full-depth requests: one replay of bucket 2
+
+
+def test_diag_fused_merge_keeps_one_wave_on_sm90():
+    """bench/diag_fused_merge.py's grid barrier needs every CTA resident (one wave, 2 per SM):
+    its kernel, fused or not, cross-compiled for sm_90 (no GPU needed) fits two CTAs per SM and
+    does not spill with the merge's largest tiles."""
+    import os
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(BENCH / "diag_fused_merge.py"), "--compile-check"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {(r["fuse"], r["merge_rows"]) for r in report} == {(True, 2), (True, 16), (False, 2)}
+    for r in report:
+        assert 2 * (r["shared"] + 1024) <= 233_472 and r["regs"] * 128 * 2 <= 65_536
+        assert r["spills"] == 0
