@@ -5,6 +5,8 @@ The only place (with each service's own convert.py) that touches pb2 messages.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -58,22 +60,37 @@ def finish_from_pb(value: int) -> FinishReason | None:
     return next((r for r, v in _FINISH.items() if v == value), None)
 
 
-def tensor_to_pb(t: torch.Tensor) -> pb.Tensor:
+def tensor_to_pb(t: torch.Tensor, into: pb.Tensor | None = None) -> pb.Tensor:
+    """`t` as a Tensor message, written into `into` (a field of a message being built) when
+    given: protobuf copies a submessage on CopyFrom or in a constructor, ~1 s per 336 MB on the
+    development VM (bench/diag_feed.py), so large tensors are filled in place."""
     t = t.detach().contiguous().cpu()
     dtype = next(k for k, v in _DTYPES.items() if v == t.dtype)
     raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
-    return pb.Tensor(data=raw.numpy().tobytes(), dtype=dtype, shape=list(t.shape))
+    msg = pb.Tensor() if into is None else into
+    msg.data, msg.dtype = raw.numpy().tobytes(), dtype
+    msg.shape[:] = list(t.shape)
+    return msg
 
 
-def tensor_from_pb(msg: pb.Tensor) -> torch.Tensor:
+def tensor_from_pb(msg: pb.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """The message's tensor, on `device` (default: the host). For a CUDA device the bytes go
+    straight to it (one host copy fewer: a prefill chunk's context rows are 8-336 MB)."""
     if msg.dtype not in _DTYPES:
         raise InvalidRequest(f"unsupported tensor dtype {msg.dtype!r}")
     dtype = _DTYPES[msg.dtype]
     np_dtype = np.float32 if dtype == torch.float32 else np.int16
-    arr = np.frombuffer(msg.data, dtype=np_dtype)
+    data = msg.data  # upb hands out a new bytes object per access: take it once
+    arr = np.frombuffer(data, dtype=np_dtype)
     if arr.size != int(np.prod(msg.shape)):
         raise InvalidRequest(f"tensor of shape {list(msg.shape)} has {arr.size} elements")
-    t = torch.from_numpy(arr.copy()).view(*msg.shape)
+    if device is not None and torch.device(device).type == "cuda":
+        with warnings.catch_warnings():  # read-only bytes: read once by the copy to the device
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(arr).to(device)
+    else:
+        t = torch.from_numpy(arr.copy())
+    t = t.view(*msg.shape)
     return t if dtype == torch.float32 else t.view(dtype)
 
 

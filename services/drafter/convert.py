@@ -26,7 +26,7 @@ def entry_from_pb(msg: pb.DraftEntry, device: torch.device, dtype: torch.dtype) 
     """Raises InvalidRequest for a malformed context tensor."""
     context = None
     if msg.HasField("context"):
-        context = tensor_from_pb(msg.context).to(device=device, dtype=dtype)
+        context = tensor_from_pb(msg.context, device).to(device=device, dtype=dtype)
     request = DraftRequest(request_id=msg.request_id, bonus_token=msg.bonus_token,
                            start=msg.start, budget=msg.budget, max_depth=msg.max_depth,
                            context=context)

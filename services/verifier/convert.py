@@ -97,21 +97,24 @@ def stats_to_pb(stats, drafter_connected: bool) -> verifier_pb2.StatsReply:
 
 
 # ---- the drafter stream ----------------------------------------------------------------------
-def draft_entry_to_pb(req: DraftRequest, kind: str | None, context: torch.Tensor | None,
-                      new_history, trace_context: dict[str, str] | None = None
-                      ) -> drafter_pb2.DraftEntry:
-    entry = drafter_pb2.DraftEntry(
+def add_draft_entry(batch: drafter_pb2.DraftBatch, req: DraftRequest, kind: str | None,
+                    context: torch.Tensor | None, new_history,
+                    trace_context: dict[str, str] | None = None) -> drafter_pb2.DraftEntry:
+    """Append the request's entry to `batch`, its context rows written in place (a prefill
+    chunk's rows are 8-336 MB: a submessage copied into the batch would copy them again)."""
+    entry = batch.entries.add(
         request_id=req.request_id, drafter=DRAFTER_KINDS.get(kind, 0),
         bonus_token=req.bonus_token, start=req.start, budget=req.budget,
         max_depth=req.max_depth, new_history=[int(t) for t in new_history],
         trace_context=trace_context or {})
     if context is not None and context.shape[0]:
-        entry.context.CopyFrom(tensor_to_pb(context))
+        tensor_to_pb(context, into=entry.context)
     return entry
 
 
-def draft_batch_to_pb(step_id: int, entries) -> drafter_pb2.DraftBatch:
-    return drafter_pb2.DraftBatch(step_id=step_id, entries=list(entries))
+def draft_batch(step_id: int = 0) -> drafter_pb2.DraftBatch:
+    """An empty DraftBatch; `add_draft_entry` fills it."""
+    return drafter_pb2.DraftBatch(step_id=step_id)
 
 
 def release_to_pb(request_ids) -> drafter_pb2.ReleaseRequest:

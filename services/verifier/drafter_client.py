@@ -39,7 +39,10 @@ from services.verifier.drafter_stream import DrafterStream, DrafterTimeout, Draf
 from specserve.drafters.base import DraftRequest
 from specserve.spec.tree import DraftTree
 
-MAX_CHUNKS = 64  # context chunks kept per request before they are merged into one tensor
+# context chunks kept per request before the newer half is merged into one tensor (merging them
+# all would copy a long prompt's rows every MAX_CHUNKS decode steps: 5.4 GB at 128k for the
+# Qwen3-8B shape's raw taps)
+MAX_CHUNKS = 64
 FEED_DEADLINE = 10  # a prefill feed's deadline, in draft deadlines (timeout_s)
 __all__ = ["DrafterTimeout", "DrafterUnavailable", "RemoteDrafter"]
 
@@ -63,7 +66,9 @@ class _State:
             if pos + chunk.shape[0] > start:
                 out.append(chunk[max(0, start - pos):])
             pos += chunk.shape[0]
-        return torch.cat(out) if out else None
+        if not out:
+            return None
+        return out[0] if len(out) == 1 else torch.cat(out)  # one chunk (a feed): no copy
 
 
 class RemoteDrafter:
@@ -111,15 +116,12 @@ class RemoteDrafter:
         stream = self.stream
         if stream.loop is None or stream.closed:
             raise DrafterUnavailable("the drafter client is not running")
-        epoch, entries, marks, release = stream.epoch, [], {}, []
+        epoch, batch, marks, release = stream.epoch, convert.draft_batch(), {}, []
         for req in requests:
             st = self._states.setdefault(req.request_id, _State(None))
-            entry = self._entry(req, st, epoch, release)
-            if entry is not None:
-                entries.append(entry)
+            if self._entry(req, st, epoch, release, batch):
                 marks[req.request_id] = (st.num_rows, len(req.history or ()))
-        step_id = next(self._step_ids)
-        batch = convert.draft_batch_to_pb(step_id, entries)
+        step_id = batch.step_id = next(self._step_ids)
         done = asyncio.run_coroutine_threadsafe(
             stream.exchange(step_id, epoch, batch, release), stream.loop)
         try:
@@ -147,19 +149,16 @@ class RemoteDrafter:
                 if not self._absorb(req, self._states.setdefault(req.request_id, _State(None))):
                     self._states[req.request_id].resend = True
             return
-        epoch, entries, release = stream.epoch, [], []
+        epoch, batch, release = stream.epoch, convert.draft_batch(), []
         for req in rows:
             st = self._states.setdefault(req.request_id, _State(None))
             if st.kind == "ngram":  # the n-gram drafter takes no context
                 continue
-            entry = self._entry(req, st, epoch, release, traced=False)
-            if entry is None:
+            if not self._entry(req, st, epoch, release, batch, traced=False):
                 continue
-            entries.append(entry)
             st.rows_sent = st.num_rows  # optimistic: a failure sets resend (see _feed)
-        if entries:
-            step_id = next(self._step_ids)
-            batch = convert.draft_batch_to_pb(step_id, entries)
+        if batch.entries:
+            step_id = batch.step_id = next(self._step_ids)
             ids = [r.request_id for r in rows]
             stream.loop.call_soon_threadsafe(
                 lambda: stream.feed(self._feed(step_id, epoch, batch, release, ids)))
@@ -176,15 +175,16 @@ class RemoteDrafter:
             failed = ids
         self._feed_failed.update(failed)
 
-    def _entry(self, req: DraftRequest, st: _State, epoch: int, release: list[str],
-               traced: bool = True):
-        """The request's DraftEntry (None, with an entry error, if it cannot be drafted)."""
+    def _entry(self, req: DraftRequest, st: _State, epoch: int, release: list[str], batch,
+               traced: bool = True) -> bool:
+        """Append the request's DraftEntry to `batch`; False (with an entry error, nothing
+        appended) if it cannot be drafted."""
         if req.request_id in self._feed_failed:
             self._feed_failed.discard(req.request_id)
             st.resend = True
         if not self._absorb(req, st):
             self._entry_errors[req.request_id] = "drafter_entry_error: context gap"
-            return None
+            return False
         if st.resend or st.epoch != epoch:
             if st.sent_once:
                 release.append(req.request_id)
@@ -195,7 +195,8 @@ class RemoteDrafter:
         history = list(req.history[st.history_sent:]) if req.history is not None else []
         trace_context = (self.tracing.open_draft(req.request_id)
                          if self.tracing and traced else None)
-        return convert.draft_entry_to_pb(req, st.kind, context, history, trace_context)
+        convert.add_draft_entry(batch, req, st.kind, context, history, trace_context)
+        return True
 
     def _absorb(self, req: DraftRequest, st: _State) -> bool:
         """Keep the context rows not seen before; False if they do not continue what is kept."""
@@ -209,8 +210,9 @@ class RemoteDrafter:
         if rows.shape[0]:
             st.chunks.append(rows)
             st.num_rows += rows.shape[0]
-        if len(st.chunks) > MAX_CHUNKS:
-            st.chunks = [torch.cat(st.chunks)]
+        if len(st.chunks) > MAX_CHUNKS:  # merge the newer half: the prompt's big chunks stay
+            keep = len(st.chunks) // 2
+            st.chunks = st.chunks[:keep] + [torch.cat(st.chunks[keep:])]
         return True
 
     def _trees(self, requests, reply, marks) -> list[DraftTree]:

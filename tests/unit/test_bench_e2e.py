@@ -230,3 +230,19 @@ def test_diag_fused_merge_keeps_one_wave_on_sm90():
     for r in report:
         assert 2 * (r["shared"] + 1024) <= 233_472 and r["regs"] * 128 * 2 <= 65_536
         assert r["spills"] == 0
+
+
+def test_diag_feed_small(tmp_path):
+    """bench/diag_feed.py on a small chunk: each width's rows go through the real feed path and
+    come back equal (the script asserts it), with every stage timed."""
+    out = tmp_path / "feed.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "diag_feed.py"), "--rows", "96", "--reps",
+                           "1", "--device", "cpu", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["width"] for r in rows] == [512, 20480, 4096]
+    for r in rows:
+        assert set(r["ms"]) == {"absorb", "rows_since", "to_pb", "serialize", "parse"}
+        assert all(v >= 0 for v in r["ms"].values()) and r["engine_thread_before_ms"] > 0
+        assert r["gb_per_128k"] == 131072 * r["width"] * 2 / 1e9
