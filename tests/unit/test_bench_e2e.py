@@ -246,3 +246,40 @@ def test_diag_feed_small(tmp_path):
         assert set(r["ms"]) == {"absorb", "rows_since", "to_pb", "serialize", "parse"}
         assert all(v >= 0 for v in r["ms"].values()) and r["engine_thread_before_ms"] > 0
         assert r["gb_per_128k"] == 131072 * r["width"] * 2 / 1e9
+
+
+def test_trace_breakdown_splits_each_step(tmp_path):
+    """bench/trace_breakdown.py on spans written the way the services write them: the parts of
+    each step are the differences of their own stamps (irregular ms, two processes' files)."""
+    def span(name, start, end, trace="0xab12"):
+        def stamp(ms):
+            return f"2026-12-02T01:00:{ms / 1e3:09.6f}Z"
+        return json.dumps({"name": name, "context": {"trace_id": trace},
+                           "start_time": stamp(start), "end_time": stamp(end)})
+
+    verifier, drafter = [], []
+    for k, t0 in enumerate((100.0, 161.25, 170.5)):
+        fwd0 = t0 + 1.5 + 7 * (k == 0)
+        verifier += [span("step", t0, t0 + 6.75 + 8 * (k == 0)), span("draft", t0, fwd0 + 3.25),
+                     span("verify", fwd0 + 3.25, fwd0 + 4.0), span("commit", fwd0 + 4.0,
+                                                                   fwd0 + 4.5)]
+        drafter += [span("draft.forward", fwd0, fwd0 + 0.75),
+                    span("ddtree.build", fwd0 + 0.75, fwd0 + 1.25)]
+    drafter.append(span("draft.forward", 5.0, 6.0, trace="0xother"))  # a one-step request
+    (tmp_path / "verifier.jsonl").write_text("\n".join(verifier) + "\n")
+    (tmp_path / "drafter.jsonl").write_text("\n".join(drafter) + "\n")
+    out = tmp_path / "tb.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "trace_breakdown.py"), str(tmp_path),
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    (req,) = got["requests"]
+    assert req["steps"] == 3
+    want_first = dict(step=14.75, to_drafter=8.5, forward=0.75, tree_build=0.5, back=2.0,
+                      verify=0.75, commit=0.5)
+    want_rest = dict(want_first, step=6.75, to_drafter=1.5)
+    for part, ms in want_first.items():
+        assert abs(req["first"][part] - ms) < 1e-3 and abs(req["rest"][part] - want_rest[part]) \
+            < 1e-3
+    assert got["steady_median_ms"] == req["rest"]
