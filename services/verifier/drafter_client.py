@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -44,6 +45,11 @@ from specserve.spec.tree import DraftTree
 # Qwen3-8B shape's raw taps)
 MAX_CHUNKS = 64
 FEED_DEADLINE = 10  # a prefill feed's deadline, in draft deadlines (timeout_s)
+# events on each traced request's `draft` span (wall clock): the call began, its batch was built,
+# written on the stream (event loop), the reply was in (event loop), taken (engine thread), and
+# its trees converted — bench/trace_breakdown.py splits a step's drafter round trip by them
+DRAFT_EVENTS = ("drafter.call", "batch.built", "batch.written", "reply.received",
+                "reply.taken", "trees.ready")
 __all__ = ["DrafterTimeout", "DrafterUnavailable", "RemoteDrafter"]
 
 
@@ -116,16 +122,19 @@ class RemoteDrafter:
         stream = self.stream
         if stream.loop is None or stream.closed:
             raise DrafterUnavailable("the drafter client is not running")
+        called_ns = time.time_ns()
         epoch, batch, marks, release = stream.epoch, convert.draft_batch(), {}, []
         for req in requests:
             st = self._states.setdefault(req.request_id, _State(None))
             if self._entry(req, st, epoch, release, batch):
                 marks[req.request_id] = (st.num_rows, len(req.history or ()))
         step_id = batch.step_id = next(self._step_ids)
+        stamps = [called_ns, time.time_ns()]  # + written, reply in (event loop), then taken
         done = asyncio.run_coroutine_threadsafe(
-            stream.exchange(step_id, epoch, batch, release), stream.loop)
+            stream.exchange(step_id, epoch, batch, release, stamps=stamps), stream.loop)
         try:
             reply = done.result(self.timeout_s + 1.0)
+            stamps.append(time.time_ns())
         except BaseException as e:
             done.cancel()
             for req in requests:  # the drafter may or may not have applied the batch
@@ -133,7 +142,12 @@ class RemoteDrafter:
             if isinstance(e, concurrent.futures.TimeoutError):
                 raise DrafterTimeout(f"no reply within {self.timeout_s} s") from None
             raise
-        return self._trees(requests, reply, marks)
+        trees = self._trees(requests, reply, marks)
+        if self.tracing and len(stamps) == 5:
+            self.tracing.note_draft([r.request_id for r in requests],
+                                    list(zip(DRAFT_EVENTS, [*stamps, time.time_ns()],
+                                             strict=True)))
+        return trees
 
     def feed(self, requests: Sequence[DraftRequest]) -> None:
         """Send prefill context rows now, as budget-0 entries whose reply is not waited for: the

@@ -68,9 +68,10 @@ class DrafterStream:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def exchange(self, step_id: int, epoch: int, batch, release: list[str],
-                       timeout_s: float | None = None):
+                       timeout_s: float | None = None, stamps: list[int] | None = None):
         """Release `release`, write `batch`, wait for its reply (raises DrafterUnavailable /
-        DrafterTimeout; a timeout drops the stream: a drafter behind flushes its backlog)."""
+        DrafterTimeout; a timeout drops the stream: a drafter behind flushes its backlog).
+        `stamps` gets the wall clock (ns) when the write was done and when the reply was in."""
         call, timeout_s = self._call, timeout_s or self.timeout_s
         if call is None or epoch != self.epoch:
             self._maybe_reconnect()
@@ -84,7 +85,12 @@ class DrafterStream:
                         await self._stub.Release(convert.release_to_pb(release),
                                                  timeout=self.timeout_s)
                     await call.write(batch)
-                return await reply
+                if stamps is not None:
+                    stamps.append(time.time_ns())
+                got = await reply
+                if stamps is not None:
+                    stamps.append(time.time_ns())
+                return got
         except TimeoutError:
             self._drop(call, "deadline exceeded")
             raise DrafterTimeout(f"no reply within {timeout_s} s") from None

@@ -102,6 +102,15 @@ class StepTracer:
                 traced.open = (step, draft)
             return telemetry.traceparent(traced.open[1].get_span_context())
 
+    def note_draft(self, request_ids, events: list[tuple[str, int]]) -> None:
+        """Events (name, wall clock ns) on the open `draft` span of each of `request_ids`."""
+        with self._lock:
+            spans = [t.open[1] for rid in request_ids
+                     if (t := self._requests.get(rid)) is not None and t.open is not None]
+        for span in spans:
+            for name, ns in events:
+                span.add_event(name, timestamp=ns)
+
     def end_step(self, outputs, times: StepTimes | None) -> None:
         """After `engine.step()`: prefill chunk events and spans, and every traced step."""
         if times is None:

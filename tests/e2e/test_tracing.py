@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.server import channel
 from services.gateway import convert
+from services.verifier.drafter_client import DRAFT_EVENTS
 from specserve.types import SamplingParams
 from specserve.v1 import gateway_pb2_grpc
 from tests.e2e.otlp_sink import OtlpSink
@@ -166,6 +167,12 @@ def test_one_trace_per_request_across_the_three_services(traced):
             remote = sorted(s.name for s in t.kids(draft))
             want = ["ddtree.build", "draft.forward"] if drafter == "dflash" else ["ngram.draft"]
             assert remote == want, (rid, remote)
+            assert [e.name for e in draft.events] == list(DRAFT_EVENTS)
+            marks = [e.time_unix_nano for e in draft.events]
+            assert marks == sorted(marks) and draft.start_time_unix_nano <= marks[0]
+            assert marks[-1] <= draft.end_time_unix_nano
+            for s in t.kids(draft):  # causal: built before the drafter ran, reply in after
+                assert marks[1] <= s.start_time_unix_nano and s.end_time_unix_nano <= marks[3]
             for s in t.kids(draft):
                 assert t.service[s.span_id] == "drafter"
                 assert draft.start_time_unix_nano <= s.start_time_unix_nano

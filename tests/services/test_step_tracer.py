@@ -131,3 +131,26 @@ def test_fallback_labels_stay_bounded():
         m.record_fallback(f"reason{i}: detail")
     labels = {s.labels["reason"] for s in m.fallbacks.collect()[0].samples}
     assert len(labels) <= 33 and "other" in labels
+
+
+def test_note_draft_puts_events_on_open_draft_spans_only(spans):
+    """RemoteDrafter's round-trip stamps land on each traced request's open `draft` span, at
+    their own times, in order; untraced or unopened requests get nothing."""
+    otel, exporter = spans
+    tracer = StepTracer(1, otel)
+    parent = otel.start_span("verifier.request", start_time=T0)
+    tracer.add("r", trace.set_span_in_context(parent))
+    tracer.add("idle", trace.set_span_in_context(parent))  # traced, but no draft opened
+    tracer.begin_step(T0 + MS)
+    tracer.open_draft("r")
+    events = [("drafter.call", T0 + 2 * MS), ("batch.built", T0 + 2 * MS + 137),
+              ("reply.taken", T0 + 5 * MS + 9)]
+    tracer.note_draft(["r", "idle", "unknown"], events)
+    step = StepRecord(8, 8, 1, 2, False)
+    tracer.end_step([RequestOutput("r", [1, 2], stats={"step": step, "context_len": 9})],
+                    StepTimes(T0 + MS, T0 + 6 * MS, T0 + 7 * MS, T0 + 8 * MS))
+    tracer.remove("r", T0 + 9 * MS)
+    tracer.remove("idle", T0 + 9 * MS)
+    (draft,) = [s for s in exporter.get_finished_spans() if s.name == "draft"]
+    assert [(e.name, e.timestamp) for e in draft.events] == events
+    assert all(not s.events for s in exporter.get_finished_spans() if s.name != "draft")

@@ -249,18 +249,25 @@ def test_diag_feed_small(tmp_path):
 
 
 def test_trace_breakdown_splits_each_step(tmp_path):
+    from services.verifier.drafter_client import DRAFT_EVENTS
+
     """bench/trace_breakdown.py on spans written the way the services write them: the parts of
     each step are the differences of their own stamps (irregular ms, two processes' files)."""
-    def span(name, start, end, trace="0xab12"):
-        def stamp(ms):
-            return f"2026-12-02T01:00:{ms / 1e3:09.6f}Z"
+    def stamp(ms):
+        return f"2026-12-02T01:00:{ms / 1e3:09.6f}Z"
+
+    def span(name, start, end, trace="0xab12", events=()):
         return json.dumps({"name": name, "context": {"trace_id": trace},
-                           "start_time": stamp(start), "end_time": stamp(end)})
+                           "start_time": stamp(start), "end_time": stamp(end),
+                           "events": [{"name": n, "timestamp": stamp(t)} for n, t in events]})
 
     verifier, drafter = [], []
     for k, t0 in enumerate((100.0, 161.25, 170.5)):
         fwd0 = t0 + 1.5 + 7 * (k == 0)
-        verifier += [span("step", t0, t0 + 6.75 + 8 * (k == 0)), span("draft", t0, fwd0 + 3.25),
+        marks = zip(DRAFT_EVENTS, (t0 + 0.25, t0 + 0.5, t0 + 1.0, fwd0 + 2.0, fwd0 + 2.5,
+                                   fwd0 + 3.0), strict=True)
+        verifier += [span("step", t0, t0 + 6.75 + 8 * (k == 0)),
+                     span("draft", t0, fwd0 + 3.25, events=marks),
                      span("verify", fwd0 + 3.25, fwd0 + 4.0), span("commit", fwd0 + 4.0,
                                                                    fwd0 + 4.5)]
         drafter += [span("draft.forward", fwd0, fwd0 + 0.75),
@@ -283,3 +290,8 @@ def test_trace_breakdown_splits_each_step(tmp_path):
         assert abs(req["first"][part] - ms) < 1e-3 and abs(req["rest"][part] - want_rest[part]) \
             < 1e-3
     assert got["steady_median_ms"] == req["rest"]
+    detail = dict(prep=0.25, build=0.25, loop_write=0.5, wire_in=0.5, wire_out=0.75, wake=0.5,
+                  trees=0.5, layout=0.25)  # the rest; the first step waits 7 ms more on the wire
+    for part, ms in detail.items():
+        assert abs(req["rest"][part] - ms) < 1e-3, part
+    assert abs(req["first"]["wire_in"] - 7.5) < 1e-3
