@@ -218,7 +218,6 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     every regular chunk of a max_len prompt, so their per-shape plans (`per_shape_plan`) are
     built here rather than by the first long prompt. False when the backend never takes a
     chunk of this model (dtype / head_dim)."""
-    device = torch.device(device)
 
     def flop(n: int, prefix: int) -> float:
         return 4 * num_heads * head_dim * n * (n / 2 + prefix)
@@ -227,6 +226,22 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     if chunk is not None and max_len is not None:  # the chunks cuDNN would take, if regular
         shapes += [(chunk, k * chunk) for k in range(max_len // chunk)
                    if flop(chunk, k * chunk) >= MIN_FLOP and per_shape_plan(chunk, k * chunk)]
+    chunks = random_chunks(shapes, num_heads, num_kv_heads, head_dim, dtype, device, page_size)
+    for (n, prefix), (q, k, v, batch) in zip(shapes, chunks, strict=True):
+        plan = plan_prefill(q, batch, None, min_flop=min(flop(n, prefix), MIN_FLOP))
+        if plan is None:
+            return False
+        batch.memo[plan_key(q, None)] = plan
+        prefill_attention(q, k, v, batch, head_dim ** -0.5)
+    return True
+
+
+def random_chunks(shapes, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  device: torch.device | str, page_size: int):
+    """For warm-ups: random K/V pools and q (seed 0, not the model's) big enough for every
+    chunk of `shapes` — (new tokens, prefix) pairs — then, per chunk, (q [n, Hq, D], k_pool,
+    v_pool, its one-request causal batch over the pools' first pages)."""
+    device = torch.device(device)
     gen = torch.Generator(device).manual_seed(0)
     pages = -(-max(c + p for c, p in shapes) // page_size)
     k, v = (torch.randn(pages, page_size, num_kv_heads, head_dim, generator=gen, device=device,
@@ -236,9 +251,4 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     for n, prefix in shapes:
         batch = AttnBatch.build([n], [prefix], [list(range(pages))],
                                 np.arange(prefix, prefix + n), page_size, None, device=device)
-        plan = plan_prefill(q[:n], batch, None, min_flop=min(flop(n, prefix), MIN_FLOP))
-        if plan is None:
-            return False
-        batch.memo[plan_key(q, None)] = plan
-        prefill_attention(q[:n], k, v, batch, head_dim ** -0.5)
-    return True
+        yield q[:n], k, v, batch

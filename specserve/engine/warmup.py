@@ -21,11 +21,9 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
 from specserve.attention import prefill
-from specserve.attention.base import AttnBatch
 from specserve.drafters.base import DraftRequest
 from specserve.spec.tree import DraftTree, chain_tree
 from specserve.types import SamplingParams
@@ -117,17 +115,10 @@ def warm_up_causal_chunks(mc, dtype: torch.dtype, device: torch.device, page_siz
     """Run `causal_chunk_shapes(mc)` through the attention backend on random K/V (not the
     model's pool), so each causal kernel variant a prompt can reach is compiled. Calls made."""
     shapes = causal_chunk_shapes(mc)
-    most = max(n + ctx for n, ctx, _ in shapes)
-    pages = -(-most // page_size)
-    gen = torch.Generator(device).manual_seed(0)
-    k, v = (torch.randn(pages, page_size, mc.num_kv_heads, mc.head_dim, generator=gen,
-                        device=device, dtype=dtype) for _ in range(2))
-    q = torch.randn(max(n for n, _, _ in shapes), mc.num_heads, mc.head_dim, generator=gen,
-                    device=device, dtype=dtype)
-    for n, ctx, window in shapes:
-        batch = AttnBatch.build([n], [ctx], [list(range(pages))], np.arange(ctx, ctx + n),
-                                page_size, None, device=device)
-        prefill.prefill_attention(q[:n], k, v, batch, mc.head_dim ** -0.5, window)
+    chunks = prefill.random_chunks([(n, ctx) for n, ctx, _ in shapes], mc.num_heads,
+                                   mc.num_kv_heads, mc.head_dim, dtype, device, page_size)
+    for (_, _, window), (q, k, v, batch) in zip(shapes, chunks, strict=True):
+        prefill.prefill_attention(q, k, v, batch, mc.head_dim ** -0.5, window)
     return len(shapes)
 
 
