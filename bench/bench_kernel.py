@@ -56,7 +56,7 @@ def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
                 cons = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                             TAIL_N=tail_block_n(cfg), DOT_PREC="ieee" if elem == 4 else "tf32",
                             MASK_ALL=elem == 4, ROW_WORDS=tail_row_words(arch, cfg), USE_PDL=True,
-                            **extra)
+                            PREFETCH=0, **extra)
                 got = _compile(K._tree_attn_kernel, dt, cons, cfg.num_warps, cfg.num_stages,
                                arch, ptxas)
                 report.append(dict(kernel="_tree_attn_kernel", arch=arch, head_dim=head_dim,
@@ -99,7 +99,7 @@ def _combine_report(arch: int, head_dims: list[int], ptxas: str) -> list[dict]:
         for parts in (2, 65):
             block_s, lse_block = combine_block_s(parts, head_dim)
             cons = dict(HEAD_DIM=head_dim, BLOCK_S=block_s, LSE_BLOCK=lse_block,
-                        ONE_SHOT=parts <= block_s, USE_PDL=True)
+                        ONE_SHOT=parts <= block_s, USE_PDL=True, TRIGGER_FIRST=False)
             if cons in seen:
                 continue
             seen.append(cons)
@@ -107,7 +107,8 @@ def _combine_report(arch: int, head_dims: list[int], ptxas: str) -> list[dict]:
             report.append(dict(kernel="_combine_kernel", arch=arch, head_dim=head_dim,
                                dtype="bf16", variant=str(cons), **got))
             print(report[-1], flush=True)
-        cons = dict(HEAD_DIM=head_dim, BLOCK_R=COMBINE_BLOCK_R, USE_PDL=True)
+        cons = dict(HEAD_DIM=head_dim, BLOCK_R=COMBINE_BLOCK_R, USE_PDL=True,
+                    TRIGGER_FIRST=False)
         got = _compile(_combine_rows_kernel, "bf16", cons, 4, 2, arch, ptxas)
         report.append(dict(kernel="_combine_rows_kernel", arch=arch, head_dim=head_dim,
                            dtype="bf16", variant=str(cons), **got))

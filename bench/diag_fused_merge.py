@@ -36,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernels.tree_attention.kernel import _attend  # noqa: E402
+from kernels.tree_attention.tiles import _prefetch_split  # noqa: E402
+
+STAMPS: tl.constexpr = tl.constexpr(5)  # per CTA: start, done, merged, smid, resident
 
 VARIANTS = ("[('fused', True, True, None, None), ('fused_nocoop', True, False, None, None), "
             "('split_timed', False, False, None, None)]")
@@ -54,15 +57,15 @@ def _smid():
 
 
 @triton.jit
-def _merge_share(OPart, LsePart, Out, h, q0, n_rows, row0, part, num_parts,
+def _merge_share(OPart, LsePart, Out, h, q0, n_rows, row0, share, n_shares, num_parts,
                  stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_qt, stride_qh,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                  PB: tl.constexpr, MR: tl.constexpr):
-    """Rows [row0 + part·per, …) of the block (per = cdiv(rows, parts)): all parts' partials
-    (from L2, .cg: other SMs wrote them) merged and stored in the output dtype."""
+    """Rows [row0 + share·per, …) of the block (per = cdiv(rows, n_shares)): all parts'
+    partials (from L2, .cg: other SMs wrote them) merged and stored in the output dtype."""
     n_blk = tl.minimum(BLOCK_M, n_rows - row0)
-    per = tl.cdiv(n_blk, num_parts)
-    lo = row0 + part * per
+    per = tl.cdiv(n_blk, n_shares)
+    lo = row0 + share * per
     hi = tl.minimum(lo + per, row0 + n_blk)
     offs_p = tl.arange(0, PB)
     pmask = offs_p < num_parts
@@ -102,12 +105,9 @@ def _fused_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr,
     HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, ROW_WORDS: tl.constexpr,
     FUSE: tl.constexpr, PB: tl.constexpr, MR: tl.constexpr, USE_PDL: tl.constexpr,
+    LAST_K: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if not FUSE:
-            tl.extra.cuda.gdc_launch_dependents()
-    t_start = _now()
+    t_resident = _now()
     rb = tl.program_id(0)
     bh = tl.program_id(1)
     part = tl.program_id(2)
@@ -118,6 +118,16 @@ def _fused_kernel(
     q_len = tl.load(CuQ + b + 1) - q0
     row0 = rb * BLOCK_M
     idx = bh * n_rb + rb
+    if USE_PDL:
+        if PREFETCH > 0:  # noqa: SIM102 — constexpr, then runtime condition
+            if (part < num_parts - 1) and (row0 < q_len * GROUP):
+                _prefetch_split(K, V, BlockTable, b * stride_bt, tl.load(CtxLens + b), part,
+                                num_parts - 1, h * stride_kh, stride_kp, stride_ks, HEAD_DIM,
+                                PAGE_SIZE, BLOCK_N, PREFETCH)
+        tl.extra.cuda.gdc_wait()
+        if EARLY or not FUSE:  # fused + EARLY: the next call may fill SMs as CTAs leave
+            tl.extra.cuda.gdc_launch_dependents()
+    t_start = _now()
     if row0 < q_len * GROUP:
         _attend(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
                 sm_scale_log2, window, b, h, q0, q_len, row0, part, num_parts - 1,
@@ -129,25 +139,45 @@ def _fused_kernel(
     t_merged = t_done
     if FUSE:
         tl.debug_barrier()  # every thread's partial stores precede the release below
-        tl.atomic_add(Sync + idx * 4, 1, sem="release", scope="gpu")
-        seen = tl.atomic_add(Sync + idx * 4, 0, sem="acquire", scope="gpu")
-        while seen < num_parts:
+        if LAST_K > 0:  # the last LAST_K CTAs to arrive merge; the others leave at once
+            n_merge = tl.minimum(LAST_K, num_parts)
+            ticket = tl.atomic_add(Sync + idx * 4, 1, sem="acq_rel", scope="gpu")
+            if ticket >= num_parts - n_merge:
+                seen = tl.atomic_add(Sync + idx * 4, 0, sem="acquire", scope="gpu")
+                while seen < num_parts:
+                    seen = tl.atomic_add(Sync + idx * 4, 0, sem="acquire", scope="gpu")
+                tl.debug_barrier()
+                if row0 < q_len * GROUP:
+                    _merge_share(OPart, LsePart, Out, h, q0, q_len * GROUP, row0,
+                                 ticket - (num_parts - n_merge), n_merge, num_parts,
+                                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                                 stride_out_t, stride_out_h, GROUP, HEAD_DIM, BLOCK_M, PB, MR)
+                t_merged = _now()
+                gone = tl.atomic_add(Sync + idx * 4 + 1, 1, sem="acq_rel", scope="gpu")
+                if gone == n_merge - 1:  # the last merger out: every merger has passed the wait
+                    tl.atomic_xchg(Sync + idx * 4, 0, sem="relaxed", scope="gpu")
+                    tl.atomic_xchg(Sync + idx * 4 + 1, 0, sem="relaxed", scope="gpu")
+        else:
+            tl.atomic_add(Sync + idx * 4, 1, sem="release", scope="gpu")
             seen = tl.atomic_add(Sync + idx * 4, 0, sem="acquire", scope="gpu")
-        tl.debug_barrier()
-        if row0 < q_len * GROUP:
-            _merge_share(OPart, LsePart, Out, h, q0, q_len * GROUP, row0, part, num_parts,
-                         stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_out_t,
-                         stride_out_h, GROUP, HEAD_DIM, BLOCK_M, PB, MR)
-        t_merged = _now()
-        gone = tl.atomic_add(Sync + idx * 4 + 1, 1, sem="acq_rel", scope="gpu")
-        if gone == num_parts - 1:  # the last one out: every CTA has passed the wait
-            tl.atomic_xchg(Sync + idx * 4, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(Sync + idx * 4 + 1, 0, sem="relaxed", scope="gpu")
+            while seen < num_parts:
+                seen = tl.atomic_add(Sync + idx * 4, 0, sem="acquire", scope="gpu")
+            tl.debug_barrier()
+            if row0 < q_len * GROUP:
+                _merge_share(OPart, LsePart, Out, h, q0, q_len * GROUP, row0, part, num_parts,
+                             num_parts, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                             stride_out_t, stride_out_h, GROUP, HEAD_DIM, BLOCK_M, PB, MR)
+            t_merged = _now()
+            gone = tl.atomic_add(Sync + idx * 4 + 1, 1, sem="acq_rel", scope="gpu")
+            if gone == num_parts - 1:  # the last one out: every CTA has passed the wait
+                tl.atomic_xchg(Sync + idx * 4, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(Sync + idx * 4 + 1, 0, sem="relaxed", scope="gpu")
     cta = (part * tl.num_programs(1) + bh) * n_rb + rb
-    tl.store(Times + cta * 4, t_start)
-    tl.store(Times + cta * 4 + 1, t_done)
-    tl.store(Times + cta * 4 + 2, t_merged)
-    tl.store(Times + cta * 4 + 3, _smid().to(tl.int64))
+    tl.store(Times + cta * STAMPS, t_start)
+    tl.store(Times + cta * STAMPS + 1, t_done)
+    tl.store(Times + cta * STAMPS + 2, t_merged)
+    tl.store(Times + cta * STAMPS + 3, _smid().to(tl.int64))
+    tl.store(Times + cta * STAMPS + 4, t_resident)
 
 
 def _launch(q, k_pool, v_pool, batch, scale, out, variant, sync, times):
@@ -157,7 +187,8 @@ def _launch(q, k_pool, v_pool, batch, scale, out, variant, sync, times):
     from kernels.tree_attention.configs import Config
     from kernels.tree_attention.plan import plan_launch, scratch
 
-    _, fuse, coop, splits, cfg = variant
+    _, fuse, coop, splits, cfg, *more = variant
+    extra = dict(more[0]) if more else {}  # last_k, prefetch (tiles), early (fused trigger)
     key = ("diag_fused", q.shape, splits, cfg)
     plan = batch.memo.get(key)
     if plan is None:
@@ -166,7 +197,8 @@ def _launch(q, k_pool, v_pool, batch, scale, out, variant, sync, times):
     o_part, lse_part = scratch(batch, plan.parts, *q.shape, q.device)
     c, d = plan.config, q.shape[2]
     pb = 1 << (plan.parts - 1).bit_length()
-    per = -(-min(c.block_m, max(batch.q_lens) * q.shape[1] // plan.hkv) // plan.parts)
+    shares = min(extra.get("last_k") or plan.parts, plan.parts)
+    per = -(-min(c.block_m, max(batch.q_lens) * q.shape[1] // plan.hkv) // shares)
     mr = max(1, min(1 << (per - 1).bit_length(), 16384 // (pb * d)))  # one round if it fits
     kmod.LAST_LAUNCH["fused"] = _fused_kernel[plan.grid](
         q, k_pool, v_pool, batch.block_table, batch.cu_q, batch.ctx_lens_t, batch.positions,
@@ -178,15 +210,18 @@ def _launch(q, k_pool, v_pool, batch, scale, out, variant, sync, times):
         GROUP=q.shape[1] // plan.hkv, HEAD_DIM=d, PAGE_SIZE=k_pool.shape[1], BLOCK_M=c.block_m,
         BLOCK_N=c.block_n, TAIL_N=plan.tail_n, HAS_TREE=batch.tree_mask is not None,
         DOT_PREC=plan.dot_prec, ROW_WORDS=plan.row_words, FUSE=fuse,
-        PB=pb, MR=mr, USE_PDL=plan.use_pdl,
+        PB=pb, MR=mr, USE_PDL=plan.use_pdl, LAST_K=int(extra.get("last_k", 0)),
+        PREFETCH=int(extra.get("prefetch", 0)), EARLY=bool(extra.get("early", False)),
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=plan.use_pdl,
         launch_cooperative_grid=coop)
-    if not fuse:
+    if not fuse and not extra.get("no_merge"):  # no_merge: a bound (partials left unmerged)
+        first = bool(extra.get("trigger_first", False))
         if plan.combine_rows is not None:
-            combine_rows(o_part, lse_part, out, plan.parts, plan.combine_rows, plan.use_pdl)
+            combine_rows(o_part, lse_part, out, plan.parts, plan.combine_rows, plan.use_pdl,
+                         first)
         else:
             combine(o_part, lse_part, out, plan.parts, plan.block_s, plan.lse_block,
-                    plan.use_pdl)
+                    plan.use_pdl, first)
     return out, plan
 
 
@@ -197,7 +232,7 @@ def _timeline(times, plan, fused: bool) -> dict:
 
     n_tail = plan.grid[0] * plan.grid[1]
     n = n_tail * plan.grid[2]
-    t = times.view(-1, 4)[:n].cpu().numpy().astype(np.float64)
+    t = times.view(-1, 5)[:n].cpu().numpy().astype(np.float64)
     t0 = t[:, 0].min()
     start, done, merged = (t[:, 0] - t0) / 1e3, (t[:, 1] - t0) / 1e3, (t[:, 2] - t0) / 1e3
     work = done - start
@@ -212,7 +247,25 @@ def _timeline(times, plan, fused: bool) -> dict:
                done_max_us=span, busy_frac=float(work.sum() / (slots * span)) if span else None)
     if fused:
         out.update(merge_us=float(merged.max() - span), end_us=float(merged.max()))
+    resident = (t[:, 4] - t0) / 1e3
+    out.update(resident_p10_us=pct(resident, 10), resident_median_us=pct(resident, 50),
+               resident_max_us=pct(resident, 100))
     return out
+
+
+def _handoff(prev, cur, n: int) -> dict:
+    """Between two consecutive calls' stamps (int64 [≥ n·5]): how long after the previous
+    call's last CTA ended the next call's CTAs were resident and started (µs; negative: before
+    it ended, i.e. overlapped)."""
+    import numpy as np
+
+    p = prev.view(-1, 5)[:n].cpu().numpy().astype(np.float64)
+    c = cur.view(-1, 5)[:n].cpu().numpy().astype(np.float64)
+    end = max(p[:, 1].max(), p[:, 2].max())
+    return dict(next_resident_median_us=float((np.median(c[:, 4]) - end) / 1e3),
+                next_start_first_us=float((c[:, 0].min() - end) / 1e3),
+                next_start_median_us=float((np.median(c[:, 0]) - end) / 1e3),
+                prev_done_median_to_end_us=float((end - np.median(p[:, 1])) / 1e3))
 
 
 def compile_check() -> list[dict]:
@@ -224,12 +277,15 @@ def compile_check() -> list[dict]:
     bk._PTR_TYPES = ptr_types
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     out = []
-    for fuse, pb, mr in [(True, 64, 2), (True, 8, 16), (False, 64, 2)]:
+    for fuse, pb, mr, last_k, pf in [(True, 64, 2, 0, 0), (True, 8, 16, 0, 0),
+                                     (False, 64, 2, 0, 0), (True, 64, 2, 16, 4),
+                                     (False, 64, 2, 0, 4)]:
         cons = dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=64, TAIL_N=32,
                     HAS_TREE=True, DOT_PREC="tf32", ROW_WORDS=True, FUSE=fuse, PB=pb, MR=mr,
-                    USE_PDL=True)
+                    USE_PDL=True, LAST_K=last_k, PREFETCH=pf, EARLY=bool(last_k))
         got = bk._compile(_fused_kernel, "bf16", cons, 4, 5, 90, str(ptxas))
-        out.append(dict(fuse=fuse, parts_block=pb, merge_rows=mr, **got))
+        out.append(dict(fuse=fuse, parts_block=pb, merge_rows=mr, last_k=last_k, prefetch=pf,
+                        **got))
     return out
 
 
@@ -260,8 +316,9 @@ def main() -> None:
     copy_bw = _copy_bw(torch, triton)
     print(f"# {torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s")
     print("| ctx | N | variant | S | floor µs | graph×36 µs | % floor | diff vs prod | rel err | "
-          "after graphs | ramp | prefix done p10 / med / max | tail done max | busy | merge |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "after graphs | ramp | prefix done p10 / med / max | tail done max | busy | merge | "
+          "next call resident (median) / started, after this one ends |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for ctx, n in eval(args.shapes):  # noqa: S307 — our own CLI
         sets = _point(ctx, n, hq, hkv, page, True, 7, torch, np)
@@ -296,21 +353,22 @@ def _variant_row(variant, ctx, n, sets, qs, want, ref, floor, torch, graph_us, c
     outs = [torch.empty_like(q) for q in qs]
     n_sync = 4 * 8 * 64 * 8  # ≥ 4 ints per (row block, request · kv head)
     sync = torch.zeros(n_sync, dtype=torch.int32, device="cuda")
-    times = torch.zeros(4 * 65536, dtype=torch.int64, device="cuda")
+    times = [torch.zeros(5 * 65536, dtype=torch.int64, device="cuda") for _ in qs]
     row = dict(ctx=ctx, n=n, variant=name, spec=repr(variant), floor_us=floor)
     try:
-        _, plan = _launch(qs[0], *sets[0], d**-0.5, outs[0], variant, sync, times)
+        _, plan = _launch(qs[0], *sets[0], d**-0.5, outs[0], variant, sync, times[0])
         ctas = plan.grid[0] * plan.grid[1] * plan.grid[2]
         if fuse and not variant[2] and ctas > sm_count(qs[0].device) * ctas_per_sm(plan.config):
             print(f"| {ctx} | {n} | {name} | skipped: {ctas} CTAs > one wave |")
             return row | dict(skipped=f"{ctas} CTAs > one wave")
-        calls = [lambda q=q, s=s, o=o: _launch(q, *s, d**-0.5, o, variant, sync, times)
-                 for q, s, o in zip(qs, sets, outs, strict=True)]
+        calls = [lambda q=q, s=s, o=o, t=t: _launch(q, *s, d**-0.5, o, variant, sync, t)
+                 for q, s, o, t in zip(qs, sets, outs, times, strict=True)]
         torch.cuda.synchronize()
         got = outs[0].clone()
         g36 = graph_us(calls, 12, torch)
         torch.cuda.synchronize()
-        tl_stats = _timeline(times, plan, fuse)
+        tl_stats = _timeline(times[1], plan, fuse)  # a call with a call before it
+        tl_stats.update(_handoff(times[0], times[1], ctas))
         outs[0].fill_(float("nan"))
         calls[0]()
         torch.cuda.synchronize()
@@ -324,13 +382,14 @@ def _variant_row(variant, ctx, n, sets, qs, want, ref, floor, torch, graph_us, c
                rel_err=err, diff_after_graphs=after, timeline=tl_stats,
                n_regs=getattr(kmod.LAST_LAUNCH["fused"], "n_regs", None),
                n_spills=getattr(kmod.LAST_LAUNCH["fused"], "n_spills", None),
-               stamps=times[:4 * ctas].tolist())
+               stamps=[t[:5 * ctas].tolist() for t in times[:2]])
     s = tl_stats
     print(f"| {ctx} | {n} | {name} | {plan.parts - 1} | {floor:.1f} | {g36:.1f} | "
           f"{row['pct_floor']:.0f}% | {diff:.1e} | {err:.1e} | {after:.1e} | {s['ramp_us']:.1f} | "
           f"{s['prefix_done_p10_us'] or 0:.1f} / {s['prefix_done_median_us'] or 0:.1f} / "
           f"{s['prefix_done_max_us'] or 0:.1f} | {s['tail_done_max_us'] or 0:.1f} | "
-          f"{s['busy_frac']:.2f} | {s.get('merge_us', 0):.1f} |", flush=True)
+          f"{s['busy_frac']:.2f} | {s.get('merge_us', 0):.1f} | "
+          f"{s['next_resident_median_us']:.1f} / {s['next_start_first_us']:.1f} |", flush=True)
     return row
 
 

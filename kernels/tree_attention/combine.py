@@ -27,16 +27,27 @@ import triton.language as tl
 from kernels.tree_attention import fix_interpreter_index
 
 
+@triton.jit
+def _pdl_enter(USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr):
+    """Programmatic dependent launch: wait for the kernel before (its results are then
+    complete and visible) and let the next kernel launch. TRIGGER_FIRST lets it launch before
+    the wait, so its programs can become resident (and prefetch) while this one waits."""
+    if USE_PDL:
+        if TRIGGER_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+        if not TRIGGER_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
 @triton.jit(do_not_specialize=["num_parts", "stride_ls", "stride_lt"])
 def _combine_kernel(
     OPart, LsePart, Out, num_parts,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_qt, stride_qh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, LSE_BLOCK: tl.constexpr,
-    ONE_SHOT: tl.constexpr, USE_PDL: tl.constexpr,
+    ONE_SHOT: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the attention kernel's partials are complete and visible
-        tl.extra.cuda.gdc_launch_dependents()
+    _pdl_enter(USE_PDL, TRIGGER_FIRST)  # then the attention kernel's partials are visible
     t = tl.program_id(0)
     hd = tl.program_id(1)
     lse_base = LsePart + t * stride_lt + hd
@@ -78,12 +89,11 @@ def _combine_kernel(
 def _combine_rows_kernel(
     OPart, LsePart, Out, num_parts, n_rows, stride_os, stride_ls,
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
+    TRIGGER_FIRST: tl.constexpr,
 ):
     """BLOCK_R consecutive (token, q head) rows of contiguous partials `[parts, T·Hq, D]`, the
     parts merged online; loads of different parts are independent (no LSE → O chain)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _pdl_enter(USE_PDL, TRIGGER_FIRST)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     valid = rows < n_rows
     offs = rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]  # [BLOCK_R, HEAD_DIM]
@@ -105,7 +115,8 @@ def _combine_rows_kernel(
     tl.store(Out + offs, out.to(Out.dtype.element_ty), mask=valid[:, None])
 
 
-def combine_rows(o_part, lse_part, out, parts: int, block_r: int, use_pdl: bool) -> None:
+def combine_rows(o_part, lse_part, out, parts: int, block_r: int, use_pdl: bool,
+                 trigger_first: bool = False) -> None:
     """`combine` by blocks of `block_r` (token, head) rows; `o_part [≥parts, T, Hq, D]`,
     `lse_part [≥parts, T, Hq]` and `out [T, Hq, D]` contiguous (the launcher's scratch and
     output are)."""
@@ -118,13 +129,14 @@ def combine_rows(o_part, lse_part, out, parts: int, block_r: int, use_pdl: bool)
     n_rows = t * hq
     _combine_rows_kernel[(triton.cdiv(n_rows, block_r),)](
         o_part, lse_part, out, parts, n_rows, o_part.stride(0), lse_part.stride(0),
-        HEAD_DIM=d, BLOCK_R=block_r, USE_PDL=use_pdl, num_warps=4, num_stages=2,
+        HEAD_DIM=d, BLOCK_R=block_r, USE_PDL=use_pdl, TRIGGER_FIRST=trigger_first,
+        num_warps=4, num_stages=2,
         launch_pdl=use_pdl,
     )
 
 
 def combine(o_part, lse_part, out, parts: int, block_s: int, lse_block: int,
-            use_pdl: bool) -> None:
+            use_pdl: bool, trigger_first: bool = False) -> None:
     """Merge `parts` partials `o_part [≥parts, T, Hq, D]`, `lse_part [≥parts, T, Hq]` into
     `out [T, Hq, D]`."""
     if not out.is_cuda:
@@ -135,7 +147,8 @@ def combine(o_part, lse_part, out, parts: int, block_s: int, lse_block: int,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
         lse_part.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=d, BLOCK_S=block_s, LSE_BLOCK=lse_block, ONE_SHOT=parts <= block_s,
-        USE_PDL=use_pdl, num_warps=4, num_stages=1, launch_pdl=use_pdl,
+        USE_PDL=use_pdl, TRIGGER_FIRST=trigger_first, num_warps=4, num_stages=1,
+        launch_pdl=use_pdl,
     )
 
 
