@@ -183,17 +183,17 @@ def _fused_kernel(
 def _launch(q, k_pool, v_pool, batch, scale, out, variant, sync, times):
     """One call of a variant: the fused kernel (merge inside) or it + the production combine."""
     import kernels.tree_attention.kernel as kmod
-    from kernels.tree_attention.combine import combine, combine_rows
     from kernels.tree_attention.configs import Config
-    from kernels.tree_attention.plan import plan_launch, scratch
+    from kernels.tree_attention.plan import OPTIONS, plan_launch, scratch
 
     _, fuse, coop, splits, cfg, *more = variant
     extra = dict(more[0]) if more else {}  # last_k, prefetch (tiles), early (fused trigger)
-    key = ("diag_fused", q.shape, splits, cfg)
+    opts = {k: v for k, v in extra.items() if k in OPTIONS}  # launcher options (the combine)
+    key = ("diag_fused", q.shape, splits, cfg, tuple(sorted(opts.items())))
     plan = batch.memo.get(key)
     if plan is None:
         plan = batch.memo[key] = plan_launch(q, k_pool, batch, None, splits,
-                                             None, Config(*cfg) if cfg else None, {})
+                                             None, Config(*cfg) if cfg else None, opts)
     o_part, lse_part = scratch(batch, plan.parts, *q.shape, q.device)
     c, d = plan.config, q.shape[2]
     pb = 1 << (plan.parts - 1).bit_length()
@@ -215,13 +215,7 @@ def _launch(q, k_pool, v_pool, batch, scale, out, variant, sync, times):
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=plan.use_pdl,
         launch_cooperative_grid=coop)
     if not fuse and not extra.get("no_merge"):  # no_merge: a bound (partials left unmerged)
-        first = bool(extra.get("trigger_first", False))
-        if plan.combine_rows is not None:
-            combine_rows(o_part, lse_part, out, plan.parts, plan.combine_rows, plan.use_pdl,
-                         first)
-        else:
-            combine(o_part, lse_part, out, plan.parts, plan.block_s, plan.lse_block,
-                    plan.use_pdl, first)
+        kmod.merge(plan, o_part, lse_part, out)
     return out, plan
 
 

@@ -115,6 +115,51 @@ def _combine_rows_kernel(
     tl.store(Out + offs, out.to(Out.dtype.element_ty), mask=valid[:, None])
 
 
+@triton.jit(do_not_specialize=["num_parts", "n_rows", "stride_os", "stride_ls"])
+def _combine_shot_kernel(
+    OPart, LsePart, Out, num_parts, n_rows, stride_os, stride_ls,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr,
+):
+    """BLOCK_R consecutive (token, q head) rows of contiguous partials `[parts, T·Hq, D]`, every
+    part's LSE and O in one round of loads (parts ≤ BLOCK_S): a small grid, each program
+    light enough to sit beside a one-CTA-per-SM attention kernel while it runs."""
+    _pdl_enter(USE_PDL, TRIGGER_FIRST)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = rows < n_rows
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m2 = valid[:, None] & (offs_s < num_parts)[None, :]  # [BLOCK_R, BLOCK_S]
+    lse = tl.load(LsePart + offs_s[None, :] * stride_ls + rows[:, None], mask=m2,
+                  other=float("-inf"))
+    o_off = offs_s[None, :, None] * stride_os + rows[:, None, None] * HEAD_DIM + offs_d
+    o = tl.load(OPart + o_off, mask=m2[:, :, None], other=0.0)  # not waiting for the LSEs
+    live = (lse > float("-inf"))[:, :, None]
+    m = tl.max(lse, 1)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    l_sum = tl.sum(w, 1)
+    acc = tl.sum(tl.where(live, o, 0.0) * w[:, :, None], 1)  # an empty part may hold garbage
+    out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+    tl.store(Out + rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=valid[:, None])
+
+
+def combine_shot(o_part, lse_part, out, parts: int, block_r: int, use_pdl: bool,
+                 trigger_first: bool = False) -> None:
+    """`combine` by blocks of `block_r` rows, all parts in one round (`_combine_shot_kernel`);
+    contiguous tensors as for `combine_rows`."""
+    if not out.is_cuda:
+        fix_interpreter_index()
+    t, hq, d = out.shape
+    n_rows = t * hq
+    _combine_shot_kernel[(triton.cdiv(n_rows, block_r),)](
+        o_part, lse_part, out, parts, n_rows, o_part.stride(0), lse_part.stride(0),
+        HEAD_DIM=d, BLOCK_R=block_r, BLOCK_S=max(2, 1 << (parts - 1).bit_length()),
+        USE_PDL=use_pdl, TRIGGER_FIRST=trigger_first, num_warps=4, num_stages=1,
+        launch_pdl=use_pdl,
+    )
+
+
 def combine_rows(o_part, lse_part, out, parts: int, block_r: int, use_pdl: bool,
                  trigger_first: bool = False) -> None:
     """`combine` by blocks of `block_r` (token, head) rows; `o_part [≥parts, T, Hq, D]`,
@@ -197,4 +242,4 @@ def merge_pair(o1, lse1, o2, lse2, out) -> None:
     )
 
 
-__all__ = ["combine", "combine_rows", "merge_pair"]
+__all__ = ["combine", "combine_rows", "combine_shot", "merge_pair"]

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.tree_attention import check_inputs
-from kernels.tree_attention.combine import combine, combine_rows
+from kernels.tree_attention.combine import combine, combine_rows, combine_shot
 from kernels.tree_attention.configs import Config
 from kernels.tree_attention.plan import plan_launch, scratch
 from kernels.tree_attention.tiles import (
@@ -274,10 +274,18 @@ def tree_attention_triton(
         PREFETCH=plan.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=plan.use_pdl,
     )
-    if plan.combine_rows is not None:
+    merge(plan, o_part, lse_part, out)
+    return out
+
+
+def merge(plan, o_part, lse_part, out) -> None:
+    """The plan's combine of the parts into `out`."""
+    if plan.combine_shot:
+        combine_shot(o_part, lse_part, out, plan.parts, plan.combine_shot, plan.use_pdl,
+                     plan.trigger_first)
+    elif plan.combine_rows is not None:
         combine_rows(o_part, lse_part, out, plan.parts, plan.combine_rows, plan.use_pdl,
                      plan.trigger_first)
     else:
         combine(o_part, lse_part, out, plan.parts, plan.block_s, plan.lse_block, plan.use_pdl,
                 plan.trigger_first)
-    return out

@@ -32,7 +32,7 @@ from kernels.tree_attention.configs import (
 # dependent launch on sm_90+; "row_words" — the tree tail's mask load (configs.tail_row_words);
 # "combine_rows" — rows per program of the row-block combine, 0 for the per-row kernel
 # (configs.combine_rows_block).
-OPTIONS = ("pdl", "row_words", "combine_rows", "prefetch", "trigger_first")
+OPTIONS = ("pdl", "row_words", "combine_rows", "prefetch", "trigger_first", "combine_shot")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class Plan:
     combine_rows: int | None  # rows per program of the row-block combine; None: per-row kernel
     prefetch: int  # prefix tiles a split prefetches into L2 before its PDL wait (0: none)
     trigger_first: bool  # the combine lets the next kernel launch before its PDL wait
+    combine_shot: int | None  # rows per program of the one-round row-block combine
     tree: torch.Tensor  # the batch's tree mask, or a dummy (cu_q) when causal
 
 
@@ -90,6 +91,7 @@ def plan_launch(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, confi
                  combine_rows=combine_rows_block(parts, opts.get("combine_rows")),
                  prefetch=int(opts.get("prefetch", 0)) if use_pdl else 0,
                  trigger_first=bool(opts.get("trigger_first", False)),
+                 combine_shot=opts.get("combine_shot"),
                  tree=batch.tree_mask if batch.tree_mask is not None else batch.cu_q)
 
 
