@@ -56,7 +56,7 @@ def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
                 cons = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                             TAIL_N=tail_block_n(cfg), DOT_PREC="ieee" if elem == 4 else "tf32",
                             MASK_ALL=elem == 4, ROW_WORDS=tail_row_words(arch, cfg), USE_PDL=True,
-                            PREFETCH=0, **extra)
+                            **extra)
                 got = _compile(K._tree_attn_kernel, dt, cons, cfg.num_warps, cfg.num_stages,
                                arch, ptxas)
                 report.append(dict(kernel="_tree_attn_kernel", arch=arch, head_dim=head_dim,

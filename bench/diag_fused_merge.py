@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernels.tree_attention.kernel import _attend  # noqa: E402
-from kernels.tree_attention.tiles import _prefetch_split  # noqa: E402
 
 STAMPS: tl.constexpr = tl.constexpr(5)  # per CTA: start, done, merged, smid, resident
 
@@ -105,7 +104,7 @@ def _fused_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr,
     HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, ROW_WORDS: tl.constexpr,
     FUSE: tl.constexpr, PB: tl.constexpr, MR: tl.constexpr, USE_PDL: tl.constexpr,
-    LAST_K: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr,
+    LAST_K: tl.constexpr, EARLY: tl.constexpr,
 ):
     t_resident = _now()
     rb = tl.program_id(0)
@@ -119,11 +118,6 @@ def _fused_kernel(
     row0 = rb * BLOCK_M
     idx = bh * n_rb + rb
     if USE_PDL:
-        if PREFETCH > 0:  # noqa: SIM102 — constexpr, then runtime condition
-            if (part < num_parts - 1) and (row0 < q_len * GROUP):
-                _prefetch_split(K, V, BlockTable, b * stride_bt, tl.load(CtxLens + b), part,
-                                num_parts - 1, h * stride_kh, stride_kp, stride_ks, HEAD_DIM,
-                                PAGE_SIZE, BLOCK_N, PREFETCH)
         tl.extra.cuda.gdc_wait()
         if EARLY or not FUSE:  # fused + EARLY: the next call may fill SMs as CTAs leave
             tl.extra.cuda.gdc_launch_dependents()
@@ -187,7 +181,7 @@ def _launch(q, k_pool, v_pool, batch, scale, out, variant, sync, times):
     from kernels.tree_attention.plan import OPTIONS, plan_launch, scratch
 
     _, fuse, coop, splits, cfg, *more = variant
-    extra = dict(more[0]) if more else {}  # last_k, prefetch (tiles), early (fused trigger)
+    extra = dict(more[0]) if more else {}  # last_k, early, no_merge, launcher options
     opts = {k: v for k, v in extra.items() if k in OPTIONS}  # launcher options (the combine)
     key = ("diag_fused", q.shape, splits, cfg, tuple(sorted(opts.items())))
     plan = batch.memo.get(key)
@@ -211,7 +205,7 @@ def _launch(q, k_pool, v_pool, batch, scale, out, variant, sync, times):
         BLOCK_N=c.block_n, TAIL_N=plan.tail_n, HAS_TREE=batch.tree_mask is not None,
         DOT_PREC=plan.dot_prec, ROW_WORDS=plan.row_words, FUSE=fuse,
         PB=pb, MR=mr, USE_PDL=plan.use_pdl, LAST_K=int(extra.get("last_k", 0)),
-        PREFETCH=int(extra.get("prefetch", 0)), EARLY=bool(extra.get("early", False)),
+        EARLY=bool(extra.get("early", False)),
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=plan.use_pdl,
         launch_cooperative_grid=coop)
     if not fuse and not extra.get("no_merge"):  # no_merge: a bound (partials left unmerged)
@@ -271,15 +265,13 @@ def compile_check() -> list[dict]:
     bk._PTR_TYPES = ptr_types
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     out = []
-    for fuse, pb, mr, last_k, pf in [(True, 64, 2, 0, 0), (True, 8, 16, 0, 0),
-                                     (False, 64, 2, 0, 0), (True, 64, 2, 16, 4),
-                                     (False, 64, 2, 0, 4)]:
+    for fuse, pb, mr, last_k in [(True, 64, 2, 0), (True, 8, 16, 0), (False, 64, 2, 0),
+                                 (True, 64, 2, 16)]:
         cons = dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=64, TAIL_N=32,
                     HAS_TREE=True, DOT_PREC="tf32", ROW_WORDS=True, FUSE=fuse, PB=pb, MR=mr,
-                    USE_PDL=True, LAST_K=last_k, PREFETCH=pf, EARLY=bool(last_k))
+                    USE_PDL=True, LAST_K=last_k, EARLY=bool(last_k))
         got = bk._compile(_fused_kernel, "bf16", cons, 4, 5, 90, str(ptxas))
-        out.append(dict(fuse=fuse, parts_block=pb, merge_rows=mr, last_k=last_k, prefetch=pf,
-                        **got))
+        out.append(dict(fuse=fuse, parts_block=pb, merge_rows=mr, last_k=last_k, **got))
     return out
 
 

@@ -31,7 +31,7 @@ from kernels.tree_attention import fix_interpreter_index
 def _pdl_enter(USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr):
     """Programmatic dependent launch: wait for the kernel before (its results are then
     complete and visible) and let the next kernel launch. TRIGGER_FIRST lets it launch before
-    the wait, so its programs can become resident (and prefetch) while this one waits."""
+    the wait, so its programs can become resident while this one waits."""
     if USE_PDL:
         if TRIGGER_FIRST:
             tl.extra.cuda.gdc_launch_dependents()

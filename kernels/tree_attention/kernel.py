@@ -34,13 +34,7 @@ from kernels.tree_attention import check_inputs
 from kernels.tree_attention.combine import combine, combine_rows, combine_shot
 from kernels.tree_attention.configs import Config
 from kernels.tree_attention.plan import plan_launch, scratch
-from kernels.tree_attention.tiles import (
-    _dot,
-    _load_q,
-    _online_update,
-    _prefetch_split,
-    _prefix_tile,
-)
+from kernels.tree_attention.tiles import _dot, _load_q, _online_update, _prefix_tile
 
 LOG2E = 1.4426950408889634
 LAST_LAUNCH: dict = {}  # the last compiled kernels launched (benchmarks read n_regs / spills)
@@ -58,24 +52,19 @@ def _tree_attn_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
     HAS_TREE: tl.constexpr, MASK_ALL: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROW_WORDS: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    ROW_WORDS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the combine may become resident (it waits)
     rb = tl.program_id(0)
     bh = tl.program_id(1)
     part = tl.program_id(2)  # parts outermost: the tree tails are scheduled last
     b = bh // h_kv
     h = bh % h_kv
-    q0 = tl.load(CuQ + b)  # batch metadata and the prefix: not written by the kernel before
+    q0 = tl.load(CuQ + b)
     q_len = tl.load(CuQ + b + 1) - q0
     row0 = rb * BLOCK_M
-    if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel before
-        if PREFETCH > 0 and not SLIDING:  # noqa: SIM102 — constexpr, then runtime condition
-            if (part < tl.num_programs(2) - 1) and (row0 < q_len * GROUP):
-                _prefetch_split(K, V, BlockTable, b * stride_bt, tl.load(CtxLens + b), part,
-                                tl.num_programs(2) - 1, h * stride_kh, stride_kp, stride_ks,
-                                HEAD_DIM, PAGE_SIZE, BLOCK_N, PREFETCH)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # the combine may become resident (it waits)
     if row0 < q_len * GROUP:
         _attend(Q, K, V, BlockTable, CtxLens, Positions, TreeMask, OPart, LsePart,
                 sm_scale_log2, window, b, h, q0, q_len, row0, part, tl.num_programs(2) - 1,
@@ -271,8 +260,7 @@ def tree_attention_triton(
         BLOCK_N=cfg.block_n, TAIL_N=plan.tail_n, SLIDING=sliding_window is not None,
         HAS_TREE=batch.tree_mask is not None, MASK_ALL=q.dtype == torch.float32,
         DOT_PREC=plan.dot_prec, ROW_WORDS=plan.row_words, USE_PDL=plan.use_pdl,
-        PREFETCH=plan.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        launch_pdl=plan.use_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=plan.use_pdl,
     )
     merge(plan, o_part, lse_part, out)
     return out

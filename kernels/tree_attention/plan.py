@@ -32,7 +32,7 @@ from kernels.tree_attention.configs import (
 # dependent launch on sm_90+; "row_words" — the tree tail's mask load (configs.tail_row_words);
 # "combine_rows" — rows per program of the row-block combine, 0 for the per-row kernel
 # (configs.combine_rows_block).
-OPTIONS = ("pdl", "row_words", "combine_rows", "prefetch", "trigger_first", "combine_shot")
+OPTIONS = ("pdl", "row_words", "combine_rows", "trigger_first", "combine_shot")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,6 @@ class Plan:
     use_pdl: bool  # programmatic dependent launch (sm_90+): launch gaps hidden
     row_words: bool  # the tree tail's mask: one word per row per tile (configs.tail_row_words)
     combine_rows: int | None  # rows per program of the row-block combine; None: per-row kernel
-    prefetch: int  # prefix tiles a split prefetches into L2 before its PDL wait (0: none)
     trigger_first: bool  # the combine lets the next kernel launch before its PDL wait
     combine_shot: int | None  # rows per program of the one-round row-block combine
     tree: torch.Tensor  # the batch's tree mask, or a dummy (cu_q) when causal
@@ -89,7 +88,6 @@ def plan_launch(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, confi
                  dot_prec=dot_prec, tail_n=tail_block_n(config), block_s=block_s,
                  lse_block=lse_block, use_pdl=use_pdl, row_words=row_words,
                  combine_rows=combine_rows_block(parts, opts.get("combine_rows")),
-                 prefetch=int(opts.get("prefetch", 0)) if use_pdl else 0,
                  trigger_first=bool(opts.get("trigger_first", False)),
                  combine_shot=opts.get("combine_shot"),
                  tree=batch.tree_mask if batch.tree_mask is not None else batch.cu_q)

@@ -98,31 +98,3 @@ def _load_q(Q, q0, tok, head, valid, sm_scale_log2, stride_qt, stride_qh, HEAD_D
     ptrs = Q + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh
     q = tl.load(ptrs + offs_d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
     return (q.to(tl.float32) * sm_scale_log2).to(Q.dtype.element_ty)
-
-
-@triton.jit
-def _prefetch_rows(ptrs, nbytes):
-    """Ask L2 for `nbytes` (a multiple of 16) from each 16-byte aligned pointer, through the
-    bulk copy engine (sm_90+): a hint — no data comes back, no fault."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-                              "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_split(K, V, BlockTable, bt_row, ctx, part, num_splits, kv_head_off, stride_kp,
-                    stride_ks, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, TILES: tl.constexpr):
-    """Prefetch into L2 the K and V rows of the first TILES tiles of prefix split `part` (the
-    split range of `_prefix_split`, no window): one bulk prefetch per key and pool. Issued
-    before the kernel's dependency wait: the prefix is not written by the kernel before it."""
-    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    lo = part * chunk
-    hi = tl.minimum(lo + chunk, ctx)
-    offs_k = lo + tl.arange(0, TILES * BLOCK_N)  # [TILES·BLOCK_N] key positions
-    kmask = offs_k < hi
-    page = tl.load(BlockTable + bt_row + offs_k // PAGE_SIZE, mask=kmask, other=0).to(tl.int64)
-    row = tl.where(kmask, page * stride_kp + (offs_k % PAGE_SIZE) * stride_ks + kv_head_off, 0)
-    nbytes = tl.full([TILES * BLOCK_N], HEAD_DIM * K.dtype.element_ty.primitive_bitwidth // 8,
-                     tl.int32)
-    _prefetch_rows(K + row, nbytes)
-    _prefetch_rows(V + row, nbytes)
