@@ -261,13 +261,6 @@ def _measure(i, ctx, n_rows, hq, hkv, page, shuffled, copy_bw, mm) -> dict:
     import torch.nn.functional as F
     import triton
 
-    from kernels.tree_attention.configs import (
-        arch_key,
-        ctas_per_sm,
-        default_num_splits,
-        pick_config,
-        sm_count,
-    )
     from kernels.tree_attention.kernel import tree_attention_triton
     from kernels.tree_attention.naive import tree_attention_naive
     from kernels.tree_attention.ref import tree_attention_ref
@@ -314,16 +307,18 @@ def _measure(i, ctx, n_rows, hq, hkv, page, shuffled, copy_bw, mm) -> dict:
     floor_mem = kv_bytes / copy_bw * 1e6
     floor_fl = 4 * n_rows * hq * (ctx + n_rows) * D / mm * 1e6
     floor = max(floor_mem, floor_fl)
-    cfg = pick_config(arch_key(torch.cuda.get_device_capability()), D, n_rows * groups, 2)
-    s_auto = default_num_splits(ctx, n_rows * groups, hkv * -(-n_rows * groups // cfg.block_m),
-                                sm_count(torch.device("cuda")), ctas_per_sm(cfg))
+    plan = next(p for key, p in b0.memo.items()  # the launcher's own plan for "ours"
+                if key[0] == "plan" and key[6] is None and key[8] is None and not key[9])
+    s_auto, cfg = plan.parts - 1, plan.config
+    combine = (f"shot {plan.combine_shot}" if plan.combine_shot else
+               f"rows {plan.combine_rows}" if plan.combine_rows else "per row")
     row = dict(ctx=ctx, n=n_rows, hq=hq, hkv=hkv, page=page, shuffled=shuffled,
-               splits_auto_est=s_auto, config=list(astuple(cfg)), timing=mode,
+               splits_auto=s_auto, config=list(astuple(cfg)), combine=combine, timing=mode,
                floor_mem_us=floor_mem,
                floor_flop_us=floor_fl, kv_bytes=kv_bytes, err=err,
                **{f"{k}_us": v for k, v in res.items()})
     print(f"| {ctx} | {n_rows} | {hq}/{hkv} | {page} | {'shuf' if shuffled else 'contig'} "
-          f"| {s_auto} | {res['ours']:.1f} | {res['s1']:.1f} | {res['naive']:.1f} "
+          f"| {s_auto} | {combine} | {res['ours']:.1f} | {res['s1']:.1f} | {res['naive']:.1f} "
           f"| {res['gather_sdpa']:.1f} | {res['sdpa']:.1f} | {floor:.1f} "
           f"| {100 * floor / res['ours']:.0f}% | {res['naive'] / res['ours']:.1f} "
           f"| {max(err.values()):.1e} |", flush=True)
@@ -332,7 +327,7 @@ def _measure(i, ctx, n_rows, hq, hkv, page, shuffled, copy_bw, mm) -> dict:
     return row
 
 
-def run(args) -> dict:
+def run(args, partial: Path | None = None) -> dict:
     import torch
     import triton
 
@@ -348,13 +343,15 @@ def run(args) -> dict:
     if not args.quick:
         points += [(131072, 64, hq, hkv, 16, True) for hq, hkv in ((64, 8), (28, 4))]
     rows = []
-    hdr = ("| ctx | N | Hq/Hkv | page | order | S | ours µs | S=1 µs | naive µs | gather+SDPA µs "
-           "| SDPA µs | floor µs | % floor | × naive | max err |")
+    hdr = ("| ctx | N | Hq/Hkv | page | order | S | combine | ours µs | S=1 µs | naive µs "
+           "| gather+SDPA µs | SDPA µs | floor µs | % floor | × naive | max err |")
     print(hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     t_start = time.time()
     for i, point in enumerate(points):
         rows.append(_measure(i, *point, copy_bw, mm))
+        if partial is not None:  # each row on disk as it comes (a run cut short keeps them)
+            partial.write_text(json.dumps(dict(env=env, rows=rows), indent=1))
     print(f"\n{len(rows)} points in {time.time() - t_start:.0f} s; errors vs fp32 ref must be "
           "≤ 2e-2 (bf16)")
     return dict(env=env, rows=rows)
@@ -370,8 +367,10 @@ def main() -> None:
         result = {"sm120": sm120_check(args.quick)}
         default = "sm120_check.json"
     else:
-        result = run(args)
         default = "kernel_bench.json"
+        out = Path(args.out or Path(os.environ.get("OUT", ".")) / default)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        result = run(args, out)
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / default)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

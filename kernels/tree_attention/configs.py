@@ -126,6 +126,57 @@ def combine_rows_block(parts: int, override: int | None = None) -> int | None:
     return COMBINE_BLOCK_R if parts <= COMBINE_ROWS_MAX_PARTS else None
 
 
+# One CTA per SM for the 64-row bucket at contexts in ONE_CTA_CONTEXTS (sm_90, D = 128, 16-bit
+# inputs, a launch of ≤ SMs / 16 programs: one request's 8 KV heads): a 7-stage pipeline, 16
+# splits, and the one-round combine (combine.py `_combine_shot_kernel`, 4 rows a program) launched
+# early, waiting beside the attention CTAs, and letting the next kernel launch before its own
+# wait. H200 (bench/diag_layout.py run 15, 16 tree nodes, µs a call in a 36-call graph), table
+# plan → this one: 16k 31.6 → 25.4, 32k 44.1 → 41.1, 48k 59.3 → 57.1, 64k 75.1 → 73.4; 9 and 12
+# nodes at 32k 42.2 / 43.2 → 40.7 / 40.7; beyond 64k it loses (96k 105.3 → 107.2, 128k 135.6 →
+# 141.2). The same one-CTA kernel with the old combine: 32k 42.4-42.6 (diag_fused_merge run 6).
+ONE_CTA_CONFIG = Config(64, 64, 4, 7)
+ONE_CTA_CONTEXTS = (16384, 65536)
+ONE_CTA_SHOT_ROWS = 4
+# The two-CTA plan of the same launches beyond those contexts merges with the one-round combine,
+# 2 rows a program, triggered first: 96k 105.3 → 104.0, 128k 135.6 → 133.7 (run 15; 133.7 vs
+# 135.0 in diag_fused_merge run 6). Not for smaller row buckets: 4 rows at 32k went 37.6 → 47.1
+# (run 6: the next kernel's small CTAs became resident where the combine waited).
+TWO_CTA_SHOT_ROWS = 2
+
+
+def _shot_launch(arch: int | None, head_dim: int, rows: int, elem_size: int, max_ctx_len: int,
+                 programs: int, sm_count: int) -> bool:
+    """Whether a launch is of the kind the one-CTA / one-round-combine plans were measured on."""
+    return (arch == 90 and head_dim == 128 and elem_size == 2 and rows_bucket(rows) == 64
+            and max_ctx_len >= ONE_CTA_CONTEXTS[0] and 16 * programs <= sm_count)
+
+
+def one_cta_splits(arch: int | None, head_dim: int, rows: int, elem_size: int,
+                   max_ctx_len: int, programs: int, sm_count: int) -> int | None:
+    """Splits of the one-CTA-per-SM plan (ONE_CTA_CONFIG), or None for the table plan: the
+    largest power of two S ≤ 16 with S·programs ≤ SMs (one wave) and chunks ≥ max(256, 16·rows),
+    for the launches `_shot_launch` admits at contexts in ONE_CTA_CONTEXTS."""
+    lo, hi = ONE_CTA_CONTEXTS
+    if not (_shot_launch(arch, head_dim, rows, elem_size, max_ctx_len, programs, sm_count)
+            and lo <= max_ctx_len <= hi):
+        return None
+    s = 16
+    while s > 1 and (s * programs > sm_count or max_ctx_len // s < max(256, 16 * rows)):
+        s //= 2
+    return s if s >= 8 else None
+
+
+def combine_shot_rows(arch: int | None, head_dim: int, rows: int, elem_size: int,
+                      max_ctx_len: int, programs: int, sm_count: int,
+                      one_cta: bool) -> int | None:
+    """Rows per program of the one-round combine (triggered first), or None for the others."""
+    if one_cta and arch == 90:
+        return ONE_CTA_SHOT_ROWS
+    if _shot_launch(arch, head_dim, rows, elem_size, max_ctx_len, programs, sm_count):
+        return TWO_CTA_SHOT_ROWS
+    return None
+
+
 def rows_bucket(rows: int) -> int:
     """The table bucket of `rows` packed query rows."""
     for bucket in ROW_BUCKETS:

@@ -217,6 +217,35 @@ class TestGPU:
             check(tree_attention_triton(q, k, v, batch, 0.1, num_splits=splits), ref,
                   torch.bfloat16)
 
+    @pytest.mark.parametrize("ctx,one_cta", [(20000, True), (70000, False)])
+    def test_measured_plans_in_a_graph(self, ctx, one_cta):
+        """A 16-node tree of the 8B shape: at 16k-64k the one-CTA plan with the one-round
+        combine (4 rows a program), beyond it the table plan with that combine at 2 rows; both
+        trigger the next kernel before their wait, so three calls back to back in one CUDA graph
+        (each one's combine beside the next one's attention) must each give the fp64 answer."""
+        from kernels.tree_attention.configs import ONE_CTA_CONFIG
+
+        cases = [make_case(20 + i, [ctx], [15], 16, 32, 8, 128, torch.bfloat16) for i in range(3)]
+        refs = [tree_attention_ref(*c, 0.1, None, fp64=True) for c in cases]
+        outs = [torch.full_like(c[0], float("nan")) for c in cases]
+        for c, o in zip(cases, outs, strict=True):
+            tree_attention_triton(*c, 0.1, out=o)  # compile, plan
+        plan = next(p for key, p in cases[0][3].memo.items() if key[0] == "plan")
+        assert (plan.config == ONE_CTA_CONFIG) == one_cta and plan.trigger_first
+        assert plan.combine_shot == (4 if one_cta else 2) and plan.grid[0] == 1
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for c, o in zip(cases, outs, strict=True):
+                tree_attention_triton(*c, 0.1, out=o)
+        for o in outs:
+            o.fill_(float("nan"))
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        for o, ref in zip(outs, refs, strict=True):
+            check(o, ref, torch.bfloat16)
+
     def test_cuda_graph_captured_short_replays_long(self):
         long_ctx = [5000, 300]
         q, k, v, batch = make_case(12, long_ctx, [31, 9], 16, 32, 8, 128, torch.bfloat16)
@@ -307,6 +336,27 @@ def test_launcher_uses_both_combines():
         assert [p.combine_rows for p in plans] == [want]
 
 
+def test_one_round_combine_ignores_empty_parts():
+    """The one-round combine (configs.combine_shot_rows) gives the fp64 answer with more splits
+    than the contexts fill: the empty parts' partial O, never written, hold NaN here."""
+    from kernels.tree_attention.plan import scratch
+
+    q, k, v, batch = make_case(9, [61, 30], [7, 4], 16, 4, 1, 16, torch.float32)
+    ref = tree_attention_ref(q, k, v, batch, 0.25, None, fp64=True)
+    with pytest.raises(ValueError, match="power of two"):
+        tree_attention_triton(q, k, v, batch, 0.25, options={"combine_shot": 3})
+    for rows in (1, 2, 4):
+        for o in scratch(batch, 21, *q.shape, q.device):
+            o.fill_(float("nan"))
+        out = torch.full_like(q, float("nan"))
+        tree_attention_triton(q, k, v, batch, 0.25, num_splits=20, out=out,
+                              options={"combine_shot": rows})
+        check(out, ref, torch.float32)
+        plan = next(p for key, p in batch.memo.items()
+                    if key[0] == "plan" and key[-1] == (("combine_shot", rows),))
+        assert plan.combine_shot == rows and plan.parts == 21
+
+
 def test_plan_choices_follow_the_measured_table():
     """The config / split choices the H200 sweeps picked (BENCHMARKS.md runs 5-7): a 65-node tree
     (260 rows) at 1k uses 64-row blocks in 4 splits, at 128k 128-row blocks in 11 (two full
@@ -314,8 +364,10 @@ def test_plan_choices_follow_the_measured_table():
     nodes at 32k split 32 ways."""
     from kernels.tree_attention.configs import (
         SHORT_CONTEXT,
+        combine_shot_rows,
         ctas_per_sm,
         default_num_splits,
+        one_cta_splits,
         pick_config,
     )
 
@@ -331,3 +383,19 @@ def test_plan_choices_follow_the_measured_table():
     assert default_num_splits(32768, 64, 8, 132, 2) == 32
     assert default_num_splits(32768, 4, 8, 132, 2) == 32
     assert default_num_splits(700, 4, 8, 132, 2) == 2  # chunks stay ≥ 256 tokens
+    # one request's 16 tree nodes (64 rows) at 16k-64k: one CTA per SM in 16 splits, the
+    # one-round combine at 4 rows; beyond, the table plan with it at 2 rows; nowhere else
+    for ctx in (16384, 32768, 65536):
+        assert one_cta_splits(90, 128, 64, 2, ctx, 8, 132) == 16
+        assert combine_shot_rows(90, 128, 64, 2, ctx, 8, 132, True) == 4
+    assert one_cta_splits(90, 128, 36, 2, 32768, 8, 132) == 16  # 9 nodes: the same bucket
+    assert combine_shot_rows(90, 128, 64, 2, 131072, 8, 132, False) == 2
+    for args in [(90, 128, 64, 2, 131072, 8), (90, 128, 64, 2, 8192, 8),
+                 (90, 128, 64, 2, 32768, 16), (90, 128, 16, 2, 32768, 8),
+                 (90, 128, 68, 2, 32768, 8), (90, 64, 64, 2, 32768, 8),
+                 (90, 128, 64, 4, 32768, 8), (120, 128, 64, 2, 32768, 8),
+                 (None, 128, 64, 2, 32768, 8)]:
+        assert one_cta_splits(*args, 132) is None, args
+    for args in [(90, 128, 16, 2, 131072, 8), (90, 128, 64, 2, 8192, 8),
+                 (90, 128, 64, 2, 131072, 16), (120, 128, 64, 2, 131072, 8)]:
+        assert combine_shot_rows(*args, 132, False) is None, args
