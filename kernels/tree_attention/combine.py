@@ -1,6 +1,10 @@
 """The combine kernels of the tree attention: log-sum-exp merge of the per-part partial results.
 
-Two kernels, one result; `configs.combine_rows_block` picks one per plan.
+Three kernels, one result; `configs.combine_shot_rows` and `configs.combine_rows_block` pick one
+per plan. `_combine_shot_kernel` (the measured long-context 64-row plans): BLOCK_R rows a
+program, every part's LSE and O in one round — a grid small and light enough to sit, launched
+early, beside a one-CTA-per-SM attention kernel (H200, 32k, 16 nodes: 44.1 → 41.1 µs a call with
+that plan; BENCHMARKS.md, "a resident combine").
 `_combine_rows_kernel` (few parts, ≤ configs.COMBINE_ROWS_MAX_PARTS): each program takes BLOCK_R
 consecutive (token, q head) rows of the contiguous partials `[parts, T·Hq, D]` and merges the
 parts online, one [BLOCK_R, D] tile per part; the loads of different parts do not depend on

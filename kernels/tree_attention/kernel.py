@@ -13,9 +13,12 @@ ctx_lens (chunk = round_up(cdiv(span, S), BLOCK_N)); full prefix tiles carry no 
 splits write lse = −inf. Part s = S is the tree tail: the request's new tokens as keys under the
 ancestor bitmask (causal without one).
 Every part writes a normalised fp32 partial O and its log2-domain LSE; kernel B merges them
-(combine.py: by blocks of rows for plans of few parts, by row for many). On sm_90+ both use
+(combine.py: by blocks of rows for plans of few parts, by row for many, in one round of loads
+for the measured long-context 64-row plans — configs.combine_shot_rows). On sm_90+ both use
 programmatic dependent launch: each waits (griddepcontrol.wait) for the kernel before it, then
-lets the next one become resident, so their launch gaps overlap work.
+lets the next one become resident, so their launch gaps overlap work; the one-round combine
+lets the next kernel launch before its wait, and beside a one-CTA-per-SM plan
+(configs.one_cta_splits) it is resident, waiting, while the attention kernel runs.
 Scores live in the log2 domain (q pre-scaled by scale·log2 e), accumulation is fp32.
 
 Pipelining: K/V addresses come from a block-table load, and Triton's pipeliner splits num_stages
