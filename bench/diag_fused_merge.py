@@ -1,24 +1,30 @@
 """Tree kernel with the merge inside it, and per-CTA timelines (H200 diagnostic, issues 5 and 9).
 
-Two questions, one harness (bench_kernel.py's pools rotated beyond L2, 36-call CUDA graphs):
-1. **Where a call's time goes**: each CTA of the attention kernel stamps %globaltimer at its
-   start, when its part is done and (fused) when its merge is done, with its %smid — the ramp
-   (last start − first), the drain (last end − median end) and the merge, per shape.
-2. **A fused merge**: every CTA writes its partial, arrives at a per-(row block, request · kv
-   head) counter, waits until all parts have arrived (a spin on an acquire load: the grid is
-   one wave, launched cooperatively, so every CTA is resident), then merges its share of the
-   block's rows from L2 — no combine kernel, no launch gap, the merge spread over every CTA.
-   The last CTA to finish resets the counters for the next call.
-(Work stealing of the prefix's end — CTAs of a row block taking its last tiles from an atomic
-ticket once their own split is done — was measured with this script at commit ea5a13e and
-removed: BENCHMARKS.md, "per-CTA timelines".)
+Three questions, one harness (bench_kernel.py's pools rotated beyond L2, 36-call CUDA graphs):
+1. **Where a call's time goes**: each CTA of the attention kernel stamps %globaltimer when it
+   became resident, at its start (after its PDL wait), when its part is done and (fused) when
+   its merge is done, with its %smid — the ramp (last start − first), the drain (last end −
+   median end), the merge, and how long after one call's last CTA the next call's CTAs were
+   resident and started (each call of a graph cycle has its own stamps).
+2. **A fused merge**: every CTA writes its partial and arrives at a per-(row block, request · kv
+   head) counter; the last K to arrive (extra `last_k`; all of them by default) wait until
+   all parts have arrived (a spin on an acquire load: every CTA of the one-wave grid is
+   resident), then merge a share of the block's rows from L2 — no combine kernel; the others
+   leave at once, and with `early` the next call, launched at this one's start, takes their
+   SMs. The last merger out resets the counters for the next call.
+3. **A bound**: extra `no_merge` leaves the partials unmerged (wrong output, printed anyway):
+   the attention kernel alone, each call a direct dependent of the one before.
+(Work stealing of the prefix's end was measured with this script at commit ea5a13e, the next
+call's first prefix tiles prefetched into L2 before its wait at fdc6540; both removed:
+BENCHMARKS.md, "per-CTA timelines" and "a no-merge bound".)
 
     python bench/diag_fused_merge.py [--out PATH] [--shapes "[(32768, 16)]"] [--variants "..."]
 
-A variant: (name, fuse, cooperative launch, num_splits or None, config tuple or None). Rows give
-µs per call next to the production launcher in the same run, the max |diff| vs production and
-the error vs an fp32 reference (after ≥ 1000 graph calls too). Stamps are written by every
-variant; `split_timed` (no fusion) is the production kernel's arithmetic plus its combine.
+A variant: (name, fuse, cooperative launch, num_splits or None, config tuple or None[, extras])
+with extras a dict of `last_k`, `early`, `no_merge` and launcher options (plan.OPTIONS, e.g.
+{'combine_shot': 4}). Rows give µs per call next to the production launcher in the same run,
+the max |diff| vs production and the error vs an fp32 reference (after ≥ 1000 graph calls
+too). `split_timed` (no fusion) is the production kernel's arithmetic plus its combine.
 """
 
 from __future__ import annotations
@@ -94,6 +100,34 @@ def _merge_share(OPart, LsePart, Out, h, q0, n_rows, row0, share, n_shares, num_
 _NO_SPEC = ["window", "h_kv", "stride_bt", "stride_mt", "stride_ls", "stride_lt", "num_parts"]
 
 
+@triton.jit
+def _merge_last(OPart, LsePart, Out, Sync, h, q0, n_rows, row0, n_merge, num_parts, t_done,
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_qt, stride_qh,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                PB: tl.constexpr, MR: tl.constexpr):
+    """Arrive at the block's counter (Sync[0]) once this CTA's partial is written; the last
+    `n_merge` to arrive wait for all `num_parts`, merge a share of the block's rows each, and
+    the last of them out resets the counters. Returns when this CTA's merge ended."""
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    ticket = tl.atomic_add(Sync, 1, sem="acq_rel", scope="gpu")
+    t_merged = t_done
+    if ticket >= num_parts - n_merge:
+        seen = tl.atomic_add(Sync, 0, sem="acquire", scope="gpu")
+        while seen < num_parts:
+            seen = tl.atomic_add(Sync, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+        if row0 < n_rows:
+            _merge_share(OPart, LsePart, Out, h, q0, n_rows, row0, ticket - (num_parts - n_merge),
+                         n_merge, num_parts, stride_os, stride_ot, stride_oh, stride_ls,
+                         stride_lt, stride_qt, stride_qh, GROUP, HEAD_DIM, BLOCK_M, PB, MR)
+        t_merged = _now()
+        gone = tl.atomic_add(Sync + 1, 1, sem="acq_rel", scope="gpu")
+        if gone == n_merge - 1:  # the last merger out: every merger has passed the wait
+            tl.atomic_xchg(Sync, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(Sync + 1, 0, sem="relaxed", scope="gpu")
+    return t_merged
+
+
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _fused_kernel(
     Q, K, V, BlockTable, CuQ, CtxLens, Positions, TreeMask, OPart, LsePart, Out, Sync, Times,
@@ -131,41 +165,12 @@ def _fused_kernel(
                 False, DOT_PREC, ROW_WORDS)
     t_done = _now()
     t_merged = t_done
-    if FUSE:
-        tl.debug_barrier()  # every thread's partial stores precede the release below
-        if LAST_K > 0:  # the last LAST_K CTAs to arrive merge; the others leave at once
-            n_merge = tl.minimum(LAST_K, num_parts)
-            ticket = tl.atomic_add(Sync + idx * 4, 1, sem="acq_rel", scope="gpu")
-            if ticket >= num_parts - n_merge:
-                seen = tl.atomic_add(Sync + idx * 4, 0, sem="acquire", scope="gpu")
-                while seen < num_parts:
-                    seen = tl.atomic_add(Sync + idx * 4, 0, sem="acquire", scope="gpu")
-                tl.debug_barrier()
-                if row0 < q_len * GROUP:
-                    _merge_share(OPart, LsePart, Out, h, q0, q_len * GROUP, row0,
-                                 ticket - (num_parts - n_merge), n_merge, num_parts,
-                                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                                 stride_out_t, stride_out_h, GROUP, HEAD_DIM, BLOCK_M, PB, MR)
-                t_merged = _now()
-                gone = tl.atomic_add(Sync + idx * 4 + 1, 1, sem="acq_rel", scope="gpu")
-                if gone == n_merge - 1:  # the last merger out: every merger has passed the wait
-                    tl.atomic_xchg(Sync + idx * 4, 0, sem="relaxed", scope="gpu")
-                    tl.atomic_xchg(Sync + idx * 4 + 1, 0, sem="relaxed", scope="gpu")
-        else:
-            tl.atomic_add(Sync + idx * 4, 1, sem="release", scope="gpu")
-            seen = tl.atomic_add(Sync + idx * 4, 0, sem="acquire", scope="gpu")
-            while seen < num_parts:
-                seen = tl.atomic_add(Sync + idx * 4, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()
-            if row0 < q_len * GROUP:
-                _merge_share(OPart, LsePart, Out, h, q0, q_len * GROUP, row0, part, num_parts,
-                             num_parts, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                             stride_out_t, stride_out_h, GROUP, HEAD_DIM, BLOCK_M, PB, MR)
-            t_merged = _now()
-            gone = tl.atomic_add(Sync + idx * 4 + 1, 1, sem="acq_rel", scope="gpu")
-            if gone == num_parts - 1:  # the last one out: every CTA has passed the wait
-                tl.atomic_xchg(Sync + idx * 4, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(Sync + idx * 4 + 1, 0, sem="relaxed", scope="gpu")
+    if FUSE:  # the last LAST_K CTAs to arrive merge (all of them: 0); the others leave at once
+        n_merge = tl.minimum(LAST_K, num_parts) if LAST_K > 0 else num_parts
+        t_merged = _merge_last(OPart, LsePart, Out, Sync + idx * 4, h, q0, q_len * GROUP, row0,
+                               n_merge, num_parts, t_done, stride_os, stride_ot, stride_oh,
+                               stride_ls, stride_lt, stride_out_t, stride_out_h, GROUP, HEAD_DIM,
+                               BLOCK_M, PB, MR)
     cta = (part * tl.num_programs(1) + bh) * n_rb + rb
     tl.store(Times + cta * STAMPS, t_start)
     tl.store(Times + cta * STAMPS + 1, t_done)
