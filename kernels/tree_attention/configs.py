@@ -232,8 +232,9 @@ def sm_count(device: torch.device) -> int:
 
 def ctas_per_sm(cfg: Config) -> int:
     """Resident CTAs per SM the split heuristic plans for: 2 for ≤ 64-row blocks (sm_90:
-    ≤ 115 KB shared, ≤ 246 registers × 128 threads), 1 for the 128-row blocks."""
-    return 2 if cfg.block_m <= 64 else 1
+    ≤ 115 KB shared, ≤ 246 registers × 128 threads), 1 for the 128-row blocks and for
+    ONE_CTA_CONFIG (148 KB shared: its 16 splits of 8 KV heads fill 128 of 132 SMs)."""
+    return 2 if cfg.block_m <= 64 and cfg != ONE_CTA_CONFIG else 1
 
 
 def default_num_splits(max_ctx_len: int, rows: int, programs: int, sm_count: int,

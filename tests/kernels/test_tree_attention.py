@@ -363,6 +363,7 @@ def test_plan_choices_follow_the_measured_table():
     waves of 132 SMs); a 17-node tree (68 rows) at 128k 16 splits (one wave); 16 and 1 tree
     nodes at 32k split 32 ways."""
     from kernels.tree_attention.configs import (
+        ONE_CTA_CONFIG,
         SHORT_CONTEXT,
         combine_shot_rows,
         ctas_per_sm,
@@ -389,6 +390,8 @@ def test_plan_choices_follow_the_measured_table():
         assert one_cta_splits(90, 128, 64, 2, ctx, 8, 132) == 16
         assert combine_shot_rows(90, 128, 64, 2, ctx, 8, 132, True) == 4
     assert one_cta_splits(90, 128, 36, 2, 32768, 8, 132) == 16  # 9 nodes: the same bucket
+    one = ONE_CTA_CONFIG  # given explicitly, without splits: planned as one CTA per SM too
+    assert default_num_splits(32768, 64, 8, 132, ctas_per_sm(one)) == 16
     assert combine_shot_rows(90, 128, 64, 2, 131072, 8, 132, False) == 2
     for args in [(90, 128, 64, 2, 131072, 8), (90, 128, 64, 2, 8192, 8),
                  (90, 128, 64, 2, 32768, 16), (90, 128, 16, 2, 32768, 8),
