@@ -363,16 +363,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer points / configs")
     ap.add_argument("--sm120-check", action="store_true", help="only cross-compile for sm_120")
     args = ap.parse_args()
-    if args.sm120_check:
-        result = {"sm120": sm120_check(args.quick)}
-        default = "sm120_check.json"
-    else:
-        default = "kernel_bench.json"
-        out = Path(args.out or Path(os.environ.get("OUT", ".")) / default)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        result = run(args, out)
+    default = "sm120_check.json" if args.sm120_check else "kernel_bench.json"
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / default)
     out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"sm120": sm120_check(args.quick)} if args.sm120_check else run(args, out)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
 

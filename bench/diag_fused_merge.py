@@ -97,7 +97,8 @@ def _merge_share(OPart, LsePart, Out, h, q0, n_rows, row0, share, n_shares, num_
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=rmask[:, None])
 
 
-_NO_SPEC = ["window", "h_kv", "stride_bt", "stride_mt", "stride_ls", "stride_lt", "num_parts"]
+_NO_SPEC = ["window", "h_kv", "stride_bt", "stride_mt", "stride_ls", "stride_lt", "num_parts",
+            "n_merge"]
 
 
 @triton.jit
@@ -131,14 +132,14 @@ def _merge_last(OPart, LsePart, Out, Sync, h, q0, n_rows, row0, n_merge, num_par
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _fused_kernel(
     Q, K, V, BlockTable, CuQ, CtxLens, Positions, TreeMask, OPart, LsePart, Out, Sync, Times,
-    sm_scale_log2, window, h_kv, num_parts,
+    sm_scale_log2, window, h_kv, num_parts, n_merge,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_mt,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_out_t, stride_out_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr,
     HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, ROW_WORDS: tl.constexpr,
     FUSE: tl.constexpr, PB: tl.constexpr, MR: tl.constexpr, USE_PDL: tl.constexpr,
-    LAST_K: tl.constexpr, EARLY: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     t_resident = _now()
     rb = tl.program_id(0)
@@ -165,8 +166,7 @@ def _fused_kernel(
                 False, DOT_PREC, ROW_WORDS)
     t_done = _now()
     t_merged = t_done
-    if FUSE:  # the last LAST_K CTAs to arrive merge (all of them: 0); the others leave at once
-        n_merge = tl.minimum(LAST_K, num_parts) if LAST_K > 0 else num_parts
+    if FUSE:  # the last n_merge CTAs to arrive merge; the others leave at once
         t_merged = _merge_last(OPart, LsePart, Out, Sync + idx * 4, h, q0, q_len * GROUP, row0,
                                n_merge, num_parts, t_done, stride_os, stride_ot, stride_oh,
                                stride_ls, stride_lt, stride_out_t, stride_out_h, GROUP, HEAD_DIM,
@@ -196,26 +196,32 @@ def _launch(q, k_pool, v_pool, batch, scale, out, variant, sync, times):
     o_part, lse_part = scratch(batch, plan.parts, *q.shape, q.device)
     c, d = plan.config, q.shape[2]
     pb = 1 << (plan.parts - 1).bit_length()
-    shares = min(extra.get("last_k") or plan.parts, plan.parts)
-    per = -(-min(c.block_m, max(batch.q_lens) * q.shape[1] // plan.hkv) // shares)
+    n_merge = min(extra.get("last_k") or plan.parts, plan.parts)  # CTAs that merge a block
+    per = -(-min(c.block_m, max(batch.q_lens) * q.shape[1] // plan.hkv) // n_merge)
     mr = max(1, min(1 << (per - 1).bit_length(), 16384 // (pb * d)))  # one round if it fits
     kmod.LAST_LAUNCH["fused"] = _fused_kernel[plan.grid](
         q, k_pool, v_pool, batch.block_table, batch.cu_q, batch.ctx_lens_t, batch.positions,
         plan.tree, o_part, lse_part, out, sync, times, scale * kmod.LOG2E, 0, plan.hkv,
-        plan.parts, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+        plan.parts, n_merge, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
         k_pool.stride(2), batch.block_table.stride(0), plan.tree.stride(0), o_part.stride(0),
         o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         out.stride(0), out.stride(1),
         GROUP=q.shape[1] // plan.hkv, HEAD_DIM=d, PAGE_SIZE=k_pool.shape[1], BLOCK_M=c.block_m,
         BLOCK_N=c.block_n, TAIL_N=plan.tail_n, HAS_TREE=batch.tree_mask is not None,
         DOT_PREC=plan.dot_prec, ROW_WORDS=plan.row_words, FUSE=fuse,
-        PB=pb, MR=mr, USE_PDL=plan.use_pdl, LAST_K=int(extra.get("last_k", 0)),
-        EARLY=bool(extra.get("early", False)),
+        PB=pb, MR=mr, USE_PDL=plan.use_pdl, EARLY=bool(extra.get("early", False)),
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=plan.use_pdl,
         launch_cooperative_grid=coop)
     if not fuse and not extra.get("no_merge"):  # no_merge: a bound (partials left unmerged)
         kmod.merge(plan, o_part, lse_part, out)
     return out, plan
+
+
+def _stamps(times, n: int):
+    """The first `n` CTAs' stamps as float64 [n, STAMPS] (host)."""
+    import numpy as np
+
+    return times.view(-1, STAMPS.value)[:n].cpu().numpy().astype(np.float64)
 
 
 def _timeline(times, plan, fused: bool) -> dict:
@@ -225,7 +231,7 @@ def _timeline(times, plan, fused: bool) -> dict:
 
     n_tail = plan.grid[0] * plan.grid[1]
     n = n_tail * plan.grid[2]
-    t = times.view(-1, 5)[:n].cpu().numpy().astype(np.float64)
+    t = _stamps(times, n)
     t0 = t[:, 0].min()
     start, done, merged = (t[:, 0] - t0) / 1e3, (t[:, 1] - t0) / 1e3, (t[:, 2] - t0) / 1e3
     work = done - start
@@ -252,8 +258,7 @@ def _handoff(prev, cur, n: int) -> dict:
     it ended, i.e. overlapped)."""
     import numpy as np
 
-    p = prev.view(-1, 5)[:n].cpu().numpy().astype(np.float64)
-    c = cur.view(-1, 5)[:n].cpu().numpy().astype(np.float64)
+    p, c = _stamps(prev, n), _stamps(cur, n)
     end = max(p[:, 1].max(), p[:, 2].max())
     return dict(next_resident_median_us=float((np.median(c[:, 4]) - end) / 1e3),
                 next_start_first_us=float((c[:, 0].min() - end) / 1e3),
@@ -270,13 +275,12 @@ def compile_check() -> list[dict]:
     bk._PTR_TYPES = ptr_types
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     out = []
-    for fuse, pb, mr, last_k in [(True, 64, 2, 0), (True, 8, 16, 0), (False, 64, 2, 0),
-                                 (True, 64, 2, 16)]:
+    for fuse, pb, mr in [(True, 64, 2), (True, 8, 16), (False, 64, 2)]:
         cons = dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=64, TAIL_N=32,
                     HAS_TREE=True, DOT_PREC="tf32", ROW_WORDS=True, FUSE=fuse, PB=pb, MR=mr,
-                    USE_PDL=True, LAST_K=last_k, EARLY=bool(last_k))
+                    USE_PDL=True, EARLY=fuse)
         got = bk._compile(_fused_kernel, "bf16", cons, 4, 5, 90, str(ptxas))
-        out.append(dict(fuse=fuse, parts_block=pb, merge_rows=mr, last_k=last_k, **got))
+        out.append(dict(fuse=fuse, parts_block=pb, merge_rows=mr, **got))
     return out
 
 
@@ -344,7 +348,7 @@ def _variant_row(variant, ctx, n, sets, qs, want, ref, floor, torch, graph_us, c
     outs = [torch.empty_like(q) for q in qs]
     n_sync = 4 * 8 * 64 * 8  # ≥ 4 ints per (row block, request · kv head)
     sync = torch.zeros(n_sync, dtype=torch.int32, device="cuda")
-    times = [torch.zeros(5 * 65536, dtype=torch.int64, device="cuda") for _ in qs]
+    times = [torch.zeros(STAMPS.value * 65536, dtype=torch.int64, device="cuda") for _ in qs]
     row = dict(ctx=ctx, n=n, variant=name, spec=repr(variant), floor_us=floor)
     try:
         _, plan = _launch(qs[0], *sets[0], d**-0.5, outs[0], variant, sync, times[0])
@@ -373,7 +377,7 @@ def _variant_row(variant, ctx, n, sets, qs, want, ref, floor, torch, graph_us, c
                rel_err=err, diff_after_graphs=after, timeline=tl_stats,
                n_regs=getattr(kmod.LAST_LAUNCH["fused"], "n_regs", None),
                n_spills=getattr(kmod.LAST_LAUNCH["fused"], "n_spills", None),
-               stamps=[t[:5 * ctas].tolist() for t in times[:2]])
+               stamps=[t[:STAMPS.value * ctas].tolist() for t in times[:2]])
     s = tl_stats
     print(f"| {ctx} | {n} | {name} | {plan.parts - 1} | {floor:.1f} | {g36:.1f} | "
           f"{row['pct_floor']:.0f}% | {diff:.1e} | {err:.1e} | {after:.1e} | {s['ramp_us']:.1f} | "

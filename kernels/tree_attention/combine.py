@@ -148,14 +148,23 @@ def _combine_shot_kernel(
              mask=valid[:, None])
 
 
+def _flat_rows(o_part, lse_part, out, kernel: str) -> int:
+    """(token, head) rows of `out`, after checking the row-block combines' layout: `out` and
+    each part of `o_part` / `lse_part` contiguous (the launcher's scratch and output are)."""
+    if not out.is_cuda:
+        fix_interpreter_index()
+    t, hq, d = out.shape
+    if not (out.is_contiguous() and o_part.stride()[1:] == (hq * d, d, 1)
+            and lse_part.stride()[1:] == (hq, 1)):
+        raise ValueError(f"{kernel} needs out and each part of o_part / lse_part contiguous")
+    return t * hq
+
+
 def combine_shot(o_part, lse_part, out, parts: int, block_r: int, use_pdl: bool,
                  trigger_first: bool = False) -> None:
     """`combine` by blocks of `block_r` rows, all parts in one round (`_combine_shot_kernel`);
     contiguous tensors as for `combine_rows`."""
-    if not out.is_cuda:
-        fix_interpreter_index()
-    t, hq, d = out.shape
-    n_rows = t * hq
+    n_rows, d = _flat_rows(o_part, lse_part, out, "combine_shot"), out.shape[2]
     _combine_shot_kernel[(triton.cdiv(n_rows, block_r),)](
         o_part, lse_part, out, parts, n_rows, o_part.stride(0), lse_part.stride(0),
         HEAD_DIM=d, BLOCK_R=block_r, BLOCK_S=max(2, 1 << (parts - 1).bit_length()),
@@ -169,13 +178,7 @@ def combine_rows(o_part, lse_part, out, parts: int, block_r: int, use_pdl: bool,
     """`combine` by blocks of `block_r` (token, head) rows; `o_part [≥parts, T, Hq, D]`,
     `lse_part [≥parts, T, Hq]` and `out [T, Hq, D]` contiguous (the launcher's scratch and
     output are)."""
-    if not out.is_cuda:
-        fix_interpreter_index()
-    t, hq, d = out.shape
-    if not (out.is_contiguous() and o_part.stride()[1:] == (hq * d, d, 1)
-            and lse_part.stride()[1:] == (hq, 1)):
-        raise ValueError("combine_rows needs out and each part of o_part / lse_part contiguous")
-    n_rows = t * hq
+    n_rows, d = _flat_rows(o_part, lse_part, out, "combine_rows"), out.shape[2]
     _combine_rows_kernel[(triton.cdiv(n_rows, block_r),)](
         o_part, lse_part, out, parts, n_rows, o_part.stride(0), lse_part.stride(0),
         HEAD_DIM=d, BLOCK_R=block_r, USE_PDL=use_pdl, TRIGGER_FIRST=trigger_first,

@@ -72,13 +72,13 @@ def plan_launch(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, confi
         fix_interpreter_index()
     rows = max(batch.q_lens) * (hq // hkv)
     cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    arch = None if cap is None else arch_key(cap)
     use_pdl = bool(opts.get("pdl", True)) and cap is not None and cap[0] >= 9
     longest = max(batch.ctx_lens) if max_ctx_len is None else max_ctx_len
     # measured shapes only: the one-CTA plan and the one-round combine (configs) skip windows
-    shape = (None if cap is None or sliding_window is not None else arch_key(cap), d, rows,
-             q.element_size(), longest)
+    shape = (arch if sliding_window is None else None, d, rows, q.element_size(), longest)
     config, num_splits, shot = _choose(shape, batch.batch_size * hkv, sm_count(q.device),
-                                       config, num_splits, opts, cap)
+                                       config, num_splits, opts, arch)
     nb = batch.batch_size
     row_blocks = triton.cdiv(rows, config.block_m)
     parts = int(num_splits) + 1
@@ -86,7 +86,6 @@ def plan_launch(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, confi
     if not q.is_cuda:
         dot_prec = "interpret"
     block_s, lse_block = combine_block_s(parts, d, fixed=q.is_cuda)
-    arch = None if cap is None else arch_key(cap)
     return Plan(config=config, grid=(row_blocks, nb * hkv, parts), parts=parts, hkv=hkv,
                  window=int(sliding_window) if sliding_window is not None else 0,
                  dot_prec=dot_prec, tail_n=tail_block_n(config), block_s=block_s,
@@ -98,21 +97,20 @@ def plan_launch(q, k_pool, batch, sliding_window, num_splits, max_ctx_len, confi
                  tree=batch.tree_mask if batch.tree_mask is not None else batch.cu_q)
 
 
-def _choose(shape, heads, sms, config, num_splits, opts, cap) -> tuple[Config, int, int | None]:
+def _choose(shape, heads, sms, config, num_splits, opts, arch) -> tuple[Config, int, int | None]:
     """(config, splits, rows of the one-round combine or None) for `shape` = (arch or None when
-    no measured plan applies, head_dim, rows, element size, longest context) and `heads`
-    (requests · KV heads): the one-CTA plan where it was measured faster and nothing is forced,
-    else the table's config and the split heuristic."""
-    arch, d, rows, elem, longest = shape
+    no measured plan applies, head_dim, rows, element size, longest context), `heads`
+    (requests · KV heads) and the device's `arch` (None: the CPU interpreter): the one-CTA plan
+    where it was measured faster and nothing is forced, else the table's config and the split
+    heuristic."""
+    _, d, rows, elem, longest = shape
     one_cta = None
     if config is None and num_splits is None and opts.get("one_cta", True):
         one_cta = one_cta_splits(*shape, heads, sms)
     if one_cta is not None:
         config, num_splits = ONE_CTA_CONFIG, one_cta
     elif config is None:
-        real_arch = None if cap is None else arch_key(cap)
-        config = INTERPRET_CONFIG if real_arch is None else pick_config(real_arch, d, rows, elem,
-                                                                         longest)
+        config = INTERPRET_CONFIG if arch is None else pick_config(arch, d, rows, elem, longest)
     programs = heads * triton.cdiv(rows, config.block_m)
     if num_splits is None:
         num_splits = default_num_splits(longest, rows, programs, sms, ctas_per_sm(config))
