@@ -31,6 +31,9 @@ FLAGS = [
          "compile the GPU kernels before serving: auto (on cuda) | on | off"),
     Flag("--cuda-graphs", "SPECSERVE_CUDA_GRAPHS", "auto", str,
          "the DFlash block forward as CUDA graphs: auto (on cuda) | on | off"),
+    Flag("--lane", "SPECSERVE_DRAFTER_LANE", "auto", str,
+         "same-host lane (a Unix socket for the verifier's steps): auto (in SPECSERVE_LANE_DIR "
+         "or /tmp) | off | a socket path"),
     Flag("--metrics-port", "SPECSERVE_DRAFTER_METRICS_PORT", DRAFTER_METRICS_PORT, int,
          "Prometheus /metrics port (0 = none)"),
 ]
@@ -51,7 +54,7 @@ def config_from_args(args: argparse.Namespace) -> DrafterConfig:
                          draft_model=args.draft_model, device=args.device, dtype=args.dtype,
                          page_size=args.page_size, num_pages=args.drafter_pages,
                          metrics_port=args.metrics_port, warmup=args.warmup,
-                         cuda_graphs=args.cuda_graphs)
+                         cuda_graphs=args.cuda_graphs, lane=args.lane)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,8 +1,9 @@
 """Drafter wire messages (drafter.proto) to and from the drafter core's types.
 
 The only module of the drafter service that touches pb2 messages: a `DraftEntry` becomes a core
-`Entry` (its context features decoded straight onto the drafter's device and dtype), results
-become `Tree`s of one `TreeBatch` per step.
+`Entry` (its context features decoded straight onto the drafter's device and dtype, or read in
+place from an attached ring), results become `Tree`s of one `TreeBatch` per step; `Attach`'s
+RingSpec becomes a `RingInfo`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from collections.abc import Sequence
 import torch
 
 from services.common.convert import DRAFTER_NAMES, tensor_from_pb
+from services.common.ring import RingInfo
 from services.drafter.core import DraftTimes, Entry, Result
 from specserve.drafters.base import DraftRequest
+from specserve.errors import InvalidRequest
 from specserve.v1 import drafter_pb2 as pb
 
 
@@ -22,15 +25,58 @@ def drafter_name(kind: int) -> str | None:
     return DRAFTER_NAMES.get(kind, f"DrafterKind {kind}")
 
 
-def entry_from_pb(msg: pb.DraftEntry, device: torch.device, dtype: torch.dtype) -> Entry:
-    """Raises InvalidRequest for a malformed context tensor."""
+def entry_from_pb(msg: pb.DraftEntry, device: torch.device, dtype: torch.dtype,
+                  rings: dict[int, torch.Tensor] | None = None) -> Entry:
+    """Raises InvalidRequest for a malformed context tensor or a reference to rows of a ring
+    that is not attached here."""
     context = None
-    if msg.HasField("context"):
+    if msg.HasField("context_ref"):
+        context = _ring_rows(msg.context_ref, rings or {}).to(device=device, dtype=dtype)
+    elif msg.HasField("context"):
         context = tensor_from_pb(msg.context, device).to(device=device, dtype=dtype)
     request = DraftRequest(request_id=msg.request_id, bonus_token=msg.bonus_token,
                            start=msg.start, budget=msg.budget, max_depth=msg.max_depth,
-                           context=context)
+                           context=context, context_fused=msg.context_fused)
     return Entry(request, drafter_name(msg.drafter), tuple(msg.new_history))
+
+
+def _ring_rows(ref: pb.ContextRef, rings: dict[int, torch.Tensor]) -> torch.Tensor:
+    ring = rings.get(ref.generation)
+    if ring is None:
+        raise InvalidRequest(f"context ring {ref.generation} is not attached here")
+    if ref.offset < 0 or ref.rows <= 0 or ref.offset + ref.rows > ring.shape[0]:
+        raise InvalidRequest(f"context rows [{ref.offset}, {ref.offset + ref.rows}) are "
+                             f"outside the ring's {ring.shape[0]}")
+    return ring[ref.offset : ref.offset + ref.rows]  # a view: read in place
+
+
+def ring_from_pb(msg: pb.RingSpec) -> RingInfo:
+    """Raises ValueError for an inconsistent spec."""
+    cuda = None
+    if msg.HasField("cuda"):
+        c = msg.cuda
+        cuda = (c.device, c.handle, c.size_bytes, c.offset_bytes, c.ref_counter_handle,
+                c.ref_counter_offset, c.event_handle, c.event_sync_required)
+    return RingInfo(msg.generation, msg.rows, msg.width, msg.dtype, msg.nonce,
+                    shm_path=msg.shm_path if msg.HasField("shm_path") else None, cuda=cuda)
+
+
+def attach_reply_to_pb(attached: bool, ring_error: str | None, lane_path: str | None,
+                       lane_token: bytes) -> pb.AttachReply:
+    return pb.AttachReply(ring_attached=attached, ring_error=ring_error or "",
+                          lane_path=lane_path or "", lane_token=lane_token)
+
+
+def ring_of(msg: pb.AttachRequest) -> pb.RingSpec | None:
+    return msg.ring if msg.HasField("ring") else None
+
+
+def batch_from_bytes(data: bytes) -> pb.DraftBatch:
+    return pb.DraftBatch.FromString(data)
+
+
+def release_from_bytes(data: bytes) -> list[str]:
+    return list(pb.ReleaseRequest.FromString(data).request_ids)
 
 
 def tree_to_pb(request_id: str, result: Result) -> pb.Tree:

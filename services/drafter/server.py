@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from services.common import telemetry
+from services.common import lane, telemetry
 from services.common.metrics import DrafterMetrics
 from services.common.server import INTERNAL_MESSAGE_BYTES, mark_serving, start_server
 from services.common.settings import DEFAULT_HOST, DRAFTER_PORT
@@ -45,6 +45,8 @@ class DrafterConfig:
     metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
     warmup: str = "auto"  # compile kernels before serving: auto (= on cuda) | on | off
     cuda_graphs: str = "auto"  # DFlash block forward as CUDA graphs: auto (= on cuda) | on | off
+    lane: str = "auto"  # same-host lane socket: auto (a path in SPECSERVE_LANE_DIR or /tmp) |
+    #                     off (steps stay on gRPC) | a socket path
 
     def __post_init__(self) -> None:
         check_switch("warmup", self.warmup)
@@ -65,6 +67,13 @@ class DrafterConfig:
                              f"{self.page_size}, {self.num_pages}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be non-negative, got {self.grace_s}")
+        if not self.lane:
+            raise ValueError("lane must be auto, off or a socket path")
+
+    def lane_path(self, port: int) -> str | None:
+        if self.lane == "off":
+            return None
+        return lane.default_path(port) if self.lane == "auto" else self.lane
 
     @property
     def resolved_device(self) -> str:
@@ -98,6 +107,8 @@ async def serve(config: DrafterConfig, core: DrafterCore | None = None,
     server, port, health = await start_server(
         [(drafter_pb2_grpc.add_DrafterServicer_to_server, servicer)], [SERVICE_NAME],
         host=config.host, port=config.port, max_message_bytes=INTERNAL_MESSAGE_BYTES)
+    servicer.attachments.lane_path = config.lane_path(port)
+    server.attachments = servicer.attachments  # closed by `stop`
     try:
         servicer.core = core if core is not None else await asyncio.to_thread(load_core, config)
     except BaseException:
@@ -135,5 +146,6 @@ async def run(config: DrafterConfig, port_file: str | None = None) -> None:
         for sig in signals:
             loop.remove_signal_handler(sig)
         await server.stop(config.grace_s)
+        server.attachments.close()
         telemetry.stop_metrics_server(metrics_server)
         await telemetry.shutdown_tracing()

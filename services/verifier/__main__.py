@@ -50,6 +50,16 @@ FLAGS = [
          "compile the GPU kernels before serving: auto (on cuda) | on | off"),
     Flag("--cuda-graphs", "SPECSERVE_CUDA_GRAPHS", "auto", str,
          "decode / verify steps as CUDA graphs: auto (on cuda) | on | off"),
+    Flag("--drafter-transport", "SPECSERVE_DRAFTER_TRANSPORT", "auto", str,
+         "auto: on one host context rows go through a shared ring (CUDA IPC / shared memory) "
+         "and steps through a Unix socket lane, found by Attach; grpc: everything on the "
+         "gRPC stream, rows fc-projected (what crossing hosts costs)"),
+    Flag("--context-ring-rows", "SPECSERVE_CONTEXT_RING_ROWS", None, int,
+         "rows of the shared context ring (default 2 x max-num-batched-tokens + 1024)"),
+    Flag("--keep-context", "SPECSERVE_KEEP_CONTEXT", "auto", str,
+         "host copies of each request's context rows (fc-projected with --draft-model), so "
+         "its speculation survives a drafter restart: auto (rows that cross the wire; not "
+         "the ring's, which never leave the GPU) | on | off"),
     Flag("--trace-steps", "SPECSERVE_TRACE_STEPS", 1, int,
          "a span for every Nth step of a request (1 = all, 0 = none)"),
 ]
@@ -79,7 +89,9 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         draft_model=args.draft_model or None, tap_layers=taps, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, grace_s=args.grace_s,
         trace_steps=args.trace_steps, metrics_port=args.metrics_port, warmup=args.warmup,
-        cuda_graphs=args.cuda_graphs)
+        cuda_graphs=args.cuda_graphs, drafter_transport=args.drafter_transport,
+        context_ring_rows=args.context_ring_rows, keep_context=args.keep_context)
+
 
 
 def _write_port(path: str, port: int) -> None:

@@ -88,8 +88,9 @@ def final_to_pb(event: verifier_pb2.VerifyEvent, output, stats, wall_s: float) -
         event.final.stats.CopyFrom(spec_stats_to_pb(stats, other_s=max(0.0, wall_s - phases)))
 
 
-def stats_to_pb(stats, drafter_connected: bool) -> verifier_pb2.StatsReply:
-    return verifier_pb2.StatsReply(
+def stats_to_pb(stats, drafter_connected: bool, transport: str = "",
+                context_rows: dict[str, int] | None = None) -> verifier_pb2.StatsReply:
+    return verifier_pb2.StatsReply(drafter_transport=transport, context_rows=context_rows or {},
         kv_pages_used=stats.pages_used, kv_pages_free=stats.pages_free,
         kv_pages_total=stats.pages_total, active_requests=stats.active,
         waiting_requests=stats.waiting, drafter_connected=drafter_connected,
@@ -99,16 +100,18 @@ def stats_to_pb(stats, drafter_connected: bool) -> verifier_pb2.StatsReply:
 # ---- the drafter stream ----------------------------------------------------------------------
 def add_draft_entry(batch: drafter_pb2.DraftBatch, req: DraftRequest, kind: str | None,
                     context: torch.Tensor | None, new_history,
-                    trace_context: dict[str, str] | None = None) -> drafter_pb2.DraftEntry:
-    """Append the request's entry to `batch`, its context rows written in place (a prefill
-    chunk's rows are 8-336 MB: a submessage copied into the batch would copy them again)."""
+                    trace_context: dict[str, str] | None = None,
+                    fused: bool = False) -> drafter_pb2.DraftEntry:
+    """Append the request's entry to `batch`, its context rows (if any; `fused`: fc-projected)
+    written in place (a prefill chunk's rows are 8-336 MB: a submessage copied into the batch
+    would copy them again)."""
     entry = batch.entries.add(
         request_id=req.request_id, drafter=DRAFTER_KINDS.get(kind, 0),
         bonus_token=req.bonus_token, start=req.start, budget=req.budget,
         max_depth=req.max_depth, new_history=[int(t) for t in new_history],
         trace_context=trace_context or {})
     if context is not None and context.shape[0]:
-        tensor_to_pb(context, into=entry.context)
+        fill_context(entry, context, fused)
     return entry
 
 
@@ -137,5 +140,40 @@ def trees_from_pb(reply: drafter_pb2.TreeBatch) -> dict[str, DraftTree | str]:
     return out
 
 
-def step_id_of(reply: drafter_pb2.TreeBatch) -> int:
-    return reply.step_id
+def attach_to_pb(ring) -> drafter_pb2.AttachRequest:
+    """An AttachRequest offering `ring` (a services.common.ring.RingInfo; None: no ring)."""
+    if ring is None:
+        return drafter_pb2.AttachRequest()
+    spec = drafter_pb2.RingSpec(generation=ring.generation, rows=ring.rows, width=ring.width,
+                                dtype=ring.dtype, nonce=ring.nonce)
+    if ring.shm_path is not None:
+        spec.shm_path = ring.shm_path
+    else:
+        (spec.cuda.device, spec.cuda.handle, spec.cuda.size_bytes, spec.cuda.offset_bytes,
+         spec.cuda.ref_counter_handle, spec.cuda.ref_counter_offset, spec.cuda.event_handle,
+         spec.cuda.event_sync_required) = ring.cuda
+    return drafter_pb2.AttachRequest(ring=spec)
+
+
+def attachment_from_pb(reply: drafter_pb2.AttachReply) -> tuple[bool, str, str | None, bytes]:
+    return (reply.ring_attached, reply.ring_error, reply.lane_path or None, reply.lane_token)
+
+
+def fill_context(entry: drafter_pb2.DraftEntry, rows: torch.Tensor, fused: bool) -> None:
+    """The entry's context rows inline (`fused`: fc-projected), written in place."""
+    tensor_to_pb(rows, into=entry.context)
+    entry.context_fused = fused
+
+
+def set_context_ref(entry: drafter_pb2.DraftEntry, generation: int, offset: int,
+                    rows: int) -> None:
+    entry.context_ref.generation, entry.context_ref.offset = generation, offset
+    entry.context_ref.rows = rows
+
+
+def tree_batch_from_bytes(data: bytes) -> drafter_pb2.TreeBatch:
+    return drafter_pb2.TreeBatch.FromString(data)
+
+
+def release_bytes(request_ids) -> bytes:
+    return release_to_pb(request_ids).SerializeToString()

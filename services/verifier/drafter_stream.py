@@ -4,7 +4,10 @@ Owns the connection (channel, stub, the stream call, its epoch — bumped on eve
 the engine side knows the drafter's copy of each request is gone), the replies in flight by step
 id, the write lock (feeds and steps share the stream), background reconnects (at most one per
 `reconnect_s`, so no step waits for one) and batched releases (which wait for feeds in flight).
-Everything here runs on the server's event loop; grpc.aio objects never leave it.
+Each connection first asks `Attach` (offering the verifier's context ring when it has one):
+`attachment` says, for the current epoch, whether the drafter mapped the ring and where its
+same-host lane is (drafter_link.py uses both). Everything here runs on the server's event loop;
+grpc.aio objects never leave it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -34,9 +38,24 @@ class DrafterTimeout(Exception):
     """The drafter did not answer a step within the deadline."""
 
 
+@dataclass(frozen=True)
+class Attachment:
+    """What `Attach` answered on the connection of `epoch`."""
+
+    epoch: int
+    ring_attached: bool
+    ring_error: str
+    lane_path: str | None
+    lane_token: bytes
+
+
 class DrafterStream:
-    def __init__(self, address: str, timeout_s: float, reconnect_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, reconnect_s: float,
+                 ring=None, same_host: bool = True) -> None:
         self.address, self.timeout_s, self.reconnect_s = address, timeout_s, reconnect_s
+        self.ring_info = ring  # RingInfo offered on each connection (None: no ring)
+        self.same_host = same_host  # False: ask for nothing (the cross-host path, measured)
+        self.attachment: Attachment | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.epoch = 0
         self.closed = False
@@ -100,6 +119,12 @@ class DrafterStream:
         finally:
             self._pending.pop(step_id, None)
 
+    def restart(self, why: str) -> None:
+        """Drop the stream and reconnect (its lane broke: start over on a new epoch)."""
+        if self._call is not None:
+            self._drop(self._call, why)
+        self._maybe_reconnect()
+
     def feed(self, coro) -> None:
         """Run a feed's exchange in the background; later releases wait for it."""
         self._feeding.add(self.spawn(coro))
@@ -134,13 +159,32 @@ class DrafterStream:
             await channel.close()
             return False
         stub = drafter_pb2_grpc.DrafterStub(channel)
+        attached = await self._attach(stub)
         # The stream lives as long as the connection; each step has its own deadline (timeout_s).
         call = stub.Draft()
         self.epoch += 1  # every request is resent in full on the new stream
+        self.attachment = None if attached is None else Attachment(self.epoch, *attached)
         self._channel, self._stub, self._call = channel, stub, call
         self.spawn(self._read(call))
         log.info("drafter stream to %s open", self.address)
         return True
+
+    async def _attach(self, stub) -> tuple | None:
+        """(ring attached, ring error, lane path, lane token), or None (not on one host, or a
+        drafter without `Attach`)."""
+        if not self.same_host:
+            return None
+        try:
+            reply = await stub.Attach(convert.attach_to_pb(self.ring_info),
+                                      timeout=max(self.timeout_s, 5.0))
+        except grpc.aio.AioRpcError as e:
+            log.warning("drafter at %s did not attach (%s): context rows go on the stream",
+                        self.address, e.code())
+            return None
+        got = convert.attachment_from_pb(reply)
+        if self.ring_info is not None and not got[0]:
+            log.warning("drafter at %s could not map the context ring: %s", self.address, got[1])
+        return got
 
     async def _read(self, call) -> None:
         try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from services.common import telemetry
 from services.common.metrics import VerifierMetrics
+from services.common.ring import ContextRing
 from services.common.server import mark_serving, start_server
 from services.verifier.convert import SpecLimits
 from services.verifier.drafter_client import RemoteDrafter
@@ -25,6 +26,8 @@ from services.verifier.tracing import StepTracer
 from specserve.config import EngineConfig, check_switch, switched_on
 from specserve.engine.engine import Engine
 from specserve.engine.warmup import warm_up_engine
+from specserve.errors import ModelError
+from specserve.models.dflash import load_context_projection
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,14 @@ class VerifierConfig:
     metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
     warmup: str = "auto"  # compile kernels before serving: auto (= on cuda) | on | off
     cuda_graphs: str = "auto"  # decode / verify steps as CUDA graphs: auto (= on cuda) | on | off
+    # how context rows and steps reach the drafter: auto (on one host: the shared context ring
+    # and the lane, found by `Attach`; else the stream) | grpc (the stream only, rows
+    # fc-projected: what crossing hosts costs)
+    drafter_transport: str = "auto"
+    context_ring_rows: int | None = None  # None: 2 × max_num_batched_tokens + 1024
+    # host copies of context rows, for resends after a drafter loss: auto (rows that go on the
+    # wire, not the ring's) | on | off
+    keep_context: str = "auto"
 
     def __post_init__(self) -> None:
         check_switch("cuda_graphs", self.cuda_graphs)
@@ -81,6 +92,13 @@ class VerifierConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.drafter_timeout_s <= 0 or self.grace_s < 0:
             raise ValueError("drafter_timeout_s must be positive and grace_s non-negative")
+        if self.drafter_transport not in ("auto", "grpc"):
+            raise ValueError(f"drafter_transport must be auto or grpc, got "
+                             f"{self.drafter_transport!r}")
+        if self.keep_context not in ("auto", "on", "off"):
+            raise ValueError(f"keep_context must be auto, on or off, got {self.keep_context!r}")
+        if self.context_ring_rows is not None and self.context_ring_rows <= 0:
+            raise ValueError(f"context_ring_rows must be positive, got {self.context_ring_rows}")
         if self.tap_layers is not None and any(t < 0 for t in self.tap_layers):
             raise ValueError(f"tap_layers must be non-negative, got {self.tap_layers}")
 
@@ -146,8 +164,7 @@ async def _build(config: VerifierConfig, metrics: VerifierMetrics
     tracer = StepTracer(config.trace_steps)
     drafter = None
     if config.drafter:
-        drafter = RemoteDrafter(config.drafter, config.target_layer_ids(),
-                                timeout_s=config.drafter_timeout_s)
+        drafter = await asyncio.to_thread(_remote_drafter, config, engine)
         if not drafter.needs_context:
             log.warning("no --draft-model or --tap-layers: no context features, so only "
                         "n-gram drafting can work")
@@ -160,6 +177,28 @@ async def _build(config: VerifierConfig, metrics: VerifierMetrics
     loop = StepLoop(engine, metrics=metrics, tracer=tracer)
     loop.start()
     return loop, drafter
+
+
+def _remote_drafter(config: VerifierConfig, engine: Engine) -> RemoteDrafter:
+    """The drafter client: its ring (same host, when the drafter takes context) and the
+    drafter's context projection (when `draft_model` is given: rows on the wire and kept)."""
+    taps = config.target_layer_ids()
+    weight = next(engine.runner.model.parameters())  # the target's dtype and device
+    ring = projection = None
+    if taps and config.drafter_transport == "auto":
+        rows = config.context_ring_rows or 2 * config.max_num_batched_tokens + 1024
+        ring = ContextRing(rows, len(taps) * engine.model_config.hidden_size, weight.dtype,
+                           weight.device)
+    if taps and config.draft_model and (config.drafter_transport == "grpc"
+                                        or config.keep_context != "off"):
+        try:
+            projection = load_context_projection(config.draft_model, weight.dtype, weight.device)
+        except ModelError as e:
+            log.warning("no context projection from %s (rows cross the wire as raw taps): %s",
+                        config.draft_model, e)
+    return RemoteDrafter(config.drafter, taps, timeout_s=config.drafter_timeout_s, ring=ring,
+                         projection=projection, keep_context=config.keep_context,
+                         same_host=config.drafter_transport == "auto")
 
 
 async def serve(config: VerifierConfig) -> tuple[VerifierServer, int]:

@@ -108,4 +108,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if self.loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is loading its model")
         connected = self.drafter is not None and self.drafter.connected
-        return convert.stats_to_pb(self.loop.stats(), connected)
+        transport = self.drafter.transport if connected else ""
+        rows = dict(self.drafter.context_rows) if self.drafter is not None else {}
+        return convert.stats_to_pb(self.loop.stats(), connected, transport, rows)

@@ -27,6 +27,9 @@ class DraftRequest:
     # [n_new, n_taps * hidden] target features of positions [start - n_new, start) not sent before
     context: torch.Tensor | None = None
     history: Sequence[int] | None = None  # committed token ids, ending with the root (n-gram)
+    # `context` is already the drafter's fused rows [n_new, hidden] (`hidden_norm(fc(x))`,
+    # computed by the sender: what crosses hosts instead of the taps)
+    context_fused: bool = False
 
 
 class Drafter(Protocol):

@@ -117,7 +117,7 @@ class DFlashDrafter:
         if not 0 <= request.bonus_token < cfg.vocab_size:
             return (f"request {rid!r}: bonus token {request.bonus_token} outside the "
                     f"vocabulary ({cfg.vocab_size})")
-        width = cfg.num_taps * cfg.hidden_size
+        width = cfg.hidden_size if request.context_fused else cfg.num_taps * cfg.hidden_size
         ctx = request.context
         if ctx is not None and (ctx.ndim != 2 or ctx.shape[1] != width):
             return f"request {rid!r}: context must be [n_new, {width}], got {tuple(ctx.shape)}"
@@ -140,10 +140,10 @@ class DFlashDrafter:
                                  for r, c, n in zip(requests, num_new, block_lens, strict=True)])
         lens = sorted({n for n in block_lens if n})
         graphed = self.graphs is not None and self.graphs.fits(block_lens)
-        in_graph = graphed and self.graphs.takes_context(block_lens, num_new)
-        if not in_graph:  # the graph writes a decode step's few rows itself
-            self._write_context(step, [r.context for r, c in zip(requests, num_new, strict=True)
-                                       if c])
+        in_graph = (graphed and self.graphs.takes_context(block_lens, num_new)
+                    and not any(r.context_fused for r in requests))
+        if not in_graph:  # the graph writes a decode step's few raw rows itself
+            self._write_context(step, [r for r, c in zip(requests, num_new, strict=True) if c])
         vocab, device = self.model.config.vocab_size, self.cache.device
         empty = torch.empty(0, vocab, dtype=torch.float32, device=device)
         if not lens:
@@ -177,15 +177,23 @@ class DFlashDrafter:
                 out[i] = lg if len(lens) == 1 else lg.clone()
         return out
 
-    def _write_context(self, step: CacheStep, contexts: list[torch.Tensor]) -> None:
-        """Context K/V of every layer for the call's new rows (one fc for all requests; per
-        layer group one stacked k|v GEMM and one scatter: on the H200 the eager context write
-        was ~100 of a draft step's 115 kernel launches with its block forward graphed)."""
-        if not contexts:
+    def _write_context(self, step: CacheStep, requests: list[DraftRequest]) -> None:
+        """Context K/V of every layer for the new rows of `requests` (one fc for all raw rows;
+        rows sent fused skip it; per layer group one stacked k|v GEMM and one scatter: on the
+        H200 the eager context write was ~100 of a draft step's 115 kernel launches with its
+        block forward graphed)."""
+        if not requests:
             return
         weight = self.model.fc.weight
-        features = torch.cat([c.to(device=weight.device, dtype=weight.dtype) for c in contexts])
-        fused = self.model.fuse_context(features)  # [N, hidden]
+        rows = [r.context.to(device=weight.device, dtype=weight.dtype) for r in requests]
+        raw = [x for x, r in zip(rows, requests, strict=True) if not r.context_fused]
+        fused_raw = self.model.fuse_context(torch.cat(raw)) if raw else None  # [N_raw, hidden]
+        if len(raw) == len(rows):
+            fused = fused_raw  # one fc over all rows, as before
+        else:
+            parts = iter(fused_raw.split([x.shape[0] for x in raw]) if raw else ())
+            fused = torch.cat([x if r.context_fused else next(parts)
+                               for x, r in zip(rows, requests, strict=True)])
         for name in self.cache.groups:  # per layer group: one GEMM, one scatter
             step.write_group_context(name, fused, self.model)
 

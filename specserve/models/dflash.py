@@ -233,3 +233,28 @@ def load_dflash(
         model.lm_head.weight = model.embed.weight  # tied target: one tensor
     return model
 
+
+
+class ContextProjection(nn.Module):
+    """The drafter's first step alone, `hidden_norm(fc(x))`: what a verifier applies to its
+    taps before they cross hosts (hidden per token instead of taps × hidden)."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:  # [T, taps·hidden] -> [T, hidden]
+        return self.hidden_norm(self.fc(features))
+
+
+def load_context_projection(draft_dir: str | Path, dtype: str | torch.dtype = "float32",
+                            device: str | torch.device = "cpu") -> ContextProjection:
+    """The `fc` and `hidden_norm` tensors of a drafter checkpoint, strictly."""
+    cfg = load_dflash_config(draft_dir)
+    with torch.device("meta"):
+        proj = ContextProjection(cfg)
+    names = [n for n, _ in proj.named_parameters()]
+    proj.load_state_dict(read_tensors(draft_dir, names, resolve_dtype(dtype)), strict=True,
+                         assign=True)
+    return proj.to(device).eval()

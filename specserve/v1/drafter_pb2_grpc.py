@@ -44,6 +44,11 @@ class DrafterStub:
                 request_serializer=specserve_dot_v1_dot_drafter__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_drafter__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/specserve.v1.Drafter/Attach',
+                request_serializer=specserve_dot_v1_dot_drafter__pb2.AttachRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_drafter__pb2.AttachReply.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -61,6 +66,12 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +84,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=specserve_dot_v1_dot_drafter__pb2.ReleaseRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_drafter__pb2.ReleaseReply.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=specserve_dot_v1_dot_drafter__pb2.AttachRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_drafter__pb2.AttachReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +145,33 @@ class Drafter:
             '/specserve.v1.Drafter/Release',
             specserve_dot_v1_dot_drafter__pb2.ReleaseRequest.SerializeToString,
             specserve_dot_v1_dot_drafter__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.Drafter/Attach',
+            specserve_dot_v1_dot_drafter__pb2.AttachRequest.SerializeToString,
+            specserve_dot_v1_dot_drafter__pb2.AttachReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,8 +52,15 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("kv_pages_used", "kv_pages_free", "kv_pages_total", "active_requests", "waiting_requests", "drafter_connected", "fallbacks", "steps")
+    __slots__ = ("kv_pages_used", "kv_pages_free", "kv_pages_total", "active_requests", "waiting_requests", "drafter_connected", "fallbacks", "steps", "drafter_transport", "context_rows")
     class FallbacksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ContextRowsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +75,8 @@ class StatsReply(_message.Message):
     DRAFTER_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_ROWS_FIELD_NUMBER: _ClassVar[int]
     kv_pages_used: int
     kv_pages_free: int
     kv_pages_total: int
@@ -76,4 +85,6 @@ class StatsReply(_message.Message):
     drafter_connected: bool
     fallbacks: _containers.ScalarMap[str, int]
     steps: int
-    def __init__(self, kv_pages_used: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., drafter_connected: _Optional[bool] = ..., fallbacks: _Optional[_Mapping[str, int]] = ..., steps: _Optional[int] = ...) -> None: ...
+    drafter_transport: str
+    context_rows: _containers.ScalarMap[str, int]
+    def __init__(self, kv_pages_used: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., drafter_connected: _Optional[bool] = ..., fallbacks: _Optional[_Mapping[str, int]] = ..., steps: _Optional[int] = ..., drafter_transport: _Optional[str] = ..., context_rows: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -333,3 +333,33 @@ async def test_drafter_restart_resends_context_and_speculation_resumes(target, e
     assert fake.feeds >= 2  # each prompt's context went ahead of its first draft (prefill feed)
     assert restarted.fresh == 2 and restarted.batches > 0  # both resent in full, from 0
     assert stats.drafter_connected
+
+
+@aio
+async def test_rows_not_kept_end_speculation_for_requests_in_flight_only(target, expected):
+    """keep_context off: after a drafter restart the requests in flight verify root-only trees
+    (drafter_context_lost) and still finish equal to the oracle; a new request speculates."""
+    fake = FakeDrafter()
+    fake_server, fake_port = await _start_fake(fake)
+    server, port = await serve(_config(target, drafter=f"127.0.0.1:{fake_port}",
+                                       tap_layers=TAPS, kv_memory_gb=0.01, keep_context="off"))
+    restarted = FakeDrafter()
+    try:
+        async with channel(f"127.0.0.1:{port}") as ch:
+            stub = verifier_pb2_grpc.VerifierStub(ch)
+            call = stub.Generate(_request(REPETITIVE, 300, drafter=DFLASH), timeout=RPC_S)
+            head = [await call.read() for _ in range(8)]
+            await fake_server.stop(0)
+            fake_server, _ = await _start_fake(restarted, fake_port)
+            tail = await _read_all(call)
+            fresh = await _generate(stub, [21, 22, 23, 24] * 6, 60, drafter=DFLASH)
+    finally:
+        await server.stop(0)
+        await fake_server.stop(0)
+    assert _tokens(head + tail) == expected(REPETITIVE, 300)
+    assert max(e.commit_len for e in head[1:]) > 1
+    lost = [e for e in tail if e.fallback.startswith("drafter_context_lost")]
+    assert lost and all(e.commit_len == 1 for e in tail[-len(lost):])
+    assert _tokens(fresh) == expected([21, 22, 23, 24] * 6, 60)
+    assert max(e.commit_len for e in fresh[1:]) > 1 and not any(e.fallback for e in fresh[1:])
+    assert not restarted.inconsistent

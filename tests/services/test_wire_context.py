@@ -8,7 +8,8 @@ import torch
 
 from services.common.convert import tensor_from_pb, tensor_to_pb
 from services.verifier import convert
-from services.verifier.drafter_client import MAX_CHUNKS, RemoteDrafter, _State
+from services.verifier.context_rows import MAX_CHUNKS
+from services.verifier.drafter_client import RemoteDrafter
 from specserve.drafters.base import DraftRequest
 from specserve.v1 import drafter_pb2
 
@@ -35,20 +36,20 @@ def test_context_rows_in_place_round_trip_exactly():
 def test_kept_rows_merge_the_newer_half_only():
     """A prompt's big chunks stay the very tensors kept (no copy per MAX_CHUNKS decode steps);
     every row is still there, in order; a single pending chunk goes out without a copy."""
-    client = RemoteDrafter.__new__(RemoteDrafter)
-    client.needs_context = True
-    st = _State("dflash")
+    client = RemoteDrafter("127.0.0.1:1", target_layer_ids=(1,))  # not started: no stream
+    client.set_kind("r", "dflash")
+    st = client._states["r"]
     gen = torch.Generator().manual_seed(0)
     prompt = [torch.randn(50, 8, generator=gen) for _ in range(3)]
     start = 0
     for chunk in prompt:
         start += chunk.shape[0]
-        assert client._absorb(DraftRequest("r", 1, start, 0, 0, chunk), st)
+        assert "r" in client._absorb_all([DraftRequest("r", 1, start, 0, 0, chunk)], None)
     assert st.rows_since(100).data_ptr() == prompt[2].data_ptr()  # the last chunk, as is
     decode = [torch.randn(1, 8, generator=gen) for _ in range(3 * MAX_CHUNKS)]
     for row in decode:
         start += 1
-        assert client._absorb(DraftRequest("r", 1, start, 0, 0, row), st)
+        assert "r" in client._absorb_all([DraftRequest("r", 1, start, 0, 0, row)], None)
         assert len(st.chunks) <= MAX_CHUNKS
     assert [c.data_ptr() for c in st.chunks[:3]] == [c.data_ptr() for c in prompt]
     assert st.num_rows == start == 150 + 3 * MAX_CHUNKS

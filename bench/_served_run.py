@@ -1,0 +1,198 @@
+"""bench/bench_served.py: the same requests in process and through the three services.
+
+`in_process` runs them on an `Engine` with an in-process `DFlashDrafter`, configured from the
+very `VerifierConfig` the verifier process gets; `Services` starts drafter, verifier and
+gateway as subprocesses (port files, logs under the run's directory) and `served` streams the
+requests through the gateway. Both record, per request, when it was sent and when each of its
+tokens arrived (`Timing`); `summary` turns that into TTFT, first step, steady steps and tok/s
+the same way for both. Benchmark-only code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Timing:
+    """One request: when it was sent and (time, tokens) of each arrival (a step's tokens)."""
+
+    sent: float
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+    phases: dict = field(default_factory=dict)  # the request's own stats: steps, draft_s, ...
+
+
+def _p(xs, q: float) -> float:
+    return float(sorted(xs)[int(q * (len(xs) - 1))]) if xs else float("nan")
+
+
+def summary(timings: list[Timing]) -> dict:
+    """Medians over the requests of TTFT and first step; steady steps pooled (p50 / p90);
+    tok/s = decode tokens of all requests / the decode wall time."""
+    ttft = [(t.arrivals[0][0] - t.sent) * 1e3 for t in timings if t.arrivals]
+    first = [(t.arrivals[1][0] - t.arrivals[0][0]) * 1e3 for t in timings if len(t.arrivals) > 2]
+    steady = [(b[0] - a[0]) * 1e3 for t in timings
+              for a, b in zip(t.arrivals[1:], t.arrivals[2:], strict=False)]
+    tokens = sum(n for t in timings for _, n in t.arrivals[1:])
+    start = min(t.arrivals[0][0] for t in timings if t.arrivals)
+    end = max(t.arrivals[-1][0] for t in timings if t.arrivals)
+    steps = sum(t.phases.get("steps", 0) for t in timings)
+    per_step = {f"{k}_ms": 1e3 * sum(t.phases.get(f"{k}_s", 0.0) for t in timings) / steps
+                for k in ("draft", "verify", "commit")} if steps else {}
+    return dict(ttft_ms=statistics.median(ttft), first_step_ms=statistics.median(first),
+                steady_p50_ms=_p(steady, 0.5), steady_p90_ms=_p(steady, 0.9),
+                tok_s=tokens / (end - start) if end > start else float("nan"),
+                steps=len(steady) + len(first), requests=len(timings),
+                phases_per_step=per_step)
+
+
+def _phases(stats) -> dict:
+    """steps and phase seconds of a RequestSpecStats or a SpecStats message."""
+    phases = getattr(stats, "phases", stats)
+    return dict(steps=stats.steps, draft_s=phases.draft_s, verify_s=phases.verify_s,
+                commit_s=phases.commit_s)
+
+
+# ---- in process ------------------------------------------------------------------------------
+def build_engine(vcfg, draft_dir: str, drafter_pages: int, warmup: bool):
+    """The verifier's engine, with the drafter service's DFlash drafter, in this process."""
+    from specserve.drafters.dflash import DFlashDrafter
+    from specserve.engine.engine import Engine
+    from specserve.engine.warmup import warm_up_drafter, warm_up_engine
+    from specserve.models.dflash import load_dflash
+
+    ecfg = vcfg.engine_config()
+    engine = Engine(ecfg)
+    model = load_dflash(draft_dir, vcfg.model, ecfg.dtype, ecfg.device)
+    drafter = DFlashDrafter(model, num_pages=drafter_pages)
+    engine.set_drafter(drafter)
+    if warmup:
+        warm_up_drafter(drafter)
+        warm_up_engine(engine)
+    return engine
+
+
+def in_process(engine, prompts: list[list[int]], new: int, budget: int) -> list[Timing]:
+    from specserve.types import SamplingParams
+
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    timings = {}
+    for i, prompt in enumerate(prompts):
+        rid = f"inproc-{time.monotonic_ns()}-{i}"
+        timings[rid] = Timing(time.perf_counter())
+        engine.add_request(rid, prompt, params, budget)
+    while engine.has_unfinished:
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            if out.new_token_ids:
+                timings[out.request_id].arrivals.append((now, len(out.new_token_ids)))
+            if out.finished and "request" in out.stats:
+                timings[out.request_id].phases = _phases(out.stats["request"])
+    return list(timings.values())
+
+
+# ---- through the services --------------------------------------------------------------------
+class Services:
+    """drafter → verifier → gateway as subprocesses of this benchmark."""
+
+    def __init__(self, tmp: Path, env: dict | None = None) -> None:
+        self.tmp, self.procs, self.ports = tmp, {}, {}
+        self.env = {**os.environ, "GRPC_VERBOSITY": "ERROR", "PYTHONUNBUFFERED": "1",
+                    **(env or {})}
+        self.env.pop("TRITON_INTERPRET", None)
+        self.env["PYTHONPATH"] = f"{ROOT}:{self.env.get('PYTHONPATH', '')}"
+
+    def start(self, name: str, flags: list[str]) -> None:
+        port_file = self.tmp / f"{name}.port"
+        port_file.unlink(missing_ok=True)
+        with open(self.tmp / f"{name}.log", "ab") as log:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", f"services.{name}", "--host", "127.0.0.1", "--port", "0",
+                 "--port-file", str(port_file), "--metrics-port", "0", *flags],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
+        self._names = getattr(self, "_names", []) + [name]
+        self._files = getattr(self, "_files", {}) | {name: port_file}
+
+    def wait(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        for name in self._names:
+            while not self._files[name].exists():
+                if self.procs[name].poll() is not None:
+                    raise RuntimeError(f"{name} exited:\n{self.log(name)}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} not up in {timeout_s} s:\n{self.log(name)}")
+                time.sleep(0.2)
+            self.ports[name] = int(self._files[name].read_text())
+        self._names = []
+
+    def addr(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    def stop(self, name: str) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def close(self) -> None:
+        for name in reversed(list(self.procs)):
+            self.stop(name)
+
+
+async def _one(stub, prompt: list[int], new: int, budget: int) -> Timing:
+    from services.gateway import convert
+    from specserve.types import SamplingParams
+
+    req = convert.generate_request_to_pb(prompt, SamplingParams(max_tokens=new, ignore_eos=True),
+                                         "dflash", budget)
+    t = Timing(time.perf_counter())
+    async for msg in stub.Generate(req, timeout=600):
+        if msg.WhichOneof("event") == "chunk" and msg.chunk.token_ids:
+            t.arrivals.append((time.perf_counter(), len(msg.chunk.token_ids)))
+        elif msg.WhichOneof("event") == "final":
+            t.phases = _phases(msg.final.stats)
+    return t
+
+
+async def _served(address: str, prompts, new: int, budget: int) -> list[Timing]:
+    from services.common.server import channel
+    from specserve.v1 import gateway_pb2_grpc
+
+    async with channel(address) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        return list(await asyncio.gather(*(_one(stub, p, new, budget) for p in prompts)))
+
+
+def served(address: str, prompts: list[list[int]], new: int, budget: int) -> list[Timing]:
+    return asyncio.run(_served(address, prompts, new, budget))
+
+
+async def _verifier_stats(address: str) -> dict:
+    from services.common.server import channel
+    from specserve.v1 import verifier_pb2, verifier_pb2_grpc
+
+    async with channel(address) as ch:
+        s = await verifier_pb2_grpc.VerifierStub(ch).Stats(verifier_pb2.StatsRequest(),
+                                                           timeout=10)
+    return dict(transport=s.drafter_transport, context_rows=dict(s.context_rows),
+                fallbacks=dict(s.fallbacks), steps=s.steps)
+
+
+def verifier_stats(address: str) -> dict:
+    return asyncio.run(_verifier_stats(address))

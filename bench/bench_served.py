@@ -1,0 +1,232 @@
+"""What a user gets through the three services vs the same engine in process, side by side.
+
+One run: writes a random pair of real checkpoints (default: the Qwen3-8B body — 36 layers,
+hidden 4096, 32/8 heads — with the demo tokenizer's 4096-token vocabulary, full attention, and
+a 5-layer DFlash drafter tapping layers 1, 9, 17, 25, 33; or `--model/--draft-model`), starts
+drafter + verifier + gateway, warms an in-process Engine + DFlashDrafter built from the very
+same `VerifierConfig`, then runs the same requests (predictable text cut to each context,
+`--new-tokens` each, budget `--budget`) in process and through the services, once per verifier
+variant (`--variants`: `auto` = same host, context ring + lane; `grpc` = everything on the
+gRPC stream, rows fc-projected, i.e. what crossing hosts costs; extra verifier flags after a
+colon, e.g. `auto:--keep-context=off`). Prints TTFT, the first decode step (where a feed stall
+shows), steady step p50/p90 and tok/s with the ratios to in process, next to the physical
+floors (prefill FLOPs / this run's matmul rate; a step's weights + KV bytes / copy bandwidth);
+writes JSON after every row.
+
+    python3 bench/bench_served.py --out $OUT/served.json                  # H200
+    python3 bench/bench_served.py --mps --out $OUT/served_mps.json        # under CUDA MPS
+    python3 bench/bench_served.py --tiny --contexts 64,200 --out /tmp/s.json   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+from _served_models import BODY_8B, TAPS_8B, TINY, write_pair  # noqa: E402
+from _served_run import (  # noqa: E402
+    Services,
+    build_engine,
+    in_process,
+    served,
+    summary,
+    verifier_stats,  # noqa: E402
+)
+
+T0 = time.time()
+TEXT = "The cat sat on the mat. "
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = ap.add_argument
+    add("--out", default=str(Path(os.environ.get("OUT", ".")) / "bench_served.json"))
+    add("--model"), add("--draft-model")
+    add("--ckpt-dir", default=str(Path(tempfile.gettempdir()) / "specserve-bench-pair"))
+    add("--tiny", action="store_true", help="a tiny random pair on the CPU (smoke test)")
+    add("--contexts", default="1024,32768,131072")
+    add("--batch8-contexts", default="1024", help="contexts also run with 8 requests at once")
+    add("--new-tokens", type=int, default=32)
+    add("--budget", type=int, default=15)
+    add("--variants", default="auto,grpc")
+    add("--kv-memory-gb", type=float, default=24.0)
+    add("--chunk", type=int, default=8192, help="max-num-batched-tokens (prefill chunk)")
+    add("--drafter-pages", type=int, default=16384)
+    add("--mps", action="store_true", help="run everything under a CUDA MPS daemon")
+    return ap.parse_args(argv)
+
+
+def start_mps(tmp: Path) -> dict:
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp / "mps-pipe"),
+           "CUDA_MPS_LOG_DIRECTORY": str(tmp / "mps-log")}
+    for d in env.values():
+        Path(d).mkdir(parents=True, exist_ok=True)
+    os.environ.update(env)  # this process (the in-process engine) is an MPS client too
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True, env={**os.environ})
+    return env
+
+
+def stop_mps() -> None:
+    subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env={**os.environ}, check=False)
+
+
+def workload(args, target: str) -> list[tuple[str, int, list[list[int]]]]:
+    from specserve.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(target)
+    base = tok.encode(TEXT * 64)
+    cases = []
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        cases.append((f"{ctx // 1024}k" if ctx >= 1024 else str(ctx), ctx, 1))
+    for ctx in (int(c) for c in args.batch8_contexts.split(",") if c):
+        cases.append((f"{ctx // 1024}k" if ctx >= 1024 else str(ctx), ctx, 8))
+    out = []
+    for label, ctx, batch in cases:  # request i starts i tokens into the text: 8 prompts
+        prompts = [((base[i:] + base) * (ctx // len(base) + 2))[:ctx] for i in range(batch)]
+        out.append((f"{label} x{batch}", ctx, prompts))
+    return out
+
+
+def floors(args, ceil: dict, ctx: int, batch: int) -> dict:
+    """Prefill FLOPs / matmul rate; a step's bytes (target + drafter weights, KV) / copy BW."""
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    q, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    per_layer = h * (q * d * 2 + kv * d * 2) + 3 * h * inter
+    weights = layers * per_layer + 2 * cfg["vocab_size"] * h
+    draft = 5 * per_layer + len(TAPS_8B) * h * h
+    flops = 2 * weights * ctx + 2 * layers * q * d * ctx * ctx  # causal QK + PV
+    kv_bytes = 2 * layers * kv * d * 2 * ctx * batch
+    return dict(prefill_ms=flops / (ceil["matmul_TFLOPs"] * 1e12) * 1e3,
+                step_ms=(2 * (weights + draft) + kv_bytes) / (ceil["copy_GBps"] * 1e9) * 1e3)
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'case':<10} {'path':<24} {'TTFT ms':>9} {'x':>5} {'1st step':>9} "
+            f"{'steady p50':>10} {'p90':>7} {'x':>5} {'tok/s':>7} {'x':>5}  floor TTFT/step")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        s, base = r["summary"], r["ratio"]
+        lines.append(f"{r['case']:<10} {r['path']:<24} {s['ttft_ms']:9.1f} {base['ttft']:5.2f} "
+                     f"{s['first_step_ms']:9.2f} {s['steady_p50_ms']:10.2f} "
+                     f"{s['steady_p90_ms']:7.2f} {base['steady']:5.2f} {s['tok_s']:7.1f} "
+                     f"{base['tok_s']:5.2f}  {r['floor']['prefill_ms']:.1f} / "
+                     f"{r['floor']['step_ms']:.2f}")
+    return "\n".join(lines)
+
+
+def add_row(results: dict, case: str, ctx: int, batch: int, path: str, timings,
+            extra: dict | None = None) -> None:
+    s = summary(timings)
+    base = next((r["summary"] for r in results["rows"]
+                 if r["case"] == case and r["path"] == "in-process"), s)
+    results["rows"].append(dict(
+        case=case, ctx=ctx, batch=batch, path=path, summary=s, **(extra or {}),
+        floor=floors(results["args_ns"], results["ceilings"], ctx, batch),
+        ratio=dict(ttft=s["ttft_ms"] / base["ttft_ms"],
+                   steady=s["steady_p50_ms"] / base["steady_p50_ms"],
+                   tok_s=s["tok_s"] / base["tok_s"])))
+
+
+def save(results: dict, out: str) -> None:
+    data = {k: v for k, v in results.items() if k != "args_ns"}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(data, indent=1, default=str))
+
+
+def verifier_flags(args, variant: str, drafter: str) -> list[str]:
+    transport, _, extra = variant.partition(":")
+    return ["--model", args.model, "--draft-model", args.draft_model, "--drafter", drafter,
+            "--device", args.device, "--kv-memory-gb", str(args.kv_memory_gb),
+            "--max-num-batched-tokens", str(args.chunk), "--default-budget", str(args.budget),
+            "--drafter-transport", transport, *extra.split()]
+
+
+def run(args, results: dict, tmp: Path) -> None:
+    import torch  # after MPS is up: this process is a client too
+    from _e2e_common import ceilings
+
+    from services.verifier.server import VerifierConfig
+
+    results["ceilings"] = ceilings(args.device, args.tiny)
+    log(f"ceilings {results['ceilings']}")
+    svc = Services(tmp)
+    variants = args.variants.split(",")
+    svc.start("drafter", ["--model", args.model, "--draft-model", args.draft_model, "--device",
+                          args.device, "--drafter-pages", str(args.drafter_pages)])
+    svc.wait()
+    svc.start("verifier", verifier_flags(args, variants[0], svc.addr("drafter")))
+    vcfg = VerifierConfig(args.model, device=args.device, draft_model=args.draft_model,
+                          kv_memory_gb=args.kv_memory_gb, max_num_batched_tokens=args.chunk,
+                          default_budget=args.budget, drafter="in-process")
+    engine = build_engine(vcfg, args.draft_model, args.drafter_pages, warmup=args.device != "cpu")
+    log("in-process engine warm")
+    svc.wait()
+    cases = workload(args, args.model)
+    for case, ctx, prompts in cases:  # the services are idle now
+        in_process(engine, prompts[:1], 4, args.budget)  # this case's shapes once
+        add_row(results, case, ctx, len(prompts), "in-process",
+                in_process(engine, prompts, args.new_tokens, args.budget))
+        save(results, args.out)
+        log(f"in-process {case}: {results['rows'][-1]['summary']}")
+    del engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    for i, variant in enumerate(variants):
+        if i:
+            svc.stop("gateway")
+            svc.stop("verifier")
+            svc.start("verifier", verifier_flags(args, variant, svc.addr("drafter")))
+            svc.wait()
+        svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier")])
+        svc.wait()
+        for case, ctx, prompts in cases:
+            served(svc.addr("gateway"), prompts[:1], 4, args.budget)
+            timings = served(svc.addr("gateway"), prompts, args.new_tokens, args.budget)
+            stats = verifier_stats(svc.addr("verifier"))
+            add_row(results, case, ctx, len(prompts), f"served {variant}", timings,
+                    dict(verifier=stats))
+            save(results, args.out)
+            log(f"served {variant} {case}: {results['rows'][-1]['summary']} {stats}")
+    svc.close()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-served-"))
+    args.device = "cpu" if args.tiny else "cuda"
+    if args.tiny:
+        args.kv_memory_gb, args.chunk, args.drafter_pages = 0.05, 128, 256
+    results = {"meta": dict(argv=sys.argv[1:], mps=args.mps, started=time.ctime()), "rows": [],
+               "args_ns": args}
+    mps = start_mps(tmp) if args.mps else None
+    try:
+        if not args.model:
+            args.model, args.draft_model = map(str, write_pair(
+                Path(args.ckpt_dir + ("-tiny" if args.tiny else "")),
+                TINY if args.tiny else BODY_8B, (1, 3) if args.tiny else TAPS_8B,
+                device=args.device, log=log))
+        run(args, results, tmp)
+    finally:
+        if mps is not None:
+            stop_mps()
+        save(results, args.out)
+    print(table(results["rows"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

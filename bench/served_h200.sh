@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On the H200 (device tool): the served path's GPU tests and bench/bench_served.py.
+#   bash bench/served_h200.sh "bench tests"        sections in order; each under its own timeout
+#   BENCH_ARGS="--mps --contexts 1024,32768" bash bench/served_h200.sh bench
+# Wheels for what the image lacks (opentelemetry, grpc health/reflection, pytest-asyncio) come
+# carried in .whl/. Results go to $OUT (at most 8 files come back).
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1 GRPC_VERBOSITY=ERROR TOKENIZERS_PARALLELISM=false
+unset TRITON_INTERPRET
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+for section in ${1:-bench tests}; do
+  echo "== $section $(date -u +%T)"
+  case $section in
+    bench)
+      timeout "${BENCH_S:-420}" python3 bench/bench_served.py --out "$OUT/served${TAG:-}.json" \
+        ${BENCH_ARGS:-} 2>&1 | tee "$OUT/served${TAG:-}.log" | grep -v "^\[.*served .*{" ;;
+    tests)
+      timeout "${TESTS_S:-240}" python3 -m pytest -q -x -p no:cacheprovider \
+        tests/services/test_ring.py tests/services/test_wire_context.py \
+        tests/e2e/test_served_context.py -k "cuda or gpu" 2>&1 | tail -30 \
+        | tee "$OUT/gpu_tests.log" ;;
+  esac
+done
+for f in /tmp/bench-served-*/*.log; do [ -f "$f" ] && { echo "---- $f"; tail -40 "$f"; }; done \
+  > "$OUT/services.log" 2>/dev/null
+echo "== done $(date -u +%T)"

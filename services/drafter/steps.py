@@ -1,0 +1,111 @@
+"""One DraftBatch → one TreeBatch on the drafter: decode, draft, encode, spans and metrics.
+
+Owns what the gRPC stream (servicer.py) and the same-host lane (attach.py) both do with a
+batch, so the two transports cannot drift: entries are decoded (context rows from the message,
+or read in place from an attached ring), the core drafts, the trees go back under the batch's
+step id, and each traced entry gets its `draft.forward` / `ddtree.build` (or `ngram.draft`)
+spans, timed by the batch's measurements. Runs in whatever thread calls it (a worker thread for
+the stream, the lane's own thread).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from opentelemetry.trace import Status, StatusCode
+
+from services.common import telemetry
+from services.common.errors import status_for
+from services.drafter import convert
+from services.drafter.core import DFLASH, DrafterCore, DraftTimes, Entry, Result
+from specserve.errors import InvalidRequest
+from specserve.v1 import drafter_pb2
+
+
+def error_text(error: BaseException) -> str:
+    """An error string for a Tree: the status code name the table gives, then the message."""
+    return f"{status_for(error).name}: {error}"
+
+
+class BatchRunner:
+    """Runs batches against `core`; `rings` maps a ring generation to its `[rows, width]`
+    view (attach.py fills it)."""
+
+    def __init__(self, metrics=None) -> None:
+        self.metrics = metrics  # DrafterMetrics | None
+        self.rings: dict[int, torch.Tensor] = {}
+        self._tracer = telemetry.tracer("specserve.drafter")
+
+    def run(self, core: DrafterCore, batch: drafter_pb2.DraftBatch) -> drafter_pb2.TreeBatch:
+        """Decode the entries, draft, encode the trees (one bad entry fails alone)."""
+        t0 = time.perf_counter()
+        device, dtype = core.context_device, core.context_dtype
+        entries: list[Entry | str] = []
+        in_ring = False
+        for msg in batch.entries:
+            try:
+                entries.append(convert.entry_from_pb(msg, device, dtype, self.rings))
+                in_ring = in_ring or msg.HasField("context_ref")
+            except InvalidRequest as e:
+                entries.append(error_text(e))
+        results, times = core.draft_timed(entries)
+        if in_ring and device.type == "cuda":  # every ring read done before the reply
+            torch.cuda.current_stream(device).synchronize()
+        reply = convert.tree_batch_to_pb(batch, results, times)
+        self._spans(batch, results, times)
+        if self.metrics is not None and convert.is_feed(batch):
+            self.metrics.feeds.inc(len(batch.entries))
+        elif self.metrics is not None:
+            self._metrics(results, times, time.perf_counter() - t0)
+        return reply
+
+    def _spans(self, batch: drafter_pb2.DraftBatch, results: Sequence[Result],
+               times: DraftTimes) -> None:
+        contexts = convert.trace_contexts(batch)
+        if not any(contexts):
+            return
+        for g in times.groups:
+            forward_end = g.start_ns + int(g.forward_s * 1e9)
+            tree_end = forward_end + int(g.tree_build_s * 1e9)
+            for i in g.indices:
+                if not contexts[i]:
+                    continue
+                parent = telemetry.extract_map(contexts[i])
+                attrs = {"request.id": batch.entries[i].request_id, "drafter": g.kind,
+                         "batch.entries": len(batch.entries), "batch.step_id": batch.step_id}
+                if g.kind == DFLASH:
+                    self._span("draft.forward", parent, attrs, g.start_ns, forward_end)
+                    self._span("ddtree.build", parent, attrs, forward_end, tree_end,
+                               results[i])
+                else:
+                    self._span(f"{g.kind}.draft", parent, attrs, g.start_ns, tree_end,
+                               results[i])
+
+    def _span(self, name, parent, attrs, start_ns: int, end_ns: int,
+              result: Result | None = None) -> None:
+        span = self._tracer.start_span(name, parent, attributes=attrs, start_time=start_ns)
+        if isinstance(result, str):
+            span.set_status(Status(StatusCode.ERROR, result))
+        elif result is not None:
+            span.set_attribute("tree_size", result.n)
+        span.end(end_time=max(start_ns, end_ns))
+
+    def _metrics(self, results: Sequence[Result], times: DraftTimes, batch_s: float) -> None:
+        m = self.metrics
+        m.batches.inc()
+        m.batch_seconds.observe(batch_s)
+        drafted = set()
+        for g in times.groups:
+            if g.forward_s:
+                m.phase.labels(phase="forward").observe(g.forward_s)
+            m.phase.labels(phase="tree_build").observe(g.tree_build_s)
+            for i in g.indices:
+                drafted.add(i)
+                ok = "error" if isinstance(results[i], str) else "ok"
+                m.entries.labels(drafter=g.kind, result=ok).inc()
+        for i, result in enumerate(results):
+            if i not in drafted:  # rejected before drafting, or drafter "none"
+                ok = "error" if isinstance(result, str) else "ok"
+                m.entries.labels(drafter="none", result=ok).inc()
