@@ -12,12 +12,15 @@ from enum import StrEnum
 
 from specserve.errors import InvalidRequest
 
+GREEDY_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's _SAMPLING_EPS)
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request turns target logits into tokens.
 
-    temperature 0 means greedy (argmax). top_k None means no top-k cut; top_p 1.0 means no nucleus
+    temperature below GREEDY_TEMPERATURE (0 included) means greedy (argmax): softmax(z / T) at
+    such T is argmax up to rounding. top_k None means no top-k cut; top_p 1.0 means no nucleus
     cut. seed None means a fresh random seed. Stop token ids end the generation and are emitted;
     stop strings end it and are not emitted.
     """
@@ -49,7 +52,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class FinishReason(StrEnum):
@@ -60,7 +63,11 @@ class FinishReason(StrEnum):
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What one engine step produced for one request: the newly committed tokens and text."""
+    """What one engine step produced for one request: the newly committed tokens and text.
+
+    `error` is set when this request failed inside the engine (its sampling, commit or its part
+    of the forward); it is then finished (ABORT), its pages are free and the other requests of
+    the step went on."""
 
     request_id: str
     new_token_ids: list[int]
@@ -69,7 +76,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     stats: dict = field(default_factory=dict)
+    error: Exception | None = None
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish_reason is not None or self.error is not None

@@ -7,6 +7,9 @@ when idle) and hands each request's outputs to that request's asyncio queue with
 `call_soon_threadsafe`. Per-request queues are bounded by the request's max_tokens (the engine
 thread must never block on one slow client). No grpc here.
 
+A request that fails inside the engine (an output with `error`) gets that exception on its
+queue and nothing else happens to the others; only a step that raises fails every request.
+
 After each step, once the outputs are on their way, the thread records the step's spans
 (`StepTracer`, services/verifier/tracing.py) and Prometheus metrics (`VerifierMetrics`):
 both are optional and cost nothing when absent.
@@ -88,9 +91,9 @@ class StepLoop:
                      budget: int, drafter_kind: str | None = None,
                      trace_context=None) -> asyncio.Queue:
         """Add a request; returns the queue its `StepEvent`s arrive on (an exception instead if
-        the engine fails). Raises what `engine.add_request` raises (InvalidRequest,
-        CapacityExhausted); nothing is queued then. `trace_context` (an OTel Context holding
-        the request's span) parents its prefill and step spans."""
+        the engine fails the request or its whole step). Raises what `engine.add_request`
+        raises (InvalidRequest, CapacityExhausted); nothing is queued then. `trace_context` (an
+        OTel Context holding the request's span) parents its prefill and step spans."""
         if self._stopping or self._thread is None:
             raise RequestAborted("the verifier is not running (shutting down)")
         q: asyncio.Queue = asyncio.Queue()
@@ -204,6 +207,9 @@ class StepLoop:
             out.stats["request"].fallbacks[reason] += 1
 
     def _deliver(self, out: RequestOutput) -> None:
+        if out.error is not None:  # the engine already ended it; the others go on
+            self._fail(out.request_id, out.error)
+            return
         step = out.stats.get("step")
         if step is not None and step.fallback:
             self._count_fallback(step.fallback)

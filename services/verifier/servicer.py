@@ -72,9 +72,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     self._finish(span, item, first_s, time.perf_counter() - t0)
                     span.end()
                 yield event
-            if error is not None:
+            if error is not None:  # the engine failed this request (or its whole step)
                 code = status_for(error)
-                await context.abort(code, str(error))
+                await context.abort(code, f"request {args.request_id!r} failed: "
+                                          f"{type(error).__name__}: {error}")
         finally:  # cancelled, deadline expired or failed: free the request now
             if events is not None and not finished:
                 self.loop.abort(args.request_id, owner=events)

@@ -2,7 +2,9 @@
 
 Owns the request table and output processing (sampling the next token, stop tokens, stop
 strings, max_tokens, incremental text). Scheduling is `engine.scheduler`'s, the forward is
-`engine.runner`'s. Synchronous and single-threaded: services drive it from their own loop.
+`engine.runner`'s; `engine.isolation` makes a request whose forward input, sampling or commit
+raises end alone (`RequestOutput.error`). Synchronous and single-threaded: services drive it
+from their own loop.
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.drafters.base import Drafter
-from specserve.engine import speculative
-from specserve.engine.runner import ForwardInput, ModelRunner
+from specserve.engine import isolation, speculative
+from specserve.engine.runner import ModelRunner
 from specserve.engine.sampling import make_generator, sample_rows
-from specserve.engine.scheduler import Scheduled, Scheduler
+from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence, Status
 from specserve.errors import InvalidRequest
 from specserve.models.decoder import DecoderModel
 from specserve.spec.accept import accept
-from specserve.spec.metrics import RequestSpecStats, StepRecord, StepTimes
+from specserve.spec.metrics import RequestSpecStats, StepTimes
 from specserve.types import FinishReason, RequestOutput, SamplingParams
 
 
@@ -153,7 +155,8 @@ class Engine:
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One round: draft for decoding requests, one forward over every tree and prefill
-        chunk (verify), then commit. Returns outputs of requests that produced tokens."""
+        chunk (verify), then commit. Returns outputs of requests that produced tokens, and of
+        requests that failed (`error` set: they end, the others go on)."""
         t_start, self.last_step = time.time_ns(), None
         work = self.scheduler.schedule()
         if not work:
@@ -168,85 +171,77 @@ class Engine:
         span = self.runner.step_rows([p.layout.num_rows for p in plans])
         for p in plans:
             self.blocks.ensure(p.seq.request_id, p.start + max(p.layout.num_rows, span))
-        inputs = [p.forward_input() for p in plans] + [self._chunk_input(w) for w in chunks]
-        ends = list(itertools.accumulate(len(x.token_ids) for x in inputs))
-        rows = [r for p, e in zip(plans, ends, strict=False)
-                for r in range(e - p.layout.num_rows, e)]
-        done = [i for i, w in enumerate(chunks) if w.start + w.num_tokens == w.seq.num_tokens]
-        rows += [ends[len(plans) + i] - 1 for i in done]
         t0 = time.perf_counter()
-        logits, feats = self.runner.forward(inputs, rows, taps=self._needs_context)
-        if logits.is_cuda:  # the accept walk syncs anyway; syncing here makes verify_s true
-            torch.cuda.synchronize(logits.device)
+        batch, outputs = isolation.forward(self, plans, chunks, self._needs_context)
         verify_s = time.perf_counter() - t0
         t_verify = time.time_ns()
-        outputs = self._commit_trees(plans, logits, feats, ends, draft_s, verify_s)
-        offset = sum(p.layout.num_rows for p in plans)
-        for w, e in zip(chunks, ends[len(plans):], strict=True):
-            w.seq.num_computed += w.num_tokens
-            w.seq.spec_stats.prefill_s += verify_s  # the forward this chunk rode in
-            if feats is not None:
-                w.seq.pending_context.append(feats[e - w.num_tokens : e])
-        speculative.feed(self.drafter, [w.seq for w in chunks])  # before a release can happen
-        for j, i in enumerate(done):
-            seq = chunks[i].seq
-            token = sample_rows(logits[offset + j : offset + j + 1], seq.params, seq.generator)
-            outputs.append(self._commit(seq, token))
+        outputs += self._commit_trees(batch, draft_s, verify_s)
+        outputs += self._end_chunks(batch, verify_s)
         self.last_step = StepTimes(t_start, t_draft, t_verify, time.time_ns(), tuple(
-            (w.seq.request_id, w.start, w.num_tokens) for w in chunks))
+            (w.seq.request_id, w.start, w.num_tokens) for w in batch.chunks))
         for out in outputs:
             if "step" in out.stats:
                 out.stats["times"] = self.last_step
         return outputs
 
-    def _chunk_input(self, w: Scheduled) -> ForwardInput:
-        ids = w.seq.ids[w.start : w.start + w.num_tokens]
-        return ForwardInput(
-            w.seq.request_id, ids, range(w.start, w.start + w.num_tokens), ctx_len=w.start
-        )
-
-    def _commit_trees(self, plans, logits, feats, ends, draft_s, verify_s) -> list[RequestOutput]:
+    def _commit_trees(self, batch, draft_s, verify_s) -> list[RequestOutput]:
         """Accept, compact KV and commit every tree of the step."""
         t0 = time.perf_counter()
         outputs, src, dst, row0, done = [], [], [], 0, []
-        for p, end in zip(plans, ends, strict=False):
-            seq, n = p.seq, p.layout.num_rows
-            acc = accept(logits[row0 : row0 + n], p.tree, seq.params, seq.generator)
-            s, d = speculative.compaction(p, acc)
-            s, d = [self._slot(seq, x) for x in s], [self._slot(seq, x) for x in d]
-            if feats is not None:
-                keep = torch.tensor([0, *acc.rows], device=feats.device) + (end - n)
-                seq.pending_context.append(feats.index_select(0, keep))
-            seq.num_computed = p.start + 1 + acc.accepted_depth
-            out = self._commit(seq, acc.token_ids)
-            if not out.finished:  # a finished request's pages are already free
-                src, dst = src + s, dst + d
-            cut = len(out.new_token_ids) < len(acc.token_ids)
-            done.append((p, acc, out, cut))
-            outputs.append(out)
+        for p, end in zip(batch.plans, batch.ends, strict=False):
+            n = p.layout.num_rows
+            try:
+                acc, out, s, d = self._commit_tree(p, batch.logits[row0 : row0 + n], batch, end)
+            except Exception as e:  # this request's failure ends it alone: no copies for it
+                outputs.append(isolation.fail(self, p.seq, e))
+            else:
+                if not out.finished:  # a finished request's pages are already free
+                    src, dst = src + s, dst + d
+                done.append((p, acc, out, len(out.new_token_ids) < len(acc.token_ids)))
+                outputs.append(out)
             row0 += n
         self.runner.kv.copy_slots(src, dst)  # host lists: one transfer, no sync
         commit_s = time.perf_counter() - t0
         for p, acc, out, cut in done:
             if p.seq.request_id in self.blocks:
                 self.blocks.truncate(p.seq.request_id, p.seq.num_computed)
-            self._record(p, acc, out, cut, (draft_s, verify_s, commit_s))
+            step = speculative.record(p, acc, out, cut, (draft_s, verify_s, commit_s))
+            if self.on_step is not None:
+                self.on_step(p.seq.request_id, step)
+        return outputs
+
+    def _commit_tree(self, p, logits, batch, end):
+        """One tree's accept walk and commit: (acceptance, output, KV copy src and dst slots)."""
+        seq, n, feats = p.seq, p.layout.num_rows, batch.feats
+        acc = accept(logits, p.tree, seq.params, seq.generator)
+        s, d = speculative.compaction(p, acc)
+        s, d = [self._slot(seq, x) for x in s], [self._slot(seq, x) for x in d]
+        if feats is not None:
+            keep = torch.tensor([0, *acc.rows], device=feats.device) + (end - n)
+            seq.pending_context.append(feats.index_select(0, keep))
+        seq.num_computed = p.start + 1 + acc.accepted_depth
+        return acc, self._commit(seq, acc.token_ids), s, d
+
+    def _end_chunks(self, batch, verify_s) -> list[RequestOutput]:
+        """Book the step's prefill chunks; sample the first token where a prompt is done."""
+        for w, e in zip(batch.chunks, batch.ends[len(batch.plans):], strict=True):
+            w.seq.num_computed += w.num_tokens
+            w.seq.spec_stats.prefill_s += verify_s  # the forward this chunk rode in
+            if batch.feats is not None:
+                w.seq.pending_context.append(batch.feats[e - w.num_tokens : e])
+        speculative.feed(self.drafter, [w.seq for w in batch.chunks])  # before any release
+        offset, outputs = sum(p.layout.num_rows for p in batch.plans), []
+        for j, i in enumerate(batch.done):
+            seq, row = batch.chunks[i].seq, offset + j
+            try:
+                token = sample_rows(batch.logits[row : row + 1], seq.params, seq.generator)
+                outputs.append(self._commit(seq, token))
+            except Exception as e:  # this request's failure ends it alone
+                outputs.append(isolation.fail(self, seq, e))
         return outputs
 
     def _slot(self, seq: Sequence, position: int) -> int:
         return self.blocks.slots(seq.request_id, position, position + 1)[0]
-
-    def _record(self, p, acc, out, cut, times) -> None:
-        step = StepRecord(p.budget, p.tree.n, acc.accepted_depth, len(out.new_token_ids), cut,
-                          p.fallback)
-        stats = p.seq.spec_stats
-        stats.record(step)
-        stats.draft_s, stats.verify_s, stats.commit_s = (
-            a + b for a, b in zip((stats.draft_s, stats.verify_s, stats.commit_s), times,
-                                  strict=True))
-        out.stats = {"step": step, "request": stats, "context_len": int(p.layout.positions[0])}
-        if self.on_step is not None:
-            self.on_step(p.seq.request_id, step)
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append generated tokens (stopping at the first that ends the request)."""
@@ -256,7 +251,7 @@ class Engine:
             reason = seq.append(t)
             if reason is not None:
                 break
-        text, reason = self._text(seq, taken, reason)
+        text, reason = seq.text_delta(taken, reason)
         out = RequestOutput(
             seq.request_id, taken, text, reason, len(seq.prompt_ids), len(seq.output_ids)
         )
@@ -266,20 +261,6 @@ class Engine:
             self.requests.pop(seq.request_id, None)
             self._release(seq.request_id)
         return out
-
-    def _text(self, seq: Sequence, taken: list[int], reason: FinishReason | None):
-        if seq.detok is None:
-            return "", reason
-        delta = seq.detok.push(taken)
-        if reason is not None:
-            delta += seq.detok.flush()
-        if seq.stopper is not None:
-            delta, stopped = seq.stopper.feed(delta)
-            if stopped:
-                return delta, FinishReason.STOP
-            if reason is not None:
-                delta += seq.stopper.flush()
-        return delta, reason
 
     # ---- convenience -------------------------------------------------------------------------
     def generate(

@@ -23,8 +23,12 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
 
 
 def probs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Sampling distribution `[..., V]` float32 of a non-greedy request from `logits [..., V]`."""
-    scores = logits.float() / params.temperature
+    """Sampling distribution `[..., V]` float32 of a non-greedy request from `logits [..., V]`.
+
+    The row max is subtracted before dividing by the temperature: the top score is exactly 0,
+    so no temperature, however small, overflows (the rest may go to -inf: probability 0)."""
+    scores = logits.float()
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / params.temperature
     vocab = scores.shape[-1]
     if params.top_k is not None and params.top_k < vocab:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]

@@ -101,3 +101,20 @@ class Sequence:
         if len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= self.max_len:
             return FinishReason.LENGTH
         return None
+
+    def text_delta(self, taken: list[int], reason: FinishReason | None
+                   ) -> tuple[str, FinishReason | None]:
+        """The text of newly appended `taken` tokens and the finish reason, which a stop string
+        in that text turns into STOP ("" and `reason` when the engine has no tokenizer)."""
+        if self.detok is None:
+            return "", reason
+        delta = self.detok.push(taken)
+        if reason is not None:
+            delta += self.detok.flush()
+        if self.stopper is not None:
+            delta, stopped = self.stopper.feed(delta)
+            if stopped:
+                return delta, FinishReason.STOP
+            if reason is not None:
+                delta += self.stopper.flush()
+        return delta, reason

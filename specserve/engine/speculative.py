@@ -20,7 +20,9 @@ from specserve.drafters.base import Drafter, DraftRequest
 from specserve.engine.runner import ForwardInput
 from specserve.engine.sequence import Sequence
 from specserve.spec.accept import Acceptance
+from specserve.spec.metrics import StepRecord
 from specserve.spec.tree import DraftTree, VerifyLayout, verify_layout
+from specserve.types import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +125,18 @@ def compaction(p: Planned, acc: Acceptance) -> tuple[list[int], list[int]]:
     src = [p.start + row for d, row in enumerate(acc.rows, 1) if row != d]
     dst = [p.start + d for d, row in enumerate(acc.rows, 1) if row != d]
     return src, dst
+
+
+def record(p: Planned, acc: Acceptance, out: RequestOutput, cut: bool,
+           times: tuple[float, float, float]) -> StepRecord:
+    """The step's record for `p`: added to the request's stats (with the step's draft, verify
+    and commit seconds) and put in `out.stats`."""
+    step = StepRecord(p.budget, p.tree.n, acc.accepted_depth, len(out.new_token_ids), cut,
+                      p.fallback)
+    stats = p.seq.spec_stats
+    stats.record(step)
+    stats.draft_s, stats.verify_s, stats.commit_s = (
+        a + b for a, b in zip((stats.draft_s, stats.verify_s, stats.commit_s), times,
+                              strict=True))
+    out.stats = {"step": step, "request": stats, "context_len": int(p.layout.positions[0])}
+    return step

@@ -2,7 +2,8 @@
 
 Streamed tokens must equal the in-process engine's greedy output whatever the drafter does (none,
 unreachable, a fake n-gram drafter that errors first, one restarted mid-generation); bad requests
-map to status codes without hurting the server; a cancelled stream frees its KV pages at once.
+map to status codes without hurting the server; a cancelled stream frees its KV pages at once; a
+request that fails inside the engine fails alone (its own status, the others' streams intact).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from services.verifier.server import VerifierConfig, serve
 from specserve.config import EngineConfig
 from specserve.drafters.ngram import ngram_tree
 from specserve.engine.engine import Engine
+from specserve.errors import InvalidRequest
 from specserve.types import SamplingParams
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.helpers import make_checkpoint, random_prompts
@@ -363,3 +365,62 @@ async def test_rows_not_kept_end_speculation_for_requests_in_flight_only(target,
     assert _tokens(fresh) == expected([21, 22, 23, 24] * 6, 60)
     assert max(e.commit_len for e in fresh[1:]) > 1 and not any(e.fallback for e in fresh[1:])
     assert not restarted.inconsistent
+
+VICTIMS = random_prompts(8, VOCAB, [5, 17, 9, 26, 3, 12, 30, 7], seed=13)
+
+
+def _victim_calls(stub):
+    return [_generate(stub, p, 6 + 3 * i) for i, p in enumerate(VICTIMS)]
+
+
+def _check_victims(streams, expected) -> None:
+    for i, (prompt, events) in enumerate(zip(VICTIMS, streams, strict=True)):
+        assert _tokens(events) == expected(prompt, 6 + 3 * i)
+        assert events[-1].final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+async def _read_all_or_error(call) -> tuple[list, grpc.aio.AioRpcError | None]:
+    events = []
+    try:
+        while (event := await call.read()) is not grpc.aio.EOF:
+            events.append(event)
+    except grpc.aio.AioRpcError as e:
+        return events, e
+    return events, None
+
+
+@aio
+@pytest.mark.parametrize("temperature", [1e-38, 1e-44])  # 1e-44: this tiny model overflows too
+async def test_tiny_temperature_is_greedy_beside_victims(plain, expected, temperature):
+    tiny = common_pb2.SamplingParams(max_tokens=20, temperature=temperature, ignore_eos=True)
+    tiny_events, *streams = await asyncio.gather(
+        _generate(plain.stub, [4, 9, 2, 7], sampling=tiny), *_victim_calls(plain.stub))
+    assert _tokens(tiny_events) == expected([4, 9, 2, 7], 20)
+    _check_victims(streams, expected)
+    await _pages_back_within_1s(plain.stub, 0)
+
+
+@aio
+@pytest.mark.parametrize("error,code", [
+    (RuntimeError("probability tensor contains either inf, nan or element < 0"),
+     grpc.StatusCode.INTERNAL),
+    (InvalidRequest("bad sampling state"), grpc.StatusCode.INVALID_ARGUMENT),
+])
+async def test_a_request_failing_in_the_engine_fails_alone(plain, expected, monkeypatch, error,
+                                                           code):
+    commit = Engine._commit
+
+    def failing_commit(engine, seq, tokens):  # the doomed request fails after its first token
+        if seq.request_id == "doomed" and seq.output_ids:
+            raise error
+        return commit(engine, seq, tokens)
+
+    monkeypatch.setattr(Engine, "_commit", failing_commit)
+    doomed = plain.stub.Generate(_request([8, 3, 5, 1, 6], 30, rid="doomed"), timeout=RPC_S)
+    seen, *streams = await asyncio.gather(_read_all_or_error(doomed), *_victim_calls(plain.stub))
+    events, err = seen
+    assert _tokens(events) == expected([8, 3, 5, 1, 6], 1) and err is not None
+    assert err.code() == code
+    assert err.details() == f"request 'doomed' failed: {type(error).__name__}: {error}"
+    _check_victims(streams, expected)
+    await _pages_back_within_1s(plain.stub, 0)

@@ -1,0 +1,108 @@
+"""Failure isolation within one engine step: what one request breaks ends that request only.
+
+Owns the step's batched forward: its layout (`StepBatch`: which inputs and logit rows belong to
+which tree or prefill chunk) and its recovery: when the forward over several inputs raises,
+each input is re-run alone, the requests whose input fails alone end with their error and one
+batched forward runs over the others (a forward's KV writes are idempotent for the same inputs).
+A failure that no input shows alone is step-wide and propagates. Also owns `fail`: ending one
+request with an error (pages and drafter state freed as by `abort`, an ABORT output carrying
+the error), which the engine uses for a request whose sampling or commit raises.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.engine.runner import ForwardInput, ModelRunner
+from specserve.engine.scheduler import Scheduled
+from specserve.engine.sequence import Sequence
+from specserve.engine.speculative import Planned
+from specserve.types import FinishReason, RequestOutput
+
+if TYPE_CHECKING:
+    from specserve.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class StepBatch:
+    """The forward of one step: trees first, then prefill chunks."""
+
+    plans: list[Planned]
+    chunks: list[Scheduled]
+    logits: torch.Tensor | None  # [rows, V]: every tree row, then one per done chunk; None: empty
+    feats: torch.Tensor | None  # tapped features of every flat row, when asked for
+    ends: list[int]  # flat end of each input (plans, then chunks)
+    done: list[int]  # indices of the chunks that end their prompt (a token is sampled there)
+
+
+def chunk_input(w: Scheduled) -> ForwardInput:
+    ids = w.seq.ids[w.start : w.start + w.num_tokens]
+    return ForwardInput(
+        w.seq.request_id, ids, range(w.start, w.start + w.num_tokens), ctx_len=w.start
+    )
+
+
+def run(runner: ModelRunner, plans: list[Planned], chunks: list[Scheduled],
+        taps: bool) -> StepBatch:
+    """One batched forward over `plans` and `chunks` (none: an empty batch, no forward)."""
+    if not plans and not chunks:
+        return StepBatch([], [], None, None, [], [])
+    inputs = [p.forward_input() for p in plans] + [chunk_input(w) for w in chunks]
+    ends = list(itertools.accumulate(len(x.token_ids) for x in inputs))
+    rows = [r for p, e in zip(plans, ends, strict=False)
+            for r in range(e - p.layout.num_rows, e)]
+    done = [i for i, w in enumerate(chunks) if w.start + w.num_tokens == w.seq.num_tokens]
+    rows += [ends[len(plans) + i] - 1 for i in done]
+    logits, feats = runner.forward(inputs, rows, taps=taps)
+    if logits.is_cuda:  # the accept walk syncs anyway; syncing here makes verify_s true
+        torch.cuda.synchronize(logits.device)
+    return StepBatch(plans, chunks, logits, feats, ends, done)
+
+
+def forward(engine: Engine, plans: list[Planned], chunks: list[Scheduled],
+            taps: bool) -> tuple[StepBatch, list[RequestOutput]]:
+    """The step's forward; if it raises, again without the requests whose input fails alone.
+    Returns the batch and the (error) outputs of the requests that were ended."""
+    try:
+        return run(engine.runner, plans, chunks, taps), []
+    except Exception as error:
+        bad = offenders(engine.runner, plans, chunks, taps, error)
+    plans = [p for p in plans if p.seq.request_id not in bad]
+    chunks = [w for w in chunks if w.seq.request_id not in bad]
+    failed = [fail(engine, seq, e) for seq, e in bad.values()]
+    return run(engine.runner, plans, chunks, taps), failed
+
+
+def offenders(runner: ModelRunner, plans: Seq[Planned], chunks: Seq[Scheduled], taps: bool,
+              error: Exception) -> dict[str, tuple[Sequence, Exception]]:
+    """Requests whose input alone makes the forward raise (`error` raised over all of them);
+    re-raises `error` if there are none (the failure is the step's, not a request's)."""
+    alone = [([p], [], p.seq) for p in plans] + [([], [w], w.seq) for w in chunks]
+    if len(alone) == 1:
+        return {alone[0][2].request_id: (alone[0][2], error)}
+    bad = {}
+    for one_plan, one_chunk, seq in alone:
+        try:
+            run(runner, one_plan, one_chunk, taps)
+        except Exception as e:
+            bad[seq.request_id] = (seq, e)
+    if not bad:
+        raise error
+    return bad
+
+
+def fail(engine: Engine, seq: Sequence, error: Exception) -> RequestOutput:
+    """End `seq` with `error` (pages and drafter state freed, as `abort` does); its output."""
+    log.error("request %s failed; the rest of the step goes on", seq.request_id, exc_info=error)
+    engine.abort(seq.request_id)
+    return RequestOutput(seq.request_id, [], finish_reason=FinishReason.ABORT,
+                         num_prompt_tokens=len(seq.prompt_ids),
+                         num_output_tokens=len(seq.output_ids), error=error)
