@@ -191,7 +191,14 @@ async def _verifier_stats(address: str) -> dict:
         s = await verifier_pb2_grpc.VerifierStub(ch).Stats(verifier_pb2.StatsRequest(),
                                                            timeout=10)
     return dict(transport=s.drafter_transport, context_rows=dict(s.context_rows),
-                fallbacks=dict(s.fallbacks), steps=s.steps)
+                fallbacks=dict(s.fallbacks), steps=s.steps, profile=dict(s.profile))
+
+
+def profile_per_step(before: dict, after: dict) -> dict:
+    """ms per engine step in each profiled part between two `verifier_stats`."""
+    steps = after["steps"] - before["steps"]
+    return {k: 1e3 * (v - before["profile"].get(k, 0.0)) / steps
+            for k, v in after["profile"].items()} if steps else {}
 
 
 def verifier_stats(address: str) -> dict:

@@ -37,9 +37,10 @@ from _served_run import (  # noqa: E402
     Services,
     build_engine,
     in_process,
+    profile_per_step,
     served,
     summary,
-    verifier_stats,  # noqa: E402
+    verifier_stats,
 )
 
 T0 = time.time()
@@ -195,12 +196,14 @@ def run(args, results: dict, tmp: Path) -> None:
         svc.wait()
         for case, ctx, prompts in cases:
             served(svc.addr("gateway"), prompts[:1], 4, args.budget)
+            before = verifier_stats(svc.addr("verifier"))
             timings = served(svc.addr("gateway"), prompts, args.new_tokens, args.budget)
             stats = verifier_stats(svc.addr("verifier"))
             add_row(results, case, ctx, len(prompts), f"served {variant}", timings,
-                    dict(verifier=stats))
+                    dict(verifier=stats, profile_ms=profile_per_step(before, stats)))
             save(results, args.out)
-            log(f"served {variant} {case}: {results['rows'][-1]['summary']} {stats}")
+            row = results["rows"][-1]
+            log(f"served {variant} {case}: {row['summary']} {row['profile_ms']}")
     svc.close()
 
 

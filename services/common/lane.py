@@ -108,8 +108,9 @@ class LaneClient:
             self.sock.close()
 
 
-# handler(kind, payload) -> reply frame (kind, payload) or None; `closed()` runs when it ends
-Handler = Callable[[int, bytes], tuple[int, bytes] | None]
+# handler(kind, payload) -> None, or a reply frame (kind, payload, then: a callable run once it
+# is sent, or None); `closed()` runs when the lane ends
+Handler = Callable[[int, bytes], tuple[int, bytes, Callable[[], None] | None] | None]
 
 
 class LaneServer:
@@ -148,7 +149,9 @@ class LaneServer:
             while True:
                 reply = handler(*recv_frame(conn))
                 if reply is not None:
-                    send_frame(conn, *reply)
+                    send_frame(conn, reply[0], reply[1])
+                    if reply[2] is not None:
+                        reply[2]()
         except (LaneClosed, OSError):
             pass
         except Exception:  # a handler bug ends this lane only; the verifier falls back

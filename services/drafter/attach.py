@@ -84,10 +84,10 @@ class Attachments:
                 batch = convert.batch_from_bytes(payload)
                 drafted.update(convert.request_ids(batch))
                 try:
-                    reply = self.runner.run(core, batch)
+                    reply, record = self.runner.run(core, batch)
                 except SpecServeError as e:
-                    reply = convert.error_batch_to_pb(batch, error_text(e))
-                return lane.TREES, reply.SerializeToString()
+                    reply, record = convert.error_batch_to_pb(batch, error_text(e)), None
+                return lane.TREES, reply.SerializeToString(), record
             if kind == lane.RELEASE:
                 ids = convert.release_from_bytes(payload)
                 core.release(ids)

@@ -50,7 +50,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         try:
             async for batch in request_iterator:
                 drafted.update(convert.request_ids(batch))
-                yield await self._draft_batch(core, batch, context)
+                reply, record = await self._draft_batch(core, batch, context)
+                yield reply
+                if record is not None:  # spans and metrics once the reply is on its way
+                    record()
         finally:
             if drafted:  # shielded: the release must finish even if the handler is cancelled
                 await asyncio.shield(asyncio.to_thread(core.release, sorted(drafted)))
@@ -74,11 +77,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return self.core
 
     async def _draft_batch(self, core: DrafterCore, batch: drafter_pb2.DraftBatch,
-                           context: grpc.aio.ServicerContext) -> drafter_pb2.TreeBatch:
+                           context: grpc.aio.ServicerContext):
+        """(the reply, what records its spans and metrics or None)."""
         try:
             return await asyncio.to_thread(self.runner.run, core, batch)
         except SpecServeError as e:
-            return convert.error_batch_to_pb(batch, error_text(e))
+            return convert.error_batch_to_pb(batch, error_text(e)), None
         except Exception as e:
             log.exception("draft step %d failed for requests %s", batch.step_id,
                           convert.request_ids(batch))

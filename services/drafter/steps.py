@@ -11,7 +11,7 @@ the stream, the lane's own thread).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from opentelemetry.trace import Status, StatusCode
@@ -38,8 +38,11 @@ class BatchRunner:
         self.rings: dict[int, torch.Tensor] = {}
         self._tracer = telemetry.tracer("specserve.drafter")
 
-    def run(self, core: DrafterCore, batch: drafter_pb2.DraftBatch) -> drafter_pb2.TreeBatch:
-        """Decode the entries, draft, encode the trees (one bad entry fails alone)."""
+    def run(self, core: DrafterCore, batch: drafter_pb2.DraftBatch
+            ) -> tuple[drafter_pb2.TreeBatch, Callable[[], None]]:
+        """Decode the entries, draft, encode the trees (one bad entry fails alone). Returns the
+        reply and what records its spans and metrics: call it once the reply is sent, so the
+        verifier does not wait for them."""
         t0 = time.perf_counter()
         device, dtype = core.context_device, core.context_dtype
         entries: list[Entry | str] = []
@@ -54,12 +57,16 @@ class BatchRunner:
         if in_ring and device.type == "cuda":  # every ring read done before the reply
             torch.cuda.current_stream(device).synchronize()
         reply = convert.tree_batch_to_pb(batch, results, times)
+        batch_s = time.perf_counter() - t0
+        return reply, lambda: self._record(batch, results, times, batch_s)
+
+    def _record(self, batch, results: Sequence[Result], times: DraftTimes,
+                batch_s: float) -> None:
         self._spans(batch, results, times)
         if self.metrics is not None and convert.is_feed(batch):
             self.metrics.feeds.inc(len(batch.entries))
         elif self.metrics is not None:
-            self._metrics(results, times, time.perf_counter() - t0)
-        return reply
+            self._metrics(results, times, batch_s)
 
     def _spans(self, batch: drafter_pb2.DraftBatch, results: Sequence[Result],
                times: DraftTimes) -> None:

@@ -90,6 +90,9 @@ class RemoteDrafter:
         self._states: dict[str, RequestRows] = {}
         self._entry_errors: dict[str, str] = {}
         self.context_rows: Counter = Counter()  # rows sent, by path (ring / inline_*)
+        # seconds: building a step's batch, waiting for its reply, the drafter's own forward +
+        # tree build (from the reply), turning the reply into trees
+        self.profile: Counter = Counter()
         self.tracing = None  # a StepTracer: each entry carries its request's `draft` span
 
     @property
@@ -172,6 +175,10 @@ class RemoteDrafter:
                 self._states[req.request_id].resend = True
             raise
         trees = self._trees(requests, reply, marks)
+        self.profile.update(draft_build=(stamps[2] - stamps[0]) * 1e-9,
+                            draft_wait=(stamps[3] - stamps[2]) * 1e-9,
+                            drafter_work=reply.forward_s + reply.tree_build_s,
+                            draft_trees=(time.time_ns() - stamps[4]) * 1e-9)
         if self.tracing and len(stamps) == len(DRAFT_EVENTS) - 1:  # the last one is now
             self.tracing.note_draft([r.request_id for r in requests],
                                     list(zip(DRAFT_EVENTS, [*stamps, time.time_ns()],

@@ -76,6 +76,7 @@ class StepLoop:
         self._lock = threading.Lock()  # guards the counters below
         self._fallbacks: Counter = Counter()
         self._steps = 0
+        self.profile: Counter = Counter()  # seconds in engine_step / deliver / observe
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -178,6 +179,7 @@ class StepLoop:
     def _step(self) -> None:
         if self.tracer is not None:
             self.tracer.begin_step(time.time_ns())
+        t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:  # a broken step fails its requests, never the thread
@@ -193,12 +195,16 @@ class StepLoop:
             self._steps += 1
         for out in outputs:
             self._attribute_entry_error(out, entry_errors.get(out.request_id))
+        t1 = time.perf_counter()
         finished = {}  # request id -> when its final event was handed over
         for out in outputs:
             if out.finished:
                 finished[out.request_id] = time.time_ns()
             self._deliver(out)
+        t2 = time.perf_counter()
         self._observe(outputs, finished)  # after delivery: off the tokens' path
+        self.profile.update(engine_step=t1 - t0, deliver=t2 - t1,
+                            observe=time.perf_counter() - t2)
 
     def _attribute_entry_error(self, out: RequestOutput, reason: str | None) -> None:
         step = out.stats.get("step")

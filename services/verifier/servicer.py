@@ -111,4 +111,5 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         connected = self.drafter is not None and self.drafter.connected
         transport = self.drafter.transport if connected else ""
         rows = dict(self.drafter.context_rows) if self.drafter is not None else {}
-        return convert.stats_to_pb(self.loop.stats(), connected, transport, rows)
+        profile = dict(self.loop.profile) | (dict(self.drafter.profile) if self.drafter else {})
+        return convert.stats_to_pb(self.loop.stats(), connected, transport, rows, profile)

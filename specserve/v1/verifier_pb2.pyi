@@ -52,7 +52,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("kv_pages_used", "kv_pages_free", "kv_pages_total", "active_requests", "waiting_requests", "drafter_connected", "fallbacks", "steps", "drafter_transport", "context_rows")
+    __slots__ = ("kv_pages_used", "kv_pages_free", "kv_pages_total", "active_requests", "waiting_requests", "drafter_connected", "fallbacks", "steps", "drafter_transport", "context_rows", "profile")
     class FallbacksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,13 @@ class StatsReply(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ProfileEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +84,7 @@ class StatsReply(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     kv_pages_used: int
     kv_pages_free: int
     kv_pages_total: int
@@ -87,4 +95,5 @@ class StatsReply(_message.Message):
     steps: int
     drafter_transport: str
     context_rows: _containers.ScalarMap[str, int]
-    def __init__(self, kv_pages_used: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., drafter_connected: _Optional[bool] = ..., fallbacks: _Optional[_Mapping[str, int]] = ..., steps: _Optional[int] = ..., drafter_transport: _Optional[str] = ..., context_rows: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    profile: _containers.ScalarMap[str, float]
+    def __init__(self, kv_pages_used: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., drafter_connected: _Optional[bool] = ..., fallbacks: _Optional[_Mapping[str, int]] = ..., steps: _Optional[int] = ..., drafter_transport: _Optional[str] = ..., context_rows: _Optional[_Mapping[str, int]] = ..., profile: _Optional[_Mapping[str, float]] = ...) -> None: ...

@@ -107,7 +107,7 @@ def test_lane_frames_only_for_its_token(tmp_path):
     def connect(token: bytes):
         if token != b"good":
             return None
-        return (lambda kind, payload: (lane.TREES, payload[::-1]) if kind == lane.BATCH
+        return (lambda kind, payload: (lane.TREES, payload[::-1], None) if kind == lane.BATCH
                 else None), closed.set
 
     server = lane.LaneServer(str(tmp_path / "l.sock"), connect)
