@@ -81,7 +81,9 @@ def build_engine(vcfg, draft_dir: str, drafter_pages: int, warmup: bool):
     return engine
 
 
-def in_process(engine, prompts: list[list[int]], new: int, budget: int) -> list[Timing]:
+def in_process(engine, prompts: list[list[int]], new: int, budget: int,
+               drafter_ms: list[float] | None = None) -> list[Timing]:
+    """`drafter_ms` gets the drafter's own forward + tree time of each drafting step."""
     from specserve.types import SamplingParams
 
     params = SamplingParams(max_tokens=new, ignore_eos=True)
@@ -91,8 +93,12 @@ def in_process(engine, prompts: list[list[int]], new: int, budget: int) -> list[
         timings[rid] = Timing(time.perf_counter())
         engine.add_request(rid, prompt, params, budget)
     while engine.has_unfinished:
+        engine.drafter.last_stats = None
         outs = engine.step()
         now = time.perf_counter()
+        stats = engine.drafter.last_stats
+        if drafter_ms is not None and stats is not None and stats.block_rows:
+            drafter_ms.append((stats.forward_s + stats.tree_s) * 1e3)
         for out in outs:
             if out.new_token_ids:
                 timings[out.request_id].arrivals.append((now, len(out.new_token_ids)))
@@ -112,14 +118,14 @@ class Services:
         self.env.pop("TRITON_INTERPRET", None)
         self.env["PYTHONPATH"] = f"{ROOT}:{self.env.get('PYTHONPATH', '')}"
 
-    def start(self, name: str, flags: list[str]) -> None:
+    def start(self, name: str, flags: list[str], env: dict | None = None) -> None:
         port_file = self.tmp / f"{name}.port"
         port_file.unlink(missing_ok=True)
         with open(self.tmp / f"{name}.log", "ab") as log:
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", f"services.{name}", "--host", "127.0.0.1", "--port", "0",
                  "--port-file", str(port_file), "--metrics-port", "0", *flags],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
+                stdout=log, stderr=subprocess.STDOUT, env={**self.env, **(env or {})}, cwd=ROOT)
         self._names = getattr(self, "_names", []) + [name]
         self._files = getattr(self, "_files", {}) | {name: port_file}
 

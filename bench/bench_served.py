@@ -81,7 +81,11 @@ def start_mps(tmp: Path) -> dict:
 
 
 def stop_mps() -> None:
-    subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env={**os.environ}, check=False)
+    """Ask the daemon to quit once its clients are gone (this process is one: no waiting)."""
+    proc = subprocess.Popen(["nvidia-cuda-mps-control"], stdin=subprocess.PIPE,
+                            env={**os.environ})
+    proc.stdin.write(b"quit\n")
+    proc.stdin.close()
 
 
 def workload(args, target: str) -> list[tuple[str, int, list[list[int]]]]:
@@ -126,6 +130,12 @@ def table(rows: list[dict]) -> str:
                      f"{s['steady_p90_ms']:7.2f} {base['steady']:5.2f} {s['tok_s']:7.1f} "
                      f"{base['tok_s']:5.2f}  {r['floor']['prefill_ms']:.1f} / "
                      f"{r['floor']['step_ms']:.2f}")
+    lines += ["", "ms per step: in process the drafter's own forward + tree; served the "
+              "verifier's profile (Stats.profile)"]
+    for r in rows:
+        parts = r.get("profile_ms") or {"drafter": r.get("drafter_ms", float("nan"))}
+        lines.append(f"{r['case']:<10} {r['path'][:40]:<40} " + " ".join(
+            f"{k}={v:.2f}" for k, v in sorted(parts.items())))
     return "\n".join(lines)
 
 
@@ -148,12 +158,24 @@ def save(results: dict, out: str) -> None:
     Path(out).write_text(json.dumps(data, indent=1, default=str))
 
 
-def verifier_flags(args, variant: str, drafter: str) -> list[str]:
+def variant_parts(args, variant: str) -> tuple[list[str], dict]:
+    """A variant's extra verifier flags (after the transport) and its services' environment
+    (`SPECSERVE_*=value` tokens)."""
     transport, _, extra = variant.partition(":")
-    return ["--model", args.model, "--draft-model", args.draft_model, "--drafter", drafter,
-            "--device", args.device, "--kv-memory-gb", str(args.kv_memory_gb),
-            "--max-num-batched-tokens", str(args.chunk), "--default-budget", str(args.budget),
-            "--drafter-transport", transport, *extra.split()]
+    env = dict(t.split("=", 1) for t in extra.split() if t.startswith("SPECSERVE_"))
+    flags = [t for t in extra.split() if not t.startswith("SPECSERVE_")]
+    return ["--drafter-transport", transport, *flags], env
+
+
+def start_services(args, svc: Services, variant: str) -> None:
+    flags, env = variant_parts(args, variant)
+    svc.start("drafter", ["--model", args.model, "--draft-model", args.draft_model, "--device",
+                          args.device, "--drafter-pages", str(args.drafter_pages)], env)
+    svc.wait()
+    svc.start("verifier", ["--model", args.model, "--draft-model", args.draft_model,
+                           "--drafter", svc.addr("drafter"), "--device", args.device,
+                           "--kv-memory-gb", str(args.kv_memory_gb), "--max-num-batched-tokens",
+                           str(args.chunk), "--default-budget", str(args.budget), *flags], env)
 
 
 def run(args, results: dict, tmp: Path) -> None:
@@ -166,10 +188,7 @@ def run(args, results: dict, tmp: Path) -> None:
     log(f"ceilings {results['ceilings']}")
     svc = Services(tmp)
     variants = args.variants.split(",")
-    svc.start("drafter", ["--model", args.model, "--draft-model", args.draft_model, "--device",
-                          args.device, "--drafter-pages", str(args.drafter_pages)])
-    svc.wait()
-    svc.start("verifier", verifier_flags(args, variants[0], svc.addr("drafter")))
+    start_services(args, svc, variants[0])
     vcfg = VerifierConfig(args.model, device=args.device, draft_model=args.draft_model,
                           kv_memory_gb=args.kv_memory_gb, max_num_batched_tokens=args.chunk,
                           default_budget=args.budget, drafter="in-process")
@@ -179,8 +198,10 @@ def run(args, results: dict, tmp: Path) -> None:
     cases = workload(args, args.model)
     for case, ctx, prompts in cases:  # the services are idle now
         in_process(engine, prompts[:1], 4, args.budget)  # this case's shapes once
-        add_row(results, case, ctx, len(prompts), "in-process",
-                in_process(engine, prompts, args.new_tokens, args.budget))
+        drafter_ms: list[float] = []
+        timings = in_process(engine, prompts, args.new_tokens, args.budget, drafter_ms)
+        add_row(results, case, ctx, len(prompts), "in-process", timings,
+                dict(drafter_ms=sorted(drafter_ms)[len(drafter_ms) // 2]))
         save(results, args.out)
         log(f"in-process {case}: {results['rows'][-1]['summary']}")
     del engine
@@ -188,9 +209,8 @@ def run(args, results: dict, tmp: Path) -> None:
         torch.cuda.empty_cache()
     for i, variant in enumerate(variants):
         if i:
-            svc.stop("gateway")
-            svc.stop("verifier")
-            svc.start("verifier", verifier_flags(args, variant, svc.addr("drafter")))
+            svc.close()
+            start_services(args, svc, variant)
             svc.wait()
         svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier")])
         svc.wait()

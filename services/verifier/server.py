@@ -5,7 +5,7 @@ connects the drafter client (failure is fine: it keeps retrying), starts the ste
 then reports SERVING. `VerifierServer.stop(grace)` drains in-flight streams for `grace` seconds,
 then stops the step loop and the drafter stream. Each verifier has its own Prometheus metrics
 (`VerifierServer.metrics`, served on `metrics_port` when it is not 0) and traces a request's
-steps every `trace_steps`-th step (0: no step spans).
+steps every `trace_steps`-th step (0: no step spans; none either when no exporter is set up).
 """
 
 from __future__ import annotations
@@ -161,7 +161,9 @@ class VerifierServer:
 async def _build(config: VerifierConfig, metrics: VerifierMetrics
                  ) -> tuple[StepLoop, RemoteDrafter | None]:
     engine = await asyncio.to_thread(Engine, config.engine_config())
-    tracer = StepTracer(config.trace_steps)
+    # step spans cost ~0.25 ms a step on the H200 (bench/bench_served.py, run 2): made only when
+    # they go somewhere
+    tracer = StepTracer(config.trace_steps if telemetry.exporting() else 0)
     drafter = None
     if config.drafter:
         drafter = await asyncio.to_thread(_remote_drafter, config, engine)
