@@ -39,6 +39,9 @@ class EngineConfig:
     # decode / verify steps as CUDA graphs (engine/graphs.py): auto = on CUDA; "on" on the CPU
     # runs the same padded static path eagerly (its CPU twin)
     cuda_graphs: str = "auto"
+    # drafting overlapped with verification: two groups of speculating requests take turns
+    # (engine/overlap.py; needs a drafter that can `submit` ahead, the drafter service's client)
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         check_switch("cuda_graphs", self.cuda_graphs)

@@ -18,16 +18,12 @@ import socket
 import struct
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 HELLO, BATCH, RELEASE, TREES, ERROR = 1, 2, 3, 4, 5
-# how long a waiting end polls the socket before it blocks (µs; 0 = block at once): a blocked
-# thread's wake-up costs tens of µs on a VM. Experiment knob (bench_served A/B), default off.
-SPIN_S = float(os.environ.get("SPECSERVE_LANE_SPIN_US", "0")) * 1e-6
 _HEAD = struct.Struct("<BI")
 MAX_FRAME_BYTES = 1 << 31
 
@@ -66,17 +62,7 @@ def send_frame(sock: socket.socket, kind: int, payload: bytes) -> None:
         sock.sendall(payload)
 
 
-def _spin(sock: socket.socket, seconds: float) -> None:
-    """Poll until a frame is readable or `seconds` passed (the GIL is free between polls)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        if select.select([sock], [], [], 0)[0]:
-            return
-
-
-def recv_frame(sock: socket.socket, spin_s: float = 0.0) -> tuple[int, bytes]:
-    if spin_s > 0:
-        _spin(sock, spin_s)
+def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
     kind, n = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
     if n > MAX_FRAME_BYTES:
         raise LaneClosed(f"frame of {n} bytes")
@@ -111,7 +97,7 @@ class LaneClient:
     def recv(self, timeout_s: float) -> tuple[int, bytes]:
         try:
             self.sock.settimeout(timeout_s)
-            return recv_frame(self.sock, min(SPIN_S, timeout_s))
+            return recv_frame(self.sock)
         except TimeoutError:
             raise LaneTimeout(f"no frame within {timeout_s} s") from None
         except OSError as e:
@@ -161,7 +147,7 @@ class LaneServer:
                 return
             handler, closed = got
             while True:
-                reply = handler(*recv_frame(conn, SPIN_S))
+                reply = handler(*recv_frame(conn))
                 if reply is not None:
                     send_frame(conn, reply[0], reply[1])
                     if reply[2] is not None:

@@ -60,6 +60,10 @@ FLAGS = [
          "host copies of each request's context rows (fc-projected with --draft-model), so "
          "its speculation survives a drafter restart: auto (rows that cross the wire; not "
          "the ring's, which never leave the GPU) | on | off"),
+    Flag("--overlap", "SPECSERVE_OVERLAP", "off", str,
+         "on: speculating requests form two groups that take turns, the drafter drafting one "
+         "while the target verifies the other (lossless; pays when drafting does not slow the "
+         "verify, BENCHMARKS.md) | off"),
     Flag("--trace-steps", "SPECSERVE_TRACE_STEPS", 1, int,
          "a span for every Nth step of a request (1 = all, 0 = none)"),
 ]
@@ -90,7 +94,8 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, grace_s=args.grace_s,
         trace_steps=args.trace_steps, metrics_port=args.metrics_port, warmup=args.warmup,
         cuda_graphs=args.cuda_graphs, drafter_transport=args.drafter_transport,
-        context_ring_rows=args.context_ring_rows, keep_context=args.keep_context)
+        context_ring_rows=args.context_ring_rows, keep_context=args.keep_context,
+        overlap=args.overlap)
 
 
 

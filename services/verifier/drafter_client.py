@@ -33,14 +33,13 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
-
-import torch
+from collections.abc import Callable, Sequence
 
 from services.common import lane
 from services.common.ring import ContextRing
 from services.verifier import convert
-from services.verifier.context_rows import New, RequestRows, project
+from services.verifier.context_rows import RequestRows
+from services.verifier.drafter_entries import DraftEntries
 from services.verifier.drafter_link import GrpcLink, LaneLink
 from services.verifier.drafter_stream import DrafterStream, DrafterTimeout, DrafterUnavailable
 from specserve.drafters.base import DraftRequest
@@ -52,8 +51,6 @@ log = logging.getLogger(__name__)
 # bench/trace_breakdown.py splits a step's drafter round trip by them
 DRAFT_EVENTS = ("drafter.call", "batch.built", "batch.written", "reply.received",
                 "reply.taken", "trees.ready")
-CONTEXT_LOST = "drafter_context_lost"
-KEEP = ("auto", "on", "off")
 __all__ = ["DRAFT_EVENTS", "DrafterTimeout", "DrafterUnavailable", "RemoteDrafter"]
 
 
@@ -70,30 +67,37 @@ class RemoteDrafter:
                  same_host: bool = True) -> None:
         if not address:
             raise ValueError("drafter address is empty")
-        if keep_context not in KEEP:
-            raise ValueError(f"keep_context must be one of {KEEP}, got {keep_context!r}")
         if timeout_s <= 0 or reconnect_s <= 0:
             raise ValueError(f"timeout_s and reconnect_s must be positive, got "
                              f"{timeout_s}, {reconnect_s}")
         self.address, self.timeout_s = address, timeout_s
         self.target_layer_ids = tuple(int(t) for t in target_layer_ids)
         self.needs_context = bool(self.target_layer_ids)  # else only n-gram drafting works
-        self.ring, self.projection, self.keep_context = ring, projection, keep_context
+        self.ring = ring
+        self.entries = DraftEntries(self.needs_context, projection, keep_context, timeout_s)
         self.stream = DrafterStream(address, timeout_s, reconnect_s,
                                     ring=ring.info if ring is not None else None,
                                     same_host=same_host)
         self._grpc = GrpcLink(self.stream, timeout_s)
         self._lane: LaneLink | None = None
         self._lane_tried = 0  # the epoch whose lane was last tried
-        self._feed_failed: set[str] = set()  # requests whose feed failed: resend in full
         self._step_ids = itertools.count(1)
-        self._states: dict[str, RequestRows] = {}
-        self._entry_errors: dict[str, str] = {}
-        self.context_rows: Counter = Counter()  # rows sent, by path (ring / inline_*)
         # seconds: building a step's batch, waiting for its reply, the drafter's own forward +
         # tree build (from the reply), turning the reply into trees
         self.profile: Counter = Counter()
-        self.tracing = None  # a StepTracer: each entry carries its request's `draft` span
+
+    @property
+    def tracing(self):
+        """A StepTracer: each entry of a traced step carries its request's `draft` span."""
+        return self.entries.tracing
+
+    @tracing.setter
+    def tracing(self, tracer) -> None:
+        self.entries.tracing = tracer
+
+    @property
+    def context_rows(self) -> Counter:
+        return self.entries.context_rows
 
     @property
     def connected(self) -> bool:
@@ -122,11 +126,11 @@ class RemoteDrafter:
     # ---- engine thread -----------------------------------------------------------------------
     def set_kind(self, request_id: str, kind: str | None) -> None:
         """Which drafter serves `request_id` (before its first draft)."""
-        self._states[request_id] = RequestRows(kind)
+        self.entries.states[request_id] = RequestRows(kind)
 
     def take_entry_errors(self) -> dict[str, str]:
         """request id → why its last draft was empty (a per-entry drafter error); then cleared."""
-        errors, self._entry_errors = self._entry_errors, {}
+        errors, self.entries.errors = self.entries.errors, {}
         return errors
 
     def _link(self) -> GrpcLink | LaneLink:
@@ -153,28 +157,40 @@ class RemoteDrafter:
         return self._grpc
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
+        return self.submit(requests)()
+
+    def submit(self, requests: Sequence[DraftRequest]) -> Callable[[], list[DraftTree]]:
+        """Send the step's batch now; the returned call waits for its trees (engine/overlap.py
+        verifies another group meanwhile). Raises (and so does the call) as `draft` does."""
         stream = self.stream
         if stream.loop is None or stream.closed:
             raise DrafterUnavailable("the drafter client is not running")
         called_ns = time.time_ns()
         link, epoch, step_id = self._link(), stream.epoch, next(self._step_ids)
         batch, marks, release = convert.draft_batch(step_id), {}, []
-        new = self._absorb_all(requests, link)
+        new = self.entries.absorb_all(requests, link)
         for req in requests:
-            st = self._states[req.request_id]
-            if self._entry(req, st, epoch, release, batch, link, new.get(req.request_id)):
+            st = self.entries.states[req.request_id]
+            if self.entries.entry(req, st, epoch, release, batch, link, new.get(req.request_id)):
                 marks[req.request_id] = (st.num_rows, len(req.history or ()))
         if link.ring is not None:
             link.ring.publish()
         stamps = [called_ns, time.time_ns()]  # + written, reply in, then taken
         try:
-            reply = link.exchange(step_id, epoch, batch, release, stamps)
+            started = link.start(step_id, epoch, batch, release, stamps)
+        except BaseException:
+            self._resend(requests)
+            raise
+        return lambda: self._collect(requests, link, started, marks, stamps)
+
+    def _collect(self, requests, link, started, marks, stamps) -> list[DraftTree]:
+        try:
+            reply = link.wait(started, stamps)
             stamps.append(time.time_ns())
         except BaseException:
-            for req in requests:  # the drafter may or may not have applied the batch
-                self._states[req.request_id].resend = True
+            self._resend(requests)
             raise
-        trees = self._trees(requests, reply, marks)
+        trees = self.entries.trees(requests, reply, marks)
         self.profile.update(draft_build=(stamps[2] - stamps[0]) * 1e-9,
                             draft_wait=(stamps[3] - stamps[2]) * 1e-9,
                             drafter_work=reply.forward_s + reply.tree_build_s,
@@ -185,6 +201,12 @@ class RemoteDrafter:
                                              strict=True)))
         return trees
 
+    def _resend(self, requests) -> None:
+        for req in requests:  # the drafter may or may not have applied the batch
+            st = self.entries.states.get(req.request_id)
+            if st is not None:
+                st.resend = True
+
     def feed(self, requests: Sequence[DraftRequest]) -> None:
         """Send prefill context rows now, as budget-0 entries whose reply is not waited for: the
         drafter builds its context cache while the target prefills, and the first draft carries
@@ -194,17 +216,18 @@ class RemoteDrafter:
             return
         stream = self.stream
         if stream.loop is None or stream.closed or not stream.connected:
-            self._absorb_all(rows, None)  # kept for the first draft, which resends in full
+            self.entries.absorb_all(rows, None)  # kept for the first draft, which resends in full
             for req in rows:
-                self._states[req.request_id].resend = True
+                self.entries.states[req.request_id].resend = True
             return
         link, epoch, step_id = self._link(), stream.epoch, next(self._step_ids)
         batch, release = convert.draft_batch(step_id), []
-        new = self._absorb_all(rows, link)
+        new = self.entries.absorb_all(rows, link)
         for req in rows:
-            st = self._states[req.request_id]
-            if st.kind == "ngram" or not self._entry(req, st, epoch, release, batch, link,
-                                                     new.get(req.request_id), traced=False):
+            st = self.entries.states[req.request_id]
+            if st.kind == "ngram" or not self.entries.entry(req, st, epoch, release, batch, link,
+                                                            new.get(req.request_id),
+                                                            traced=False):
                 continue
             st.rows_sent = st.num_rows  # optimistic: a failure sets resend (see _feed_done)
         if not batch.entries:
@@ -212,124 +235,14 @@ class RemoteDrafter:
         if link.ring is not None:
             link.ring.publish()
         ids = [e.request_id for e in batch.entries]
+        failed_feeds = self.entries.feed_failed
         link.feed(step_id, epoch, batch, release, ids,
-                  lambda failed: self._feed_failed.update(ids if failed is None else failed))
-
-    # ---- entries -----------------------------------------------------------------------------
-    def _absorb_all(self, requests: Sequence[DraftRequest], link) -> dict[str, New]:
-        """Take each request's rows not seen before (a gap: an entry error); keep them on the
-        host if asked; fc-project them once for all requests where the wire or the kept copy
-        wants it (the drafter's own grouping: its fc runs over the same rows)."""
-        new: dict[str, torch.Tensor] = {}
-        for req in requests:
-            st = self._states.setdefault(req.request_id, RequestRows(None))
-            ctx = req.context
-            if ctx is None or not self.needs_context or st.kind == "ngram" or not ctx.shape[0]:
-                continue
-            first = req.start - ctx.shape[0]  # the rows cover positions [first, start)
-            if first > st.num_rows:
-                self._entry_errors[req.request_id] = "drafter_entry_error: context gap"
-                continue
-            rows = ctx[st.num_rows - first:].detach()
-            if rows.shape[0]:
-                new[req.request_id] = rows
-                st.num_rows += rows.shape[0]
-        if not new:
-            return {}
-        on_wire = link is None or link.ring is None
-        for rid in new:
-            st = self._states[rid]
-            if st.keep is None:  # decided once: a request's rows are all kept, or none
-                st.keep = self.keep_context == "on" or (self.keep_context == "auto" and on_wire)
-        kept = [rid for rid in new if self._states[rid].keep]
-        wanted = self.projection is not None and (bool(kept) or on_wire)
-        fused = dict(zip(new, project(self.projection, list(new.values())), strict=True)) \
-            if wanted else {}
-        host = {}
-        if kept:  # one copy to the host for all of them, split (the wire sends these)
-            rows = [fused.get(rid, new[rid]) for rid in kept]
-            both = (rows[0] if len(rows) == 1 else torch.cat(rows)).cpu()
-            host = dict(zip(kept, both.split([r.shape[0] for r in rows]), strict=True))
-            for rid in kept:
-                self._states[rid].keep_rows(host[rid])
-        return {rid: New(rows, fused.get(rid), host.get(rid)) for rid, rows in new.items()}
-
-    def _entry(self, req: DraftRequest, st: RequestRows, epoch: int, release: list[str], batch,
-               link, new: New | None, traced: bool = True) -> bool:
-        """Append the request's DraftEntry to `batch`; False (with an entry error, nothing
-        appended) if it cannot be drafted."""
-        if req.request_id in self._entry_errors:  # a context gap, found by _absorb_all
-            return False
-        if req.request_id in self._feed_failed:
-            self._feed_failed.discard(req.request_id)
-            st.resend = True
-        if st.resend or st.epoch != epoch:
-            if st.sent_once:
-                release.append(req.request_id)
-            st.rows_sent = st.history_sent = 0
-            st.epoch, st.resend = epoch, False
-        held_before = st.num_rows - (new.raw.shape[0] if new is not None else 0)
-        if st.rows_sent < held_before and not st.keep:
-            st.lost = True  # the drafter lost rows nobody kept
-        if st.lost and st.kind != "ngram":
-            self._entry_errors[req.request_id] = f"{CONTEXT_LOST}: its rows were not kept"
-            return False
-        st.sent_once = True
-        history = list(req.history[st.history_sent:]) if req.history is not None else []
-        trace_context = (self.tracing.open_draft(req.request_id)
-                         if self.tracing and traced else None)
-        if st.rows_sent < held_before:  # a resend: every kept row, on the wire
-            rows = st.rows_since(st.rows_sent)
-            fused = self.projection is not None
-            entry = convert.add_draft_entry(batch, req, st.kind, rows, history, trace_context,
-                                            fused=fused)
-            self._count(rows, fused)
-        else:
-            entry = convert.add_draft_entry(batch, req, st.kind, None, history, trace_context)
-            if new is not None:
-                self._put_rows(entry, new, link, batch.step_id)
-        return True
-
-    def _put_rows(self, entry, new: New, link, step_id: int) -> None:
-        """The new rows into the ring (named by the entry) when it has room, else inline."""
-        ring, n = link.ring, new.raw.shape[0]
-        if ring is not None:
-            start = ring.alloc(n, step_id)
-            while start is None and link.make_room(self.timeout_s):
-                start = ring.alloc(n, step_id)
-            if start is not None:
-                ring.write(start, new.raw)
-                convert.set_context_ref(entry, ring.generation, start, n)
-                self.context_rows["ring"] += n
-                return
-        rows = next(r for r in (new.host, new.fused, new.raw) if r is not None)
-        convert.fill_context(entry, rows, fused=new.fused is not None)
-        self._count(rows, new.fused is not None)
-
-    def _count(self, rows: torch.Tensor | None, fused: bool) -> None:
-        if rows is not None:
-            self.context_rows["inline_fused" if fused else "inline_raw"] += rows.shape[0]
-
-    def _trees(self, requests, reply, marks) -> list[DraftTree]:
-        got = convert.trees_from_pb(reply)
-        trees = []
-        for req in requests:
-            rid, st = req.request_id, self._states[req.request_id]
-            tree = got.get(rid, "no tree in the drafter's reply") if rid in marks else None
-            if isinstance(tree, DraftTree):
-                st.rows_sent, st.history_sent = marks[rid]
-                trees.append(tree)
-                continue
-            if tree is not None:
-                self._entry_errors[rid] = f"drafter_entry_error: {tree}"
-            st.resend = True
-            trees.append(DraftTree.empty())
-        return trees
+                  lambda failed: failed_feeds.update(ids if failed is None else failed))
 
     def release(self, request_id: str) -> None:
         """Forget the request here and (fire-and-forget) on the drafter."""
-        st, stream = self._states.pop(request_id, None), self.stream
-        self._feed_failed.discard(request_id)
+        st, stream = self.entries.states.pop(request_id, None), self.stream
+        self.entries.feed_failed.discard(request_id)
         if st is None or not st.sent_once or stream.loop is None or stream.closed:
             return
         link = self._lane if self._lane is not None and not self._lane.broken else self._grpc

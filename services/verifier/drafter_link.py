@@ -1,8 +1,9 @@
 """How the verifier's engine thread reaches the drafter for one epoch: the gRPC stream or the lane.
 
-Owns the two transports behind one engine-thread interface — `exchange` (a step's batch, its
-reply waited for with the deadline), `feed` (a prefill chunk's batch, its reply handled
-whenever it arrives), `release`, `make_room` (wait until the ring gives a segment back) — and
+Owns the two transports behind one engine-thread interface — `start` / `wait` (a step's batch
+out, its reply waited for with the deadline; several may be in flight), `feed` (a prefill
+chunk's batch, its reply handled whenever it arrives), `release`, `make_room` (wait until the
+ring gives a segment back) — and
 the context ring's segment accounting: a batch's segments are given back when its reply is in
 (the drafter has read them) or its connection is gone.
 
@@ -45,15 +46,19 @@ class GrpcLink:
         self.ring: ContextRing | None = None  # set per epoch by the client
         self.epoch = 0
 
-    def exchange(self, step_id: int, epoch: int, batch, release: list[str],
-                 stamps: list[int]):
-        done = asyncio.run_coroutine_threadsafe(
+    def start(self, step_id: int, epoch: int, batch, release: list[str], stamps: list[int]):
+        """Send a step's batch; `wait` on what this returns for its reply."""
+        future = asyncio.run_coroutine_threadsafe(
             self.stream.exchange(step_id, epoch, batch, release, stamps=stamps),
             self.stream.loop)
+        return step_id, future
+
+    def wait(self, started, stamps: list[int]):
+        step_id, future = started
         try:
-            return done.result(self.timeout_s + 1.0)
+            return future.result(self.timeout_s + 1.0)
         except concurrent.futures.TimeoutError:
-            done.cancel()
+            future.cancel()
             raise DrafterTimeout(f"no reply within {self.timeout_s} s") from None
         finally:
             if self.ring is not None:
@@ -94,20 +99,27 @@ class LaneLink:
         self.client, self.epoch, self.ring, self.timeout_s = client, epoch, ring, timeout_s
         self.broken = False
         self._feeds: dict[int, tuple[list[str], FeedDone]] = {}
+        self._replies: dict[int, object] = {}  # step replies read before their `wait`
 
-    def exchange(self, step_id: int, epoch: int, batch, release: list[str],
-                 stamps: list[int]):
+    def start(self, step_id: int, epoch: int, batch, release: list[str], stamps: list[int]):
+        """Send a step's batch; `wait(step_id)` for its reply."""
         try:
             if release:
                 self.client.send(lane.RELEASE, convert.release_bytes(release))
             self.client.send(lane.BATCH, batch.SerializeToString())
             stamps.append(time.time_ns())
+        except lane.LaneClosed as e:
+            self._break()
+            raise DrafterUnavailable(f"the drafter's lane broke: {e}") from None
+        return step_id
+
+    def wait(self, step_id: int, stamps: list[int]):
+        try:
             deadline = time.monotonic() + self.timeout_s
-            while True:
-                reply = self._read(max(deadline - time.monotonic(), 1e-3))
-                if reply.step_id == step_id:
-                    stamps.append(time.time_ns())
-                    return reply
+            while step_id not in self._replies:
+                self._read(max(deadline - time.monotonic(), 1e-3))
+            stamps.append(time.time_ns())
+            return self._replies.pop(step_id)
         except lane.LaneTimeout:
             self._break()
             raise DrafterTimeout(f"no reply within {self.timeout_s} s") from None
@@ -156,18 +168,20 @@ class LaneLink:
         if kind != lane.TREES:
             raise lane.LaneClosed(f"the drafter sent frame kind {kind}: {payload[:200]!r}")
         reply = convert.tree_batch_from_bytes(payload)
+        if self.ring is not None:  # the drafter has read its rows
+            self.ring.done(reply.step_id)
         feed = self._feeds.pop(reply.step_id, None)
         if feed is not None:
-            if self.ring is not None:
-                self.ring.done(reply.step_id)
             feed[1](_failed_ids(reply))
-        return reply
+        else:
+            self._replies[reply.step_id] = reply
 
     def _break(self) -> None:
         self.broken = True
         for _, on_done in self._feeds.values():
             on_done(None)
         self._feeds.clear()
+        self._replies.clear()
         if self.ring is not None:
             self.ring.reset()
         self.client.close()

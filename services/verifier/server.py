@@ -65,6 +65,7 @@ class VerifierConfig:
     # host copies of context rows, for resends after a drafter loss: auto (rows that go on the
     # wire, not the ring's) | on | off
     keep_context: str = "auto"
+    overlap: str = "off"  # on: two groups of requests take turns, drafting beside verifying
 
     def __post_init__(self) -> None:
         check_switch("cuda_graphs", self.cuda_graphs)
@@ -95,6 +96,8 @@ class VerifierConfig:
         if self.drafter_transport not in ("auto", "grpc"):
             raise ValueError(f"drafter_transport must be auto or grpc, got "
                              f"{self.drafter_transport!r}")
+        if self.overlap not in ("on", "off"):
+            raise ValueError(f"overlap must be on or off, got {self.overlap!r}")
         if self.keep_context not in ("auto", "on", "off"):
             raise ValueError(f"keep_context must be auto, on or off, got {self.keep_context!r}")
         if self.context_ring_rows is not None and self.context_ring_rows <= 0:
@@ -119,7 +122,8 @@ class VerifierConfig:
             model_dir=self.model, dtype=dtype, device=device, page_size=self.page_size,
             kv_memory_bytes=max(1, int(gb * (1 << 30))), max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            max_draft_tokens=self.max_draft_tokens, cuda_graphs=self.cuda_graphs)
+            max_draft_tokens=self.max_draft_tokens, cuda_graphs=self.cuda_graphs,
+            overlap=self.overlap == "on")
 
     def target_layer_ids(self) -> tuple[int, ...]:
         """Target layers whose outputs feed the drafter ((): no context, n-gram only)."""

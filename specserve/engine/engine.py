@@ -19,7 +19,7 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.drafters.base import Drafter
-from specserve.engine import isolation, speculative
+from specserve.engine import isolation, overlap, speculative
 from specserve.engine.runner import ModelRunner
 from specserve.engine.sampling import make_generator, sample_rows
 from specserve.engine.scheduler import Scheduler
@@ -58,6 +58,7 @@ class Engine:
         """Use `drafter` from the next step on. A drafter that wants context features names the
         target layers to tap (`target_layer_ids`); the runner then returns their outputs."""
         self.drafter = drafter
+        self._alternation = overlap.Alternation()  # a new drafter: nothing in flight
         self._needs_context = bool(getattr(drafter, "needs_context", False))
         taps = tuple(getattr(drafter, "target_layer_ids", ())) if self._needs_context else ()
         self.runner.set_taps(taps or self.config.tap_layers)
@@ -163,8 +164,7 @@ class Engine:
             return []
         decoding = [w.seq for w in work if not w.seq.in_prefill]
         chunks = [w for w in work if w.seq.in_prefill]
-        plans, draft_s = speculative.plan(
-            decoding, self.drafter, self.max_model_len, self.model_config.vocab_size)
+        plans, draft_s = self._plan(decoding)
         t_draft = time.time_ns()
         # scratch rows for the tree, within the request's reservation (under CUDA graphs every
         # tree of the step is padded to the step's rows bucket)
@@ -183,6 +183,13 @@ class Engine:
             if "step" in out.stats:
                 out.stats["times"] = self.last_step
         return outputs
+
+    def _plan(self, decoding: list[Sequence]) -> tuple[list[speculative.Planned], float]:
+        """The step's trees: drafted now, or with `overlap` one group's, drafted last step."""
+        args = (decoding, self.drafter, self.max_model_len, self.model_config.vocab_size)
+        if self.config.overlap and hasattr(self.drafter, "submit"):
+            return self._alternation.plan(*args)[:2]
+        return speculative.plan(*args)
 
     def _commit_trees(self, batch, draft_s, verify_s) -> list[RequestOutput]:
         """Accept, compact KV and commit every tree of the step."""

@@ -95,29 +95,44 @@ def plan(
     t0 = time.perf_counter()
     reqs = draft_requests(seqs, max_len)
     wanted = [r for r in reqs if r.budget > 0]
-    trees: dict[str, DraftTree] = {}
-    fallback: dict[str, str] = {}
+    got = None
     if drafter is not None and wanted:
         try:
             got = drafter.draft(wanted)
-            if len(got) != len(wanted):
-                raise ValueError(f"drafter returned {len(got)} trees for {len(wanted)} requests")
-            for req, tree in zip(wanted, got, strict=True):
-                reason = _check_tree(tree, req, vocab)
-                trees[req.request_id] = DraftTree.empty() if reason else tree
-                if reason:
-                    fallback[req.request_id] = reason
         except Exception as e:  # a drafter failure costs speed, never correctness
-            fallback = {r.request_id: f"drafter_error: {type(e).__name__}: {e}" for r in wanted}
+            got = e
+    return planned(seqs, reqs, wanted, got, drafter is not None, vocab), time.perf_counter() - t0
+
+
+def planned(seqs: Seq[Sequence], reqs: Seq[DraftRequest], wanted: Seq[DraftRequest],
+            got: list[DraftTree] | Exception | None, has_drafter: bool,
+            vocab: int) -> list[Planned]:
+    """The plans of `seqs` (drafted as `reqs`) from the drafter's answer for `wanted`: its
+    trees, the exception it raised, or None (it was not asked). A bad tree or a failure
+    degrades that request to a root-only tree with the reason recorded."""
+    trees: dict[str, DraftTree] = {}
+    fallback: dict[str, str] = {}
+    try:
+        if isinstance(got, Exception):
+            raise got
+        if got is not None and len(got) != len(wanted):
+            raise ValueError(f"drafter returned {len(got)} trees for {len(wanted)} requests")
+        for req, tree in zip(wanted, got or (), strict=False):
+            reason = _check_tree(tree, req, vocab)
+            trees[req.request_id] = DraftTree.empty() if reason else tree
+            if reason:
+                fallback[req.request_id] = reason
+    except Exception as e:  # noqa: BLE001 — speed lost, never correctness
+        fallback = {r.request_id: f"drafter_error: {type(e).__name__}: {e}" for r in wanted}
     for seq in seqs:  # the context went to the drafter (or is moot without one)
-        if drafter is not None and seq.request_id not in fallback:
+        if has_drafter and seq.request_id not in fallback:
             seq.pending_context.clear()
     out = []
     for seq, req in zip(seqs, reqs, strict=True):
         tree = trees.get(seq.request_id, DraftTree.empty())
         out.append(Planned(seq, tree, verify_layout(tree, req.bonus_token, req.start),
                            req.budget, fallback.get(seq.request_id)))
-    return out, time.perf_counter() - t0
+    return out
 
 
 def compaction(p: Planned, acc: Acceptance) -> tuple[list[int], list[int]]:

@@ -1,15 +1,18 @@
 """Context features through the services equal the in-process engine, step by step.
 
-The trained demo pair (checkpoints/), one drafter process and two verifier processes on CPU:
+The trained demo pair (checkpoints/), one drafter process and three verifier processes on CPU:
 one finds the drafter on its host (`Attach`: context rows through the shared-memory ring, steps
 on the Unix-socket lane), one is told `--drafter-transport grpc` (everything on the gRPC
-stream, rows fc-projected by the verifier — the cross-host path). Prompts are prefilled in
+stream, rows fc-projected by the verifier — the cross-host path), one runs `--overlap on` (two
+request groups take turns, one drafted while the other is verified). Prompts are prefilled in
 several chunks, so every prompt's rows go out as several feeds. Each request's tokens and its
 per-step (accepted_depth, commit_len) must equal the in-process engine with an in-process
 DFlash drafter, and each verifier's Stats must show its rows went the way it says.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -87,26 +90,30 @@ def stack(tmp_path_factory, device):
         s.start("verifier", [*verifier, "--drafter", s.addr("drafter"),
                              "--drafter-transport", "grpc"])
         s.procs["grpc"], s.ports["grpc"] = s.procs.pop("verifier"), s.ports.pop("verifier")
+        s.start("verifier", [*verifier, "--drafter", s.addr("drafter"), "--overlap", "on"])
+        s.procs["overlap"], s.ports["overlap"] = s.procs.pop("verifier"), s.ports.pop("verifier")
         yield s
     finally:
         s.close()
 
 
-async def _served(address: str, prompts, tag: str):
-    out = []
+async def _one(stub, prompt, rid: str):
+    req = verifier_pb2.VerifyRequest(
+        request_id=rid, prompt_ids=prompt,
+        sampling=common_pb2.SamplingParams(max_tokens=NEW, ignore_eos=True),
+        spec=common_pb2.SpecOptions(drafter=common_pb2.DRAFTER_KIND_DFLASH, budget=BUDGET))
+    events = [e async for e in stub.Generate(req, timeout=120)]
+    assert not any(e.fallback for e in events), [e.fallback for e in events]
+    ids = [t for e in events for t in e.token_ids]
+    return ids, [(e.accepted_depth, e.commit_len) for e in events[1:]]  # [0]: prefill's
+
+
+async def _served(address: str, prompts, tag: str, together: bool = False):
+    """Each prompt's (tokens, steps), one request after another (or all at once)."""
     async with channel(address) as ch:
         stub = verifier_pb2_grpc.VerifierStub(ch)
-        for i, prompt in enumerate(prompts):
-            req = verifier_pb2.VerifyRequest(
-                request_id=f"{tag}-{i}", prompt_ids=prompt,
-                sampling=common_pb2.SamplingParams(max_tokens=NEW, ignore_eos=True),
-                spec=common_pb2.SpecOptions(drafter=common_pb2.DRAFTER_KIND_DFLASH,
-                                            budget=BUDGET))
-            events = [e async for e in stub.Generate(req, timeout=120)]
-            ids = [t for e in events for t in e.token_ids]
-            steps = [(e.accepted_depth, e.commit_len) for e in events[1:]]  # [0]: prefill's
-            assert not any(e.fallback for e in events), [e.fallback for e in events]
-            out.append((ids, steps))
+        calls = [_one(stub, p, f"{tag}-{i}") for i, p in enumerate(prompts)]
+        out = list(await asyncio.gather(*calls)) if together else [await c for c in calls]
         stats = await stub.Stats(verifier_pb2.StatsRequest(), timeout=10)
     return out, stats
 
@@ -128,3 +135,14 @@ async def test_served_steps_equal_the_engine(stack, prompts, reference, path):
         assert stats.drafter_transport == "grpc"
         assert rows.keys() == {"inline_fused"}
     assert sum(rows.values()) <= total
+
+
+@aio
+async def test_overlapped_groups_equal_the_engine(stack, prompts, reference):
+    """--overlap on, the three requests at once: two groups take turns (drafted ahead while the
+    other is verified), and each request still sees the serial engine's drafts exactly."""
+    got, stats = await _served(stack.addr("overlap"), prompts, "overlap", together=True)
+    for (ids, steps), (ref_ids, ref_steps) in zip(got, reference, strict=True):
+        assert ids == ref_ids
+        assert steps == ref_steps
+    assert stats.drafter_transport == "lane+ring"

@@ -38,18 +38,18 @@ def test_kept_rows_merge_the_newer_half_only():
     every row is still there, in order; a single pending chunk goes out without a copy."""
     client = RemoteDrafter("127.0.0.1:1", target_layer_ids=(1,))  # not started: no stream
     client.set_kind("r", "dflash")
-    st = client._states["r"]
+    st = client.entries.states["r"]
     gen = torch.Generator().manual_seed(0)
     prompt = [torch.randn(50, 8, generator=gen) for _ in range(3)]
     start = 0
     for chunk in prompt:
         start += chunk.shape[0]
-        assert "r" in client._absorb_all([DraftRequest("r", 1, start, 0, 0, chunk)], None)
+        assert "r" in client.entries.absorb_all([DraftRequest("r", 1, start, 0, 0, chunk)], None)
     assert st.rows_since(100).data_ptr() == prompt[2].data_ptr()  # the last chunk, as is
     decode = [torch.randn(1, 8, generator=gen) for _ in range(3 * MAX_CHUNKS)]
     for row in decode:
         start += 1
-        assert "r" in client._absorb_all([DraftRequest("r", 1, start, 0, 0, row)], None)
+        assert "r" in client.entries.absorb_all([DraftRequest("r", 1, start, 0, 0, row)], None)
         assert len(st.chunks) <= MAX_CHUNKS
     assert [c.data_ptr() for c in st.chunks[:3]] == [c.data_ptr() for c in prompt]
     assert st.num_rows == start == 150 + 3 * MAX_CHUNKS

@@ -232,20 +232,29 @@ def test_diag_fused_merge_keeps_one_wave_on_sm90():
         assert r["spills"] == 0
 
 
-def test_diag_feed_small(tmp_path):
-    """bench/diag_feed.py on a small chunk: each width's rows go through the real feed path and
-    come back equal (the script asserts it), with every stage timed."""
-    out = tmp_path / "feed.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "diag_feed.py"), "--rows", "96", "--reps",
-                           "1", "--device", "cpu", "--json", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+def test_bench_served_tiny(tmp_path):
+    """bench/bench_served.py on a tiny random pair on the CPU: the same requests in process and
+    through the three services (same host: ring + lane), every row timed and its rows' path
+    from the verifier's Stats."""
+    out = tmp_path / "served.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_served.py"), "--tiny",
+                           "--ckpt-dir", str(tmp_path / "pair"), "--contexts", "48,130",
+                           "--batch8-contexts", "", "--new-tokens", "6", "--variants", "auto",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["width"] for r in rows] == [512, 20480, 4096]
+    assert [(r["case"], r["path"]) for r in rows] == [
+        ("48 x1", "in-process"), ("130 x1", "in-process"), ("48 x1", "served auto"),
+        ("130 x1", "served auto")]
     for r in rows:
-        assert set(r["ms"]) == {"absorb", "rows_since", "to_pb", "serialize", "parse"}
-        assert all(v >= 0 for v in r["ms"].values()) and r["engine_thread_before_ms"] > 0
-        assert r["gb_per_128k"] == 131072 * r["width"] * 2 / 1e9
+        s = r["summary"]
+        assert s["ttft_ms"] > 0 and s["steady_p50_ms"] > 0 and s["steps"] == 5
+        assert r["floor"]["step_ms"] > 0 and r["ratio"]["ttft"] > 0
+    served = [r for r in rows if r["path"] == "served auto"]
+    assert all(r["verifier"]["transport"] == "lane+ring" for r in served)
+    assert served[-1]["verifier"]["context_rows"]["ring"] >= 48 + 130
+    assert {"draft_wait", "drafter_work", "engine_step"} <= set(served[-1]["profile_ms"])
 
 
 def test_trace_breakdown_splits_each_step(tmp_path):

@@ -1,0 +1,102 @@
+"""Drafting overlapped with verification (engine/overlap.py): two groups take turns, and every
+request sees exactly the trees, acceptance and tokens of the serial loop — greedy and seeded
+sampling, with a request that does not speculate, one that is aborted while its draft is in
+flight and one that starts decoding late."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.config import EngineConfig
+from specserve.drafters.ngram import NgramDrafter
+from specserve.engine.engine import Engine
+from specserve.types import SamplingParams
+from tests.helpers import random_prompts
+
+PAGE = 8
+
+
+class AheadDrafter(NgramDrafter):
+    """The n-gram drafter (trees from the history alone) that can also draft ahead: `submit`
+    drafts at once and hands the trees back when collected; it logs what each call held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[str, ...]]] = []
+
+    def draft(self, requests):
+        self.calls.append(("draft", tuple(r.request_id for r in requests)))
+        return super().draft(requests)
+
+    def submit(self, requests):
+        self.calls.append(("submit", tuple(r.request_id for r in requests)))
+        trees = super().draft(requests)
+        return lambda: trees
+
+
+def _requests(vocab: int):
+    base = random_prompts(6, vocab, [9, 14, 5, 11, 7, 20], seed=12)
+    prompts = [p * 4 for p in base]  # repetitive: the n-gram drafter gets accepted
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (37, 24, 50, 31, 45, 12)]
+    params[2] = SamplingParams(max_tokens=50, temperature=0.9, top_k=40, seed=5,
+                               ignore_eos=True)
+    budgets = [6, 9, 4, 0, 7, 5]  # r3 does not speculate
+    return [(f"r{i}", p, s, b) for i, (p, s, b) in enumerate(zip(prompts, params, budgets,
+                                                                   strict=True))]
+
+
+def _run(path, requests, overlap: bool, abort_at: int | None = None):
+    engine = Engine(EngineConfig(str(path), page_size=PAGE, max_draft_tokens=16,
+                                 max_num_batched_tokens=64, overlap=overlap))
+    drafter = AheadDrafter()
+    engine.set_drafter(drafter)
+    steps: dict[str, list[tuple[int, int, int]]] = {rid: [] for rid, *_ in requests}
+    per_step: list[set[str]] = []
+    engine.on_step = lambda rid, s: (steps[rid].append((s.tree_size, s.accepted_depth,
+                                                        s.commit_len)), per_step[-1].add(rid))
+    tokens = {rid: [] for rid, *_ in requests}
+    for rid, prompt, params, budget in requests[:-1]:
+        engine.add_request(rid, prompt, params, budget)
+    n = 0
+    while engine.has_unfinished:
+        if n == 6:  # the last one arrives while the others decode
+            engine.add_request(*requests[-1])
+        if abort_at is not None and n == abort_at:
+            engine.abort("r4")
+        per_step.append(set())
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        n += 1
+    assert engine.blocks.num_used_pages == 0
+    return tokens, steps, per_step, drafter.calls
+
+
+@pytest.mark.parametrize("abort_at", [None, 9])
+def test_two_groups_give_the_serial_loop_exactly(checkpoint_cache, abort_at):
+    path, hf = checkpoint_cache("qwen3-gqa4-yarn")
+    requests = _requests(hf.config.vocab_size)
+    ref_tokens, ref_steps, _, _ = _run(path, requests, overlap=False, abort_at=abort_at)
+    tokens, steps, per_step, calls = _run(path, requests, overlap=True, abort_at=abort_at)
+    if abort_at is None:
+        assert tokens == ref_tokens and steps == ref_steps
+    else:  # r4's tokens stop wherever its abort caught it; everyone else is exact
+        assert {k: v for k, v in tokens.items() if k != "r4"} == \
+            {k: v for k, v in ref_tokens.items() if k != "r4"}
+        assert {k: v for k, v in steps.items() if k != "r4"} == \
+            {k: v for k, v in ref_steps.items() if k != "r4"}
+    assert max(c for s in ref_steps.values() for _, _, c in s) > 2  # drafts were accepted
+    speculating = {"r0", "r1", "r2", "r4"}
+    busy = [s & speculating for s in per_step if len(s & speculating) > 1]
+    assert busy and all(len(s) < len(speculating) for s in busy)  # one group a step
+    ahead = [ids for kind, ids in calls if kind == "submit"]
+    assert len(ahead) > 10 and all(ids for ids in ahead)
+
+
+def test_one_speculating_request_runs_serially(checkpoint_cache):
+    path, hf = checkpoint_cache("qwen3-gqa4-yarn")
+    requests = _requests(hf.config.vocab_size)[:2]
+    requests = [requests[0], (requests[1][0], requests[1][1], requests[1][2], 0)]
+    ref_tokens, ref_steps, _, _ = _run(path, requests, overlap=False)
+    tokens, steps, _, calls = _run(path, requests, overlap=True)
+    assert tokens == ref_tokens and steps == ref_steps
+    assert all(kind == "draft" for kind, _ in calls)  # nothing to overlap with
