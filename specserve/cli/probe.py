@@ -68,7 +68,8 @@ def _probe(args) -> int:
                     return 2
                 rows.append(row)
                 print(f"  {text} @ {n:,}: commit_len {row.commit_len:.2f}, "
-                      f"step {row.step_ms:.1f} ms, wall {row.wall_s:.1f} s", file=sys.stderr)
+                      f"steps {row.first_step_ms:.1f} ms then {row.steady_step_ms:.1f} ms, "
+                      f"wall {row.wall_s:.1f} s", file=sys.stderr)
     print(probe.table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(probe.rows_as_json(rows), indent=2))

@@ -27,6 +27,7 @@ def test_probe_table_json_and_plot(stack, checkpoints, tmp_path):  # noqa: F811
         capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| text | context | commit len | depth | drafts |" in proc.stdout
+    assert "| 1st step ms | steady step ms |" in proc.stdout
     rows = json.loads(out.read_text())
     assert [(r["text"], r["context"]) for r in rows] == [
         ("predictable", 40), ("predictable", 200), ("novel", 40), ("novel", 200)]
@@ -36,6 +37,10 @@ def test_probe_table_json_and_plot(stack, checkpoints, tmp_path):  # noqa: F811
         assert r["stream_commit_len"] == pytest.approx(r["commit_len"])
         assert r["commit_len"] == pytest.approx(r["depth"] + 1)  # no step was cut
         assert 0 < r["prefill_s"] <= r["ttft_s"] <= r["wall_s"]
+        # both are parts of the decode time (client clock vs the gateway's: 50 ms of slack)
+        decode_ms = 1e3 * (r["wall_s"] - r["ttft_s"])
+        assert 0 < r["first_step_ms"] <= decode_ms + 50
+        assert 0 < r["steady_step_ms"] <= decode_ms + 50
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert len({r["trace_id"] for r in rows}) == len(rows)
     traces = _wait_for_traces(stack.tmp / "traces", rows)
