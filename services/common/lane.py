@@ -37,9 +37,8 @@ class LaneTimeout(Exception):
 
 
 def default_path(port: int) -> str:
-    """Where a drafter on `port` listens unless told otherwise."""
-    root = os.environ.get("SPECSERVE_LANE_DIR") or tempfile.gettempdir()
-    return str(Path(root) / f"specserve-drafter-{port}-{os.getpid()}.sock")
+    """Where a drafter on `port` listens unless told otherwise (`--lane PATH`)."""
+    return str(Path(tempfile.gettempdir()) / f"specserve-drafter-{port}-{os.getpid()}.sock")
 
 
 def _recv_exact(sock: socket.socket, n: int) -> memoryview:

@@ -32,8 +32,8 @@ FLAGS = [
     Flag("--cuda-graphs", "SPECSERVE_CUDA_GRAPHS", "auto", str,
          "the DFlash block forward as CUDA graphs: auto (on cuda) | on | off"),
     Flag("--lane", "SPECSERVE_DRAFTER_LANE", "auto", str,
-         "same-host lane (a Unix socket for the verifier's steps): auto (in SPECSERVE_LANE_DIR "
-         "or /tmp) | off | a socket path"),
+         "same-host lane (a Unix socket for the verifier's steps): auto (a path in the temp "
+         "dir) | off | a socket path (in a volume the verifier mounts too)"),
     Flag("--metrics-port", "SPECSERVE_DRAFTER_METRICS_PORT", DRAFTER_METRICS_PORT, int,
          "Prometheus /metrics port (0 = none)"),
 ]

@@ -45,8 +45,8 @@ class DrafterConfig:
     metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
     warmup: str = "auto"  # compile kernels before serving: auto (= on cuda) | on | off
     cuda_graphs: str = "auto"  # DFlash block forward as CUDA graphs: auto (= on cuda) | on | off
-    lane: str = "auto"  # same-host lane socket: auto (a path in SPECSERVE_LANE_DIR or /tmp) |
-    #                     off (steps stay on gRPC) | a socket path
+    lane: str = "auto"  # same-host lane socket: auto (a path in the temp dir) | off (steps stay
+    #                     on gRPC) | a socket path
 
     def __post_init__(self) -> None:
         check_switch("warmup", self.warmup)

@@ -150,9 +150,25 @@ def test_peers_dial_the_ports_they_listen_on(monkeypatch):
 
 
 def test_gpu_reservation_and_cpu_override():
-    gpu = _model()["services"]["verifier"]["deploy"]["resources"]["reservations"]["devices"]
-    assert gpu == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    services = _model()["services"]
+    for name in ("verifier", "drafter"):  # one GPU each, the same one on a one-GPU host
+        gpu = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert gpu == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     cpu = _model(("docker-compose.yml", CPU_OVERRIDE))["services"]
-    assert "devices" not in json.dumps(cpu["verifier"].get("deploy") or {})
+    for name in ("verifier", "drafter"):
+        assert "devices" not in json.dumps(cpu[name].get("deploy") or {})
     assert cpu["verifier"]["environment"]["SPECSERVE_DEVICE"] == "cpu"
     assert cpu["drafter"]["environment"]["SPECSERVE_DEVICE"] == "cpu"
+
+
+def test_verifier_and_drafter_share_what_the_same_host_path_needs(monkeypatch):
+    """The drafter's IPC namespace (the context ring) and a volume holding its lane socket."""
+    services = _model()["services"]
+    verifier, drafter = services["verifier"], services["drafter"]
+    assert drafter["ipc"] == "shareable" and verifier["ipc"] == "service:drafter"
+    env = {k: str(v) for k, v in drafter["environment"].items() if k.startswith("SPECSERVE_")}
+    lane = _parse_with_env("drafter", env, monkeypatch)[1].lane
+    mounts = {name: {v["target"]: v["source"] for v in services[name]["volumes"]}
+              for name in ("verifier", "drafter")}
+    lane_dir = str(Path(lane).parent)
+    assert mounts["verifier"][lane_dir] == mounts["drafter"][lane_dir] == "lanes"

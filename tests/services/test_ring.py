@@ -101,6 +101,25 @@ def test_a_ring_from_elsewhere_is_refused():
         map_ring(ring.info)  # closed: the file is gone
 
 
+def test_rings_of_dead_verifiers_are_swept():
+    """A verifier killed with -9 leaves its ring file; the next ring made on the host removes it
+    (and leaves a live process's alone)."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    if root is None:
+        pytest.skip("no /dev/shm")
+    stale, live = root / f"specserve-ring-{dead}-abc123", root / "specserve-ring-1-def456"
+    stale.write_bytes(b"x" * 64)
+    live.write_bytes(b"x" * 64)  # pid 1 is alive
+    try:
+        ContextRing(4, 4, torch.float32, "cpu").close()
+        assert not stale.exists() and live.exists()
+    finally:
+        stale.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
+
+
 def test_lane_frames_only_for_its_token(tmp_path):
     closed = threading.Event()
 
