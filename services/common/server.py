@@ -16,9 +16,9 @@ from grpc_reflection.v1alpha import reflection
 MiB = 1 << 20
 # Tensors cross the drafter stream (context features); 64 MiB bounds one step's message.
 MAX_MESSAGE_BYTES = 64 * MiB
-# The verifier ↔ drafter stream carries a whole prompt's context features in its first draft
-# message (bf16: taps × hidden × 2 B per token — 128 MiB at 128k tokens for the demo pair), so
-# that internal link gets a larger bound. Chunked transfer during prefill is planned.
+# The verifier ↔ drafter stream carries context rows inline when the two are not on one host (a
+# prefill chunk's fc-projected rows, or a resend of a request's kept rows: hidden × 2 B per
+# token, 1 GiB at 128k tokens of a 4096-wide drafter), so that internal link gets a larger bound.
 INTERNAL_MESSAGE_BYTES = 1024 * MiB
 
 SERVER_OPTIONS = [
