@@ -13,16 +13,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.common.telemetry import SECONDS_BUCKETS
 
 COMMIT_LEN_BUCKETS = tuple(range(1, 18))  # commit_len 1..17 (budget 16: 16 accepted + bonus)
-MAX_REASONS = 32  # distinct fallback label values; the rest are counted as "other"
+
+
+FALLBACK_KINDS = ("drafter_timeout", "drafter_unavailable", "drafter_error",
+                  "drafter_entry_error", "drafter_context_lost", "invalid_tree", "other")
+_ERROR_KINDS = {"DrafterTimeout": "drafter_timeout", "DrafterUnavailable": "drafter_unavailable"}
 
 
 def fallback_kind(reason: str) -> str:
-    """A bounded label for a fallback reason: "drafter_error: DrafterTimeout: no reply…" →
-    "drafter_error: DrafterTimeout"; "invalid_tree: too deep" → "invalid_tree"."""
+    """A fallback reason's kind, one of FALLBACK_KINDS (a label value and the server-wide
+    counter's key: no request ids, counts or messages): "drafter_error: DrafterTimeout: no
+    reply…" → "drafter_timeout"; "invalid_tree: too deep" → "invalid_tree"."""
     parts = [p.strip() for p in reason.split(":")]
-    if parts[0] == "drafter_error" and len(parts) > 1:
-        return f"{parts[0]}: {parts[1]}"
-    return parts[0] or "unknown"
+    if parts[0] == "drafter_error" and len(parts) > 1 and parts[1] in _ERROR_KINDS:
+        return _ERROR_KINDS[parts[1]]
+    return parts[0] if parts[0] in FALLBACK_KINDS else "other"
 
 
 class VerifierMetrics:
@@ -58,7 +63,6 @@ class VerifierMetrics:
                              registry=r)
         self.fallbacks = Counter("specserve_drafter_fallbacks", "Steps verified as a root-only "
                                  "tree, by reason", ["reason"], registry=r)
-        self._reasons: set[str] = set()
 
     def record_step(self, step) -> None:
         """One request's StepRecord."""
@@ -79,12 +83,7 @@ class VerifierMetrics:
             self.phase.labels(phase="commit").observe(times.commit_s)
 
     def record_fallback(self, reason: str) -> None:
-        kind = fallback_kind(reason)
-        if kind not in self._reasons:
-            if len(self._reasons) >= MAX_REASONS:
-                kind = "other"
-            self._reasons.add(kind)
-        self.fallbacks.labels(reason=kind).inc()
+        self.fallbacks.labels(reason=fallback_kind(reason)).inc()
 
     def set_pages(self, used: int, free: int, running: int) -> None:
         self.kv_pages_used.set(used)
@@ -119,3 +118,11 @@ class DrafterMetrics:
         self.phase = Histogram("specserve_drafter_phase_seconds", "forward: DFlash forward; "
                                "tree_build: DDTree / n-gram", ["phase"],
                                buckets=SECONDS_BUCKETS, registry=r)
+        self.cache_pages = Gauge("specserve_drafter_cache_pages", "DFlash context-cache pages, "
+                                 "by layer group (full / sliding) and state (used / free)",
+                                 ["group", "state"], registry=r)
+
+    def set_cache_pages(self, pages: dict[str, tuple[int, int]]) -> None:
+        for group, (used, free) in pages.items():
+            self.cache_pages.labels(group=group, state="used").set(used)
+            self.cache_pages.labels(group=group, state="free").set(free)

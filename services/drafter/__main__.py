@@ -31,6 +31,8 @@ FLAGS = [
          "compile the GPU kernels before serving: auto (on cuda) | on | off"),
     Flag("--cuda-graphs", "SPECSERVE_CUDA_GRAPHS", "auto", str,
          "the DFlash block forward as CUDA graphs: auto (on cuda) | on | off"),
+    Flag("--max-stream-share", "SPECSERVE_DRAFTER_MAX_STREAM_SHARE", 1.0, float,
+         "the share of the context cache one verifier connection may hold (0-1]"),
     Flag("--lane", "SPECSERVE_DRAFTER_LANE", "auto", str,
          "same-host lane (a Unix socket for the verifier's steps): auto (a path in the temp "
          "dir) | off | a socket path (in a volume the verifier mounts too)"),
@@ -54,7 +56,8 @@ def config_from_args(args: argparse.Namespace) -> DrafterConfig:
                          draft_model=args.draft_model, device=args.device, dtype=args.dtype,
                          page_size=args.page_size, num_pages=args.drafter_pages,
                          metrics_port=args.metrics_port, warmup=args.warmup,
-                         cuda_graphs=args.cuda_graphs, lane=args.lane)
+                         cuda_graphs=args.cuda_graphs, lane=args.lane,
+                         max_stream_share=args.max_stream_share)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

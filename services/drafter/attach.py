@@ -78,26 +78,29 @@ class Attachments:
         if not known or core is None:
             return None
         drafted: set[str] = set()
+        owner = object()  # this lane: its requests are its own
 
         def handle(kind: int, payload: bytes):
             if kind == lane.BATCH:
                 batch = convert.batch_from_bytes(payload)
                 drafted.update(convert.request_ids(batch))
                 try:
-                    reply, record = self.runner.run(core, batch)
+                    reply, record = self.runner.run(core, batch, owner)
                 except SpecServeError as e:
                     reply, record = convert.error_batch_to_pb(batch, error_text(e)), None
                 return lane.TREES, reply.SerializeToString(), record
             if kind == lane.RELEASE:
                 ids = convert.release_from_bytes(payload)
-                core.release(ids)
+                core.release(ids, owner)
                 drafted.difference_update(ids)
+                self.runner.observe_cache(core)
                 return None
             raise lane.LaneClosed(f"unexpected lane frame kind {kind}")
 
         def closed():
             if drafted:
-                core.release(sorted(drafted))
+                core.release(sorted(drafted), owner)
+                self.runner.observe_cache(core)
 
         return handle, closed
 

@@ -109,8 +109,6 @@ def request_ids(batch: pb.DraftBatch) -> list[str]:
     return [e.request_id for e in batch.entries]
 
 
-def release_ids(msg: pb.ReleaseRequest) -> list[str]:
-    return list(msg.request_ids)
 
 
 def is_feed(batch: pb.DraftBatch) -> bool:

@@ -2,11 +2,13 @@
 
 Owns the drafters by name ("ngram" always, "dflash" when a draft model is loaded), each
 request's committed-token history (entries carry only the tokens committed since the last one;
-the n-gram drafter needs the whole history), the per-entry checks that keep one bad entry from
-failing its batch, one `draft` call per drafter per batch, and error isolation: a drafter that
-raises fails only its own entries. Every result is a `DraftTree` or an error string (the
-verifier then verifies a root-only tree). Calls are serialised by a lock, so worker threads of
-several streams may call in at once.
+the n-gram drafter needs the whole history), who owns each request (the verifier stream or lane
+that first drafted for it: entries and releases from any other connection are refused, and a
+connection may hold at most `max_share` of the context cache), the per-entry checks that keep
+one bad entry from failing its batch, one `draft` call per drafter per batch, and error
+isolation: a drafter that raises fails only its own entries. Every result is a `DraftTree` or
+an error string (the verifier then verifies a root-only tree). Calls are serialised by a lock,
+so worker threads of several streams may call in at once.
 """
 
 from __future__ import annotations
@@ -85,8 +87,11 @@ class DrafterCore:
     """The drafters of one drafter server and the per-request state they need."""
 
     def __init__(self, dflash: DFlashDrafter | None = None,
-                 ngram: NgramDrafter | None = None) -> None:
-        self.dflash = dflash
+                 ngram: NgramDrafter | None = None, max_share: float = 1.0) -> None:
+        if not 0 < max_share <= 1:
+            raise ValueError(f"max_share must be in (0, 1], got {max_share}")
+        self.dflash, self.max_share = dflash, max_share
+        self._owner: dict[str, object] = {}  # request id → the connection that drafts it
         self.drafters: dict[str, Drafter] = {NGRAM: ngram or NgramDrafter()}
         if dflash is not None:
             self.drafters[DFLASH] = dflash
@@ -96,15 +101,17 @@ class DrafterCore:
     @classmethod
     def load(cls, draft_dir: str | Path | None, target_dir: str | Path | None, *,
              dtype: str = "float32", device: str = "cpu", num_pages: int = 4096,
-             page_size: int = 16, graphs: bool | None = None) -> DrafterCore:
+             page_size: int = 16, graphs: bool | None = None,
+             max_share: float = 1.0) -> DrafterCore:
         """N-gram always; DFlash too when `draft_dir` (and the target's `target_dir`) are given
         (`graphs`: its block forward from CUDA graphs; None = on for CUDA)."""
         if draft_dir is None:
-            return cls()
+            return cls(max_share=max_share)
         if target_dir is None:
             raise ValueError("the DFlash drafter needs the target checkpoint (embedding, LM head)")
         model = load_dflash(draft_dir, target_dir, dtype, device)
-        return cls(DFlashDrafter(model, num_pages=num_pages, page_size=page_size, graphs=graphs))
+        return cls(DFlashDrafter(model, num_pages=num_pages, page_size=page_size, graphs=graphs),
+                   max_share=max_share)
 
     @property
     def default_kind(self) -> str:
@@ -120,18 +127,20 @@ class DrafterCore:
     def context_dtype(self) -> torch.dtype:
         return self.dflash.model.fc.weight.dtype if self.dflash else torch.float32
 
-    def draft(self, entries: Sequence[Entry | str]) -> list[Result]:
-        """One result per entry, in order (a str entry is an error passed through)."""
-        return self.draft_timed(entries)[0]
+    def draft(self, entries: Sequence[Entry | str], owner: object = None) -> list[Result]:
+        """One result per entry, in order (a str entry is an error passed through); `owner`:
+        the connection the entries came on."""
+        return self.draft_timed(entries, owner)[0]
 
-    def draft_timed(self, entries: Sequence[Entry | str]) -> tuple[list[Result], DraftTimes]:
+    def draft_timed(self, entries: Sequence[Entry | str], owner: object = None
+                    ) -> tuple[list[Result], DraftTimes]:
         """`draft` plus where the time went."""
         with self._lock:
             results: list[Result] = [DraftTree.empty()] * len(entries)
             groups: dict[str, list[tuple[int, DraftRequest]]] = {}
             seen: set[str] = set()
             for i, entry in enumerate(entries):
-                admitted = self._admit(entry, seen)
+                admitted = self._admit(entry, seen, owner)
                 if isinstance(admitted, str):
                     results[i] = admitted
                 elif admitted[0] != NONE:
@@ -140,28 +149,39 @@ class DrafterCore:
             return results, DraftTimes(sum(t.forward_s for t in times),
                                        sum(t.tree_build_s for t in times), tuple(times))
 
-    def release(self, request_ids: Sequence[str]) -> None:
-        """Forget the requests' histories and drafter state (unknown ids are a no-op)."""
+    def release(self, request_ids: Sequence[str], owner: object = None) -> None:
+        """Forget the requests' histories and drafter state; ids `owner` does not own (or
+        unknown ones) are a no-op."""
         with self._lock:
             for rid in request_ids:
+                if self._owner.get(rid, owner) is not owner:
+                    continue  # another connection's request
+                self._owner.pop(rid, None)
                 self._history.pop(rid, None)
                 for drafter in self.drafters.values():
                     drafter.release(rid)
+
+    def cache_pages(self) -> dict[str, tuple[int, int]]:
+        """The DFlash context cache's (used, free) pages per layer group ({}: no DFlash)."""
+        with self._lock:
+            return self.dflash.cache.pages() if self.dflash is not None else {}
 
     def history(self, request_id: str) -> list[int]:
         """Committed tokens known for `request_id` (a copy)."""
         with self._lock:
             return list(self._history.get(request_id, ()))
 
-    def _admit(self, entry: Entry | str, seen: set[str]) -> tuple[str, DraftRequest] | str:
+    def _admit(self, entry: Entry | str, seen: set[str], owner: object
+               ) -> tuple[str, DraftRequest] | str:
         """(drafter name, request ready for it), or why the entry cannot be drafted."""
         if isinstance(entry, str):
             return entry
-        problem = _entry_problem(entry, seen)
+        problem = _entry_problem(entry, seen) or self._ownership(entry, owner)
         if problem:
             return problem
         r = entry.request
         seen.add(r.request_id)
+        self._owner[r.request_id] = owner
         history = self._history.setdefault(r.request_id, [])
         history.extend(entry.new_history)
         kind = entry.kind or self.default_kind
@@ -174,6 +194,23 @@ class DrafterCore:
             problem = self.dflash.problem(r)
             return problem if problem else (kind, r)
         return kind, replace(r, history=history)
+
+    def _ownership(self, entry: Entry, owner: object) -> str | None:
+        """Why `owner` may not draft this entry (another connection's request id, or it holds
+        its share of the context cache already), or None. Says nothing of other requests."""
+        rid = entry.request.request_id
+        if self._owner.get(rid, owner) is not owner:
+            return f"request {rid!r}: the id is in use on another drafter connection"
+        cache = self.dflash.cache if self.dflash is not None else None
+        ctx = entry.request.context
+        if cache is None or self.max_share >= 1 or ctx is None or not ctx.shape[0]:
+            return None
+        mine = sum(cache.pages_held(r) for r, o in self._owner.items() if o is owner)
+        cap = int(self.max_share * cache.total_pages)
+        if mine >= cap:
+            return (f"RESOURCE_EXHAUSTED: this connection holds {mine} of the drafter's "
+                    f"{cache.total_pages} context pages (its share: {cap})")
+        return None
 
     def _run(self, kind: str, items: list[tuple[int, DraftRequest]],
              results: list[Result]) -> GroupTimes:

@@ -45,6 +45,7 @@ class DrafterConfig:
     metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
     warmup: str = "auto"  # compile kernels before serving: auto (= on cuda) | on | off
     cuda_graphs: str = "auto"  # DFlash block forward as CUDA graphs: auto (= on cuda) | on | off
+    max_stream_share: float = 1.0  # the context-cache share one verifier connection may hold
     lane: str = "auto"  # same-host lane socket: auto (a path in the temp dir) | off (steps stay
     #                     on gRPC) | a socket path
 
@@ -67,6 +68,8 @@ class DrafterConfig:
                              f"{self.page_size}, {self.num_pages}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be non-negative, got {self.grace_s}")
+        if not 0 < self.max_stream_share <= 1:
+            raise ValueError(f"max_stream_share must be in (0, 1], got {self.max_stream_share}")
         if not self.lane:
             raise ValueError("lane must be auto, off or a socket path")
 
@@ -93,7 +96,8 @@ def load_core(config: DrafterConfig) -> DrafterCore:
     core = DrafterCore.load(config.draft_model, config.model, dtype=config.resolved_dtype,
                             device=config.resolved_device, num_pages=config.num_pages,
                             page_size=config.page_size,
-                            graphs=switched_on(config.cuda_graphs, config.resolved_device))
+                            graphs=switched_on(config.cuda_graphs, config.resolved_device),
+                            max_share=config.max_stream_share)
     if core.dflash is not None and switched_on(config.warmup, config.resolved_device):
         warm_up_drafter(core.dflash)
     return core

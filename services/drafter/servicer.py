@@ -1,11 +1,13 @@
 """The Drafter gRPC servicer: thin — convert, call the core in a worker thread, convert back.
 
-Owns the stream lifecycle: each `Draft` stream remembers the requests it drafted for and
-releases them when it ends for any reason (the verifier finished, disconnected or cancelled),
-so a dropped verifier never leaks drafter cache. Model work always runs in a worker thread
-(`asyncio.to_thread`); the event loop only moves messages. Errors go through the one status
-table (services/common/errors.py): a bad entry or batch gets error strings and the stream goes
-on; anything unexpected is logged with its request ids and ends the stream with that status.
+Owns the stream lifecycle: each `Draft` stream owns the requests it drafted for (another
+connection cannot draft or release them), releases the ones a batch names (`release`) before
+its entries, and releases all of them when it ends for any reason (the verifier finished,
+disconnected or cancelled), so a dropped verifier never leaks drafter cache. Model work always
+runs in a worker thread (`asyncio.to_thread`); the event loop only moves messages. Errors go
+through the one status table (services/common/errors.py): a bad entry or batch gets error
+strings and the stream goes on; anything unexpected is logged with its request ids and ends
+the stream with that status.
 
 A batch's decoding, drafting, spans and metrics are `steps.BatchRunner`'s, shared with the
 same-host lane; `Attach` (a verifier on this host offering its context ring) is
@@ -46,24 +48,23 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[drafter_pb2.TreeBatch]:
         core = await self._ready(context)
+        owner = object()  # this stream: its requests are its own
         drafted: set[str] = set()
         try:
             async for batch in request_iterator:
+                if batch.release:
+                    await asyncio.to_thread(core.release, list(batch.release), owner)
+                    drafted.difference_update(batch.release)
+                    self.runner.observe_cache(core)
                 drafted.update(convert.request_ids(batch))
-                reply, record = await self._draft_batch(core, batch, context)
+                reply, record = await self._draft_batch(core, batch, owner, context)
                 yield reply
                 if record is not None:  # spans and metrics once the reply is on its way
                     record()
         finally:
             if drafted:  # shielded: the release must finish even if the handler is cancelled
-                await asyncio.shield(asyncio.to_thread(core.release, sorted(drafted)))
-
-    async def Release(
-        self, request: drafter_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
-    ) -> drafter_pb2.ReleaseReply:
-        core = await self._ready(context)
-        await asyncio.shield(asyncio.to_thread(core.release, convert.release_ids(request)))
-        return drafter_pb2.ReleaseReply()
+                await asyncio.shield(asyncio.to_thread(core.release, sorted(drafted), owner))
+                self.runner.observe_cache(core)
 
     async def Attach(
         self, request: drafter_pb2.AttachRequest, context: grpc.aio.ServicerContext
@@ -76,11 +77,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is loading its models")
         return self.core
 
-    async def _draft_batch(self, core: DrafterCore, batch: drafter_pb2.DraftBatch,
+    async def _draft_batch(self, core: DrafterCore, batch: drafter_pb2.DraftBatch, owner,
                            context: grpc.aio.ServicerContext):
         """(the reply, what records its spans and metrics or None)."""
         try:
-            return await asyncio.to_thread(self.runner.run, core, batch)
+            return await asyncio.to_thread(self.runner.run, core, batch, owner)
         except SpecServeError as e:
             return convert.error_batch_to_pb(batch, error_text(e)), None
         except Exception as e:

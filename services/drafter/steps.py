@@ -38,11 +38,11 @@ class BatchRunner:
         self.rings: dict[int, torch.Tensor] = {}
         self._tracer = telemetry.tracer("specserve.drafter")
 
-    def run(self, core: DrafterCore, batch: drafter_pb2.DraftBatch
+    def run(self, core: DrafterCore, batch: drafter_pb2.DraftBatch, owner: object = None
             ) -> tuple[drafter_pb2.TreeBatch, Callable[[], None]]:
         """Decode the entries, draft, encode the trees (one bad entry fails alone). Returns the
         reply and what records its spans and metrics: call it once the reply is sent, so the
-        verifier does not wait for them."""
+        verifier does not wait for them. `owner`: the connection the batch came on."""
         t0 = time.perf_counter()
         device, dtype = core.context_device, core.context_dtype
         entries: list[Entry | str] = []
@@ -53,15 +53,21 @@ class BatchRunner:
                 in_ring = in_ring or msg.HasField("context_ref")
             except InvalidRequest as e:
                 entries.append(error_text(e))
-        results, times = core.draft_timed(entries)
+        results, times = core.draft_timed(entries, owner)
         if in_ring and device.type == "cuda":  # every ring read done before the reply
             torch.cuda.current_stream(device).synchronize()
         reply = convert.tree_batch_to_pb(batch, results, times)
         batch_s = time.perf_counter() - t0
-        return reply, lambda: self._record(batch, results, times, batch_s)
+        return reply, lambda: self._record(core, batch, results, times, batch_s)
 
-    def _record(self, batch, results: Sequence[Result], times: DraftTimes,
+    def observe_cache(self, core: DrafterCore) -> None:
+        """The context cache's page gauges (after a batch or a release)."""
+        if self.metrics is not None:
+            self.metrics.set_cache_pages(core.cache_pages())
+
+    def _record(self, core: DrafterCore, batch, results: Sequence[Result], times: DraftTimes,
                 batch_s: float) -> None:
+        self.observe_cache(core)
         self._spans(batch, results, times)
         if self.metrics is not None and convert.is_feed(batch):
             self.metrics.feeds.inc(len(batch.entries))

@@ -123,7 +123,13 @@ def draft_batch(step_id: int = 0) -> drafter_pb2.DraftBatch:
 
 
 def release_to_pb(request_ids) -> drafter_pb2.ReleaseRequest:
+    """A lane RELEASE frame's message."""
     return drafter_pb2.ReleaseRequest(request_ids=sorted(request_ids))
+
+
+def release_batch(request_ids) -> drafter_pb2.DraftBatch:
+    """A release-only batch for the stream (step id 0: its reply is not waited for)."""
+    return drafter_pb2.DraftBatch(step_id=0, release=sorted(request_ids))
 
 
 def trees_from_pb(reply: drafter_pb2.TreeBatch) -> dict[str, DraftTree | str]:

@@ -138,7 +138,7 @@ class RemoteDrafter:
         stream, epoch = self.stream, self.stream.epoch
         if self._lane is not None and (self._lane.broken or self._lane.epoch != epoch):
             if self._lane.broken and self._lane.epoch == epoch:
-                stream.loop.call_soon_threadsafe(stream.restart, "its lane broke")
+                stream.loop.call_soon_threadsafe(stream.restart, "was restarted: its lane broke")
             self._lane.close()
             self._lane = None
         att = stream.attachment if stream.connected else None

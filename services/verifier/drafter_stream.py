@@ -3,7 +3,8 @@
 Owns the connection (channel, stub, the stream call, its epoch — bumped on every new stream, so
 the engine side knows the drafter's copy of each request is gone), the replies in flight by step
 id, the write lock (feeds and steps share the stream), background reconnects (at most one per
-`reconnect_s`, so no step waits for one) and batched releases (which wait for feeds in flight).
+`reconnect_s`, so no step waits for one) and batched releases (in the stream, behind what was
+written before them).
 Each connection first asks `Attach` (offering the verifier's context ring when it has one):
 `attachment` says, for the current epoch, whether the drafter mapped the ring and where its
 same-host lane is (drafter_link.py uses both). Everything here runs on the server's event loop;
@@ -38,6 +39,10 @@ class DrafterTimeout(Exception):
     """The drafter did not answer a step within the deadline."""
 
 
+class _NotReady(Exception):
+    """The drafter answered UNAVAILABLE: it is still loading."""
+
+
 @dataclass(frozen=True)
 class Attachment:
     """What `Attach` answered on the connection of `epoch`."""
@@ -64,7 +69,6 @@ class DrafterStream:
         self._tasks: set[asyncio.Future] = set()
         self._last_attempt = -float("inf")
         self._pending: dict[int, asyncio.Future] = {}  # step id → its reply
-        self._feeding: set[asyncio.Future] = set()  # feeds in flight (releases wait for them)
         self._releases: set[str] = set()
 
     @property
@@ -82,27 +86,26 @@ class DrafterStream:
         if self._connecting is not None:
             self._connecting.cancel()
         if self._call is not None:
-            self._drop(self._call, "closed")
+            self._drop(self._call, "was closed")
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def exchange(self, step_id: int, epoch: int, batch, release: list[str],
                        timeout_s: float | None = None, stamps: list[int] | None = None):
-        """Release `release`, write `batch`, wait for its reply (raises DrafterUnavailable /
+        """Write `batch` (releasing `release` first, on the drafter), wait for its reply (raises
+        DrafterUnavailable /
         DrafterTimeout; a timeout drops the stream: a drafter behind flushes its backlog).
         `stamps` gets the wall clock (ns) when the write was done and when the reply was in."""
         call, timeout_s = self._call, timeout_s or self.timeout_s
         if call is None or epoch != self.epoch:
             self._maybe_reconnect()
-            raise DrafterUnavailable(f"no stream to the drafter at {self.address}")
+            raise DrafterUnavailable("no stream to the drafter")
         reply = self.loop.create_future()
         self._pending[step_id] = reply
         try:
             async with asyncio.timeout(timeout_s):
                 async with self._write_lock:  # one write at a time on the stream (feeds, steps)
-                    if release:
-                        await self._stub.Release(convert.release_to_pb(release),
-                                                 timeout=self.timeout_s)
+                    batch.release.extend(release)
                     await call.write(batch)
                 if stamps is not None:
                     stamps.append(time.time_ns())
@@ -111,13 +114,16 @@ class DrafterStream:
                     stamps.append(time.time_ns())
                 return got
         except TimeoutError:
-            self._drop(call, "deadline exceeded")
+            self._drop(call, "missed its deadline")
             raise DrafterTimeout(f"no reply within {timeout_s} s") from None
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
-            self._drop(call, f"stream failed: {e}")
-            raise DrafterUnavailable(f"the drafter stream to {self.address} broke") from None
+            code = e.code().name if isinstance(e, grpc.aio.AioRpcError) else "unusable"
+            self._drop(call, f"failed: {code}")
+            raise DrafterUnavailable(f"the drafter stream broke ({code})") from None
         finally:
-            self._pending.pop(step_id, None)
+            waiter = self._pending.pop(step_id, None)
+            if waiter is not None and waiter.done() and not waiter.cancelled():
+                waiter.exception()  # retrieved: a dropped stream's error is not "never retrieved"
 
     def restart(self, why: str) -> None:
         """Drop the stream and reconnect (its lane broke: start over on a new epoch)."""
@@ -126,8 +132,8 @@ class DrafterStream:
         self._maybe_reconnect()
 
     def feed(self, coro) -> None:
-        """Run a feed's exchange in the background; later releases wait for it."""
-        self._feeding.add(self.spawn(coro))
+        """Run a feed's exchange in the background."""
+        self.spawn(coro)
 
     def queue_release(self, request_id: str) -> None:
         if not self._releases:
@@ -159,7 +165,11 @@ class DrafterStream:
             await channel.close()
             return False
         stub = drafter_pb2_grpc.DrafterStub(channel)
-        attached = await self._attach(stub)
+        try:
+            attached = await self._attach(stub)
+        except _NotReady:  # still loading its models: try again later
+            await channel.close()
+            return False
         # The stream lives as long as the connection; each step has its own deadline (timeout_s).
         call = stub.Draft()
         self.epoch += 1  # every request is resent in full on the new stream
@@ -178,6 +188,8 @@ class DrafterStream:
             reply = await stub.Attach(convert.attach_to_pb(self.ring_info),
                                       timeout=max(self.timeout_s, 5.0))
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise _NotReady from None
             log.warning("drafter at %s did not attach (%s): context rows go on the stream",
                         self.address, e.code())
             return None
@@ -196,7 +208,7 @@ class DrafterStream:
             log.warning("drafter stream to %s ended: %s", self.address,
                         getattr(e, "code", lambda: "cancelled")())
         finally:
-            self._drop(call, "stream ended")
+            self._drop(call, "ended")
 
     def _drop(self, call, why: str) -> None:
         """Forget a dead (or abandoned) stream; waiting steps fail at once."""
@@ -212,14 +224,15 @@ class DrafterStream:
             self.spawn(channel.close())
 
     async def _flush_releases(self) -> None:
-        await asyncio.sleep(0)  # batch the releases of one step into one call
-        self._feeding = {f for f in self._feeding if not f.done()}
-        if self._feeding:  # a release must not overtake a feed (it would leave state behind)
-            await asyncio.gather(*self._feeding, return_exceptions=True)
+        """The step's releases as one release-only batch on the stream: after any feed or step
+        written before it, as the drafter reads the stream in order."""
+        await asyncio.sleep(0)  # batch the releases of one step into one message
         ids, self._releases = self._releases, set()
-        if self._stub is None or not ids:
+        call = self._call
+        if call is None or not ids:
             return  # no drafter: its state went with the connection
         try:
-            await self._stub.Release(convert.release_to_pb(ids), timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as e:
-            log.debug("release of %d requests failed: %s", len(ids), e.code())
+            async with self._write_lock:
+                await call.write(convert.release_batch(ids))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+            log.debug("release of %d requests failed: %s", len(ids), e)

@@ -29,13 +29,13 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from functools import partial
 
+from services.common.metrics import fallback_kind
 from specserve.engine.engine import Engine
 from specserve.errors import RequestAborted
 from specserve.spec.metrics import RequestSpecStats, StepRecord
 from specserve.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
-MAX_FALLBACK_REASONS = 64  # distinct reasons kept in the server-wide counter; the rest: "other"
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class LoopStats:
     pages_total: int
     active: int
     waiting: int
-    fallbacks: dict[str, int]  # reason -> steps, since start
+    fallbacks: dict[str, int]  # fallback kind (metrics.FALLBACK_KINDS) -> steps, since start
     steps: int
 
 
@@ -251,10 +251,8 @@ class StepLoop:
                                    len(self._requests))
 
     def _count_fallback(self, reason: str) -> None:
-        with self._lock:
-            if reason not in self._fallbacks and len(self._fallbacks) >= MAX_FALLBACK_REASONS:
-                reason = "other"
-            self._fallbacks[reason] += 1
+        with self._lock:  # by kind: the server-wide counter names no request
+            self._fallbacks[fallback_kind(reason)] += 1
         if self.metrics is not None:
             self.metrics.record_fallback(reason)
 

@@ -169,6 +169,11 @@ class DFlashContextCache:
         self.group_of = {i: g for g in self.groups.values() for i in g.layers}
         self._requests: dict[str, _Request] = {}
 
+    def pages(self) -> dict[str, tuple[int, int]]:
+        """Per layer group ("full" / "sliding"): (pages in use, pages free)."""
+        return {g.name: (g.pool.num_pages - len(g.free), len(g.free))
+                for g in self.groups.values()}
+
     def length(self, request_id: str) -> int:
         """Context positions held for `request_id` (0 for an unknown request)."""
         entry = self._requests.get(request_id)
@@ -179,6 +184,15 @@ class DFlashContextCache:
         entry = self._requests.get(request_id)
         group = self.group_of[layer]
         return len(entry.pages[group.name].live) * self.page_size if entry is not None else 0
+
+    def pages_held(self, request_id: str) -> int:
+        """Pages `request_id` holds, all layer groups together (0 for an unknown request)."""
+        entry = self._requests.get(request_id)
+        return sum(len(p.live) for p in entry.pages.values()) if entry is not None else 0
+
+    @property
+    def total_pages(self) -> int:
+        return sum(g.pool.num_pages for g in self.groups.values())
 
     def num_free_pages(self, layer: int) -> int:
         return len(self.group_of[layer].free)

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftBatch(_message.Message):
-    __slots__ = ("step_id", "entries")
+    __slots__ = ("step_id", "entries", "release")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     entries: _containers.RepeatedCompositeFieldContainer[DraftEntry]
-    def __init__(self, step_id: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[DraftEntry, _Mapping]]] = ...) -> None: ...
+    release: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[DraftEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DraftEntry(_message.Message):
     __slots__ = ("request_id", "drafter", "bonus_token", "start", "budget", "max_depth", "context", "new_history", "trace_context", "context_ref", "context_fused")
@@ -89,10 +91,6 @@ class ReleaseRequest(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
-
-class ReleaseReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
 
 class RingSpec(_message.Message):
     __slots__ = ("generation", "rows", "width", "dtype", "nonce", "shm_path", "cuda")

@@ -39,11 +39,6 @@ class DrafterStub:
                 request_serializer=specserve_dot_v1_dot_drafter__pb2.DraftBatch.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_drafter__pb2.TreeBatch.FromString,
                 _registered_method=True)
-        self.Release = channel.unary_unary(
-                '/specserve.v1.Drafter/Release',
-                request_serializer=specserve_dot_v1_dot_drafter__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=specserve_dot_v1_dot_drafter__pb2.ReleaseReply.FromString,
-                _registered_method=True)
         self.Attach = channel.unary_unary(
                 '/specserve.v1.Drafter/Attach',
                 request_serializer=specserve_dot_v1_dot_drafter__pb2.AttachRequest.SerializeToString,
@@ -55,12 +50,6 @@ class DrafterServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Draft(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -79,11 +68,6 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=specserve_dot_v1_dot_drafter__pb2.DraftBatch.FromString,
                     response_serializer=specserve_dot_v1_dot_drafter__pb2.TreeBatch.SerializeToString,
-            ),
-            'Release': grpc.unary_unary_rpc_method_handler(
-                    servicer.Release,
-                    request_deserializer=specserve_dot_v1_dot_drafter__pb2.ReleaseRequest.FromString,
-                    response_serializer=specserve_dot_v1_dot_drafter__pb2.ReleaseReply.SerializeToString,
             ),
             'Attach': grpc.unary_unary_rpc_method_handler(
                     servicer.Attach,
@@ -118,33 +102,6 @@ class Drafter:
             '/specserve.v1.Drafter/Draft',
             specserve_dot_v1_dot_drafter__pb2.DraftBatch.SerializeToString,
             specserve_dot_v1_dot_drafter__pb2.TreeBatch.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Release(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specserve.v1.Drafter/Release',
-            specserve_dot_v1_dot_drafter__pb2.ReleaseRequest.SerializeToString,
-            specserve_dot_v1_dot_drafter__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,

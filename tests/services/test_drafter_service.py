@@ -1,8 +1,8 @@
 """The drafter service over real gRPC (loopback, port 0) with a tiny random target + DFlash drafter.
 
 Trees served over the Draft stream must equal an in-process `DFlashDrafter` fed the same batches;
-bad entries fail alone; every way a request ends (Release, stream closed, stream cancelled) frees
-its context cache pages.
+bad entries fail alone; every way a request ends (a release in its stream, the stream closed or
+cancelled) frees its context cache pages; a request belongs to the stream that drafted it.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def _entry(rid: str, bonus: int, start: int, ctx: torch.Tensor | None = None, *,
     return msg
 
 
-async def _step(call, step_id: int, entries) -> drafter_pb2.TreeBatch:
-    await call.write(drafter_pb2.DraftBatch(step_id=step_id, entries=entries))
+async def _step(call, step_id: int, entries, release=()) -> drafter_pb2.TreeBatch:
+    await call.write(drafter_pb2.DraftBatch(step_id=step_id, entries=entries, release=release))
     reply = await call.read()
     assert reply.step_id == step_id and len(reply.trees) == len(entries)
     assert [t.request_id for t in reply.trees] == [e.request_id for e in entries]
@@ -227,12 +227,66 @@ async def test_release_frees_the_context_cache(svc):
                           _entry("r2", 2, 3, torch.randn(3, WIDTH))])
     r2_pages = -(-(3 + 16) // PAGE)  # context + block scratch
     assert _pages_free(svc.core) == [PAGES - r2_pages - 4] * 2  # r1: 40 + 16 slots = 4 pages
-    await svc.stub.Release(drafter_pb2.ReleaseRequest(request_ids=["r1", "nobody"]),
-                           timeout=RPC_S)
+    await _step(call, 2, [], release=["r1", "nobody"])  # in the stream, before its entries
     assert svc.core.dflash.cache.length("r1") == 0
     assert _pages_free(svc.core) == [PAGES - r2_pages] * 2
     await _close(call)
     assert _pages_free(svc.core) == [PAGES, PAGES]
+
+
+@aio
+async def test_another_stream_cannot_touch_a_request(svc):
+    """Stream B knows stream A's request id: its entries for it are refused without a word on
+    A's state, its release of it does nothing; A's close frees it."""
+    a, b = svc.stub.Draft(timeout=RPC_S), svc.stub.Draft(timeout=RPC_S)
+    secret = [17, 29, 41, 17, 29, 41, 17, 29]  # A's prompt: an n-gram request would echo it
+    await _step(a, 1, [_entry("own1", 3, 37, torch.randn(37, WIDTH)),
+                       _entry("own2", 29, 7, kind=NGRAM, history=secret)])
+    got = await _step(b, 1, [_entry("own1", 3, 37, torch.randn(37, WIDTH)),
+                             _entry("own2", 29, 8, kind=NGRAM, history=[29]),
+                             _entry("own1-b", 4, 5, torch.randn(5, WIDTH))])
+    refused, refused_ngram, fine = got.trees
+    for t in (refused, refused_ngram):
+        assert "another drafter connection" in t.error and not t.token_ids
+        assert "37" not in t.error and "41" not in t.error
+    assert not fine.error
+    assert svc.core.history("own2") == secret
+    await _step(b, 2, [], release=["own1"])
+    assert svc.core.dflash.cache.length("own1") == 37
+    await _close(b)
+    assert svc.core.dflash.cache.length("own1") == 37 and svc.core.dflash.cache.length(
+        "own1-b") == 0
+    await _close(a)
+    assert _pages_free(svc.core) == [PAGES, PAGES]
+
+
+@aio
+async def test_a_stream_holds_at_most_its_share_of_the_cache(checkpoints):
+    """max_share 0.5: a stream that holds half the context pages gets RESOURCE_EXHAUSTED for
+    more context while another stream still drafts."""
+    core = DrafterCore(dflash=_dflash(checkpoints), max_share=0.5)
+    tdir, ddir = checkpoints
+    server, port = await serve(DrafterConfig(port=0, model=str(tdir), draft_model=str(ddir),
+                                             device="cpu", dtype="float32", page_size=PAGE,
+                                             num_pages=PAGES), core=core)
+    try:
+        async with channel(f"127.0.0.1:{port}") as ch:
+            stub = drafter_pb2_grpc.DrafterStub(ch)
+            greedy, other = stub.Draft(timeout=RPC_S), stub.Draft(timeout=RPC_S)
+            for i in range(6):  # 6 requests × (250 + 16) rows = 17 pages each per group
+                got = await _step(greedy, i + 1, [_entry(f"g{i}", 1, 250,
+                                                         torch.randn(250, WIDTH))])
+                if got.trees[0].error:
+                    break
+            assert i >= 1 and got.trees[0].error.startswith("RESOURCE_EXHAUSTED")
+            held = 2 * PAGES - sum(_pages_free(core))
+            assert PAGES <= held <= PAGES + 2 * 17  # at or just past its share of 2 × 64
+            ok = await _step(other, 1, [_entry("o1", 2, 20, torch.randn(20, WIDTH))])
+            assert not ok.trees[0].error
+            await _close(greedy)
+            await _close(other)
+    finally:
+        await server.stop(0)
 
 
 @aio

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from services.common import telemetry
-from services.common.metrics import VerifierMetrics, fallback_kind
+from services.common.metrics import FALLBACK_KINDS, VerifierMetrics, fallback_kind
 from services.verifier.tracing import StepTracer
 from specserve.spec.metrics import StepRecord, StepTimes
 from specserve.types import RequestOutput
@@ -120,17 +120,24 @@ def test_w3c_context_round_trips_through_grpc_metadata(spans):
         .is_valid
 
 
-def test_fallback_labels_stay_bounded():
+def test_fallback_labels_are_a_fixed_set():
+    """Label values (and the verifier's Stats keys) never carry request ids, counts or
+    messages: every reason maps into FALLBACK_KINDS."""
     assert fallback_kind("drafter_error: DrafterTimeout: no reply within 2.0 s") == \
-        "drafter_error: DrafterTimeout"
+        "drafter_timeout"
+    assert fallback_kind("drafter_error: DrafterUnavailable: no stream") == "drafter_unavailable"
+    assert fallback_kind("drafter_error: ValueError: drafter returned 3 trees") == "drafter_error"
     assert fallback_kind("invalid_tree: too deep") == "invalid_tree"
     assert fallback_kind("drafter_entry_error: INVALID_ARGUMENT: request 'x' …") == \
         "drafter_entry_error"
+    assert fallback_kind("drafter_context_lost: its rows were not kept") == \
+        "drafter_context_lost"
     m = VerifierMetrics()
     for i in range(100):
-        m.record_fallback(f"reason{i}: detail")
+        m.record_fallback(f"reason{i}: detail of request r{i}")
+        m.record_fallback(f"drafter_error: Error{i}: x")
     labels = {s.labels["reason"] for s in m.fallbacks.collect()[0].samples}
-    assert len(labels) <= 33 and "other" in labels
+    assert labels <= set(FALLBACK_KINDS) and labels == {"other", "drafter_error"}
 
 
 def test_note_draft_puts_events_on_open_draft_spans_only(spans):
