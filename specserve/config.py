@@ -42,6 +42,7 @@ class EngineConfig:
     # drafting overlapped with verification: two groups of speculating requests take turns
     # (engine/overlap.py; needs a drafter that can `submit` ahead, the drafter service's client)
     overlap: bool = False
+    max_waiting: int | None = None  # queued requests past which add_request refuses (None: ∞)
 
     def __post_init__(self) -> None:
         check_switch("cuda_graphs", self.cuda_graphs)
@@ -59,6 +60,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.max_waiting is not None and self.max_waiting <= 0:
+            raise ValueError(f"max_waiting must be positive or None, got {self.max_waiting}")
         if not 0 <= self.max_draft_tokens <= 1024:
             raise ValueError(f"max_draft_tokens must be in [0, 1024], got {self.max_draft_tokens}")
 

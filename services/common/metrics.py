@@ -59,6 +59,11 @@ class VerifierMetrics:
         self.kv_pages_used = Gauge("specserve_kv_pages_used", "KV cache pages in use",
                                    registry=r)
         self.kv_pages_free = Gauge("specserve_kv_pages_free", "KV cache pages free", registry=r)
+        self.kv_pages_reserved = Gauge("specserve_kv_pages_reserved", "KV cache pages promised "
+                                       "to running requests (what admission counts; used ≤ "
+                                       "reserved)", registry=r)
+        self.preemptions = Counter("specserve_preemptions", "Requests preempted when the KV "
+                                   "pool ran out (recomputed later)", registry=r)
         self.running = Gauge("specserve_running_requests", "Requests in the engine",
                              registry=r)
         self.fallbacks = Counter("specserve_drafter_fallbacks", "Steps verified as a root-only "
@@ -85,9 +90,14 @@ class VerifierMetrics:
     def record_fallback(self, reason: str) -> None:
         self.fallbacks.labels(reason=fallback_kind(reason)).inc()
 
-    def set_pages(self, used: int, free: int, running: int) -> None:
+    def set_pages(self, used: int, free: int, running: int, reserved: int = 0,
+                  preempted: int = 0) -> None:
+        """Gauges now; `preempted`: the total so far (the counter catches up to it)."""
         self.kv_pages_used.set(used)
         self.kv_pages_free.set(free)
+        self.kv_pages_reserved.set(reserved)
+        if preempted > self.preemptions._value.get():
+            self.preemptions.inc(preempted - self.preemptions._value.get())
         self.running.set(running)
 
 

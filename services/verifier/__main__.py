@@ -43,6 +43,8 @@ FLAGS = [
     Flag("--max-num-seqs", "SPECSERVE_MAX_NUM_SEQS", 64, int, "running requests at once"),
     Flag("--max-num-batched-tokens", "SPECSERVE_MAX_NUM_BATCHED_TOKENS", 2048, int,
          "tokens per forward"),
+    Flag("--max-waiting", "SPECSERVE_MAX_WAITING", 256, int,
+         "queued requests past which new ones get RESOURCE_EXHAUSTED"),
     Flag("--grace-s", "SPECSERVE_GRACE_S", 5.0, float, "shutdown drain time"),
     Flag("--metrics-port", "SPECSERVE_VERIFIER_METRICS_PORT", VERIFIER_METRICS_PORT, int,
          "Prometheus /metrics port (0 = none)"),
@@ -95,7 +97,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         trace_steps=args.trace_steps, metrics_port=args.metrics_port, warmup=args.warmup,
         cuda_graphs=args.cuda_graphs, drafter_transport=args.drafter_transport,
         context_ring_rows=args.context_ring_rows, keep_context=args.keep_context,
-        overlap=args.overlap)
+        overlap=args.overlap, max_waiting=args.max_waiting)
 
 
 

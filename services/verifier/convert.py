@@ -94,6 +94,7 @@ def stats_to_pb(stats, drafter_connected: bool, transport: str = "",
     return verifier_pb2.StatsReply(drafter_transport=transport, context_rows=context_rows or {},
         profile=profile or {},
         kv_pages_used=stats.pages_used, kv_pages_free=stats.pages_free,
+        kv_pages_reserved=stats.pages_reserved, preempted=stats.preempted,
         kv_pages_total=stats.pages_total, active_requests=stats.active,
         waiting_requests=stats.waiting, drafter_connected=drafter_connected,
         fallbacks=dict(stats.fallbacks), steps=stats.steps)

@@ -52,6 +52,8 @@ class LoopStats:
     pages_used: int
     pages_free: int
     pages_total: int
+    pages_reserved: int  # promised to running requests (used ≤ reserved ≤ total)
+    preempted: int  # requests preempted since start (recomputed later)
     active: int
     waiting: int
     fallbacks: dict[str, int]  # fallback kind (metrics.FALLBACK_KINDS) -> steps, since start
@@ -118,7 +120,8 @@ class StepLoop:
         with self._lock:
             fallbacks, steps = dict(self._fallbacks), self._steps
         return LoopStats(pages_used=blocks.num_used_pages, pages_free=blocks.num_free_pages,
-                         pages_total=blocks.num_pages, active=len(sched.running),
+                         pages_total=blocks.num_pages, pages_reserved=blocks.num_reserved_pages,
+                         preempted=sched.num_preempted, active=len(sched.running),
                          waiting=len(sched.waiting), fallbacks=fallbacks, steps=steps)
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -248,7 +251,8 @@ class StepLoop:
         if self.metrics is not None:
             blocks = self.engine.blocks
             self.metrics.set_pages(blocks.num_used_pages, blocks.num_free_pages,
-                                   len(self._requests))
+                                   len(self._requests), blocks.num_reserved_pages,
+                                   self.engine.scheduler.num_preempted)
 
     def _count_fallback(self, reason: str) -> None:
         with self._lock:  # by kind: the server-wide counter names no request

@@ -51,6 +51,7 @@ class VerifierConfig:
     draft_model: str | None = None  # DFlash checkpoint dir, read only for target_layer_ids
     tap_layers: tuple[int, ...] | None = None  # overrides the draft model's target_layer_ids
     max_num_seqs: int = 64
+    max_waiting: int = 256  # queued requests past which new ones get RESOURCE_EXHAUSTED
     max_num_batched_tokens: int = 2048
     grace_s: float = 5.0  # shutdown drains in-flight requests this long
     trace_steps: int = 1  # a `step` span for every Nth step of a request (0 = none)
@@ -88,7 +89,7 @@ class VerifierConfig:
         if not 0 <= self.default_budget <= self.max_draft_tokens <= 1024:
             raise ValueError(f"need 0 <= default_budget <= max_draft_tokens <= 1024, got "
                              f"{self.default_budget}, {self.max_draft_tokens}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.drafter_timeout_s <= 0 or self.grace_s < 0:
@@ -123,7 +124,7 @@ class VerifierConfig:
             kv_memory_bytes=max(1, int(gb * (1 << 30))), max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_draft_tokens=self.max_draft_tokens, cuda_graphs=self.cuda_graphs,
-            overlap=self.overlap == "on")
+            overlap=self.overlap == "on", max_waiting=self.max_waiting)
 
     def target_layer_ids(self) -> tuple[int, ...]:
         """Target layers whose outputs feed the drafter ((): no context, n-gram only)."""

@@ -50,7 +50,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.runner.blocks, config.max_num_seqs, config.max_num_batched_tokens,
             scratch=config.max_draft_tokens + 1 if config.max_draft_tokens else 0,
-        )
+            max_waiting=config.max_waiting)
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
 
@@ -160,6 +160,8 @@ class Engine:
         requests that failed (`error` set: they end, the others go on)."""
         t_start, self.last_step = time.time_ns(), None
         work = self.scheduler.schedule()
+        for seq in self.scheduler.take_preempted():  # recomputed from 0: so is its draft state
+            self._release(seq.request_id)
         if not work:
             return []
         decoding = [w.seq for w in work if not w.seq.in_prefill]

@@ -1,10 +1,16 @@
 """Continuous batching: which requests run in the next forward, and how many tokens each.
 
-Pure Python (no torch). Admission is by KV pages: a request is admitted only when the pages it
-can ever need are reservable, so a running request never runs out of pages; a request that
-could never fit is rejected at once (`CapacityExhausted`), one that fits later waits in FIFO order.
-Each step takes one token from every decoding request first, then fills the rest of the token
-budget with prefill chunks (chunked prefill), oldest request first.
+Pure Python (no torch). Admission is by what a request needs now: its tokens so far plus a
+step's draft scratch, reserved in the BlockManager; a request that could never fit the pool
+alone is rejected at once (`CapacityExhausted`), one that fits later waits in FIFO order, and
+the waiting queue is bounded (`max_waiting`: past it, `CapacityExhausted`). Before each step
+every decoding request's reservation grows to its length plus the scratch; when the pool cannot
+give that, the newest running request is preempted: its pages are freed and it waits at the
+head of the queue to be recomputed — a prefill of its prompt and the tokens it has generated
+(`Sequence.recompute_to`), whose last sample is its next token, so its output goes on unchanged
+(`take_preempted` tells the engine, which drops the request's drafter state). Each step takes
+one token from every decoding request first, then fills the rest of the token budget with
+prefill chunks (chunked prefill), oldest request first.
 """
 
 from __future__ import annotations
@@ -26,14 +32,18 @@ class Scheduled:
 
 class Scheduler:
     def __init__(
-        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, scratch: int
+        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, scratch: int,
+        max_waiting: int | None = None,
     ) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.scratch = scratch  # extra slots reserved per request for draft trees
+        self.max_waiting = max_waiting  # None: unbounded
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preempted = 0
+        self._preempted: list[Sequence] = []
 
     def check_fits(self, seq: Sequence) -> None:
         need = pages_for(seq.reserve_tokens + self.scratch, self.blocks.page_size)
@@ -46,20 +56,48 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise CapacityExhausted(
+                f"the queue is full: {len(self.waiting)} requests are waiting (max_waiting); "
+                "retry later")
         self.waiting.append(seq)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.can_reserve(seq.reserve_tokens + self.scratch):
+            need = seq.num_tokens + self.scratch
+            if not self.blocks.can_reserve(need):
                 return  # FIFO: nobody jumps the queue
-            self.blocks.reserve(seq.request_id, seq.reserve_tokens + self.scratch)
+            self.blocks.reserve(seq.request_id, need)
             seq.status = Status.RUNNING
             self.running.append(self.waiting.popleft())
+
+    def _grow(self) -> None:
+        """Each decoding request's reservation to its length + scratch, preempting the newest
+        running requests while the pool cannot give it."""
+        for seq in sorted((s for s in self.running if not s.in_prefill), key=_arrival):
+            while seq in self.running and not self.blocks.grow(seq.request_id,
+                                                               seq.num_tokens + self.scratch):
+                self._preempt(max(self.running, key=_arrival))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.request_id)
+        seq.status, seq.recompute_to, seq.num_computed = Status.WAITING, seq.num_tokens, 0
+        seq.pending_context.clear()
+        self.waiting.appendleft(seq)
+        self.num_preempted += 1
+        self._preempted.append(seq)
+
+    def take_preempted(self) -> list[Sequence]:
+        """Requests preempted since the last call (their drafter state is stale)."""
+        out, self._preempted = self._preempted, []
+        return out
 
     def schedule(self) -> list[Scheduled]:
         """The next forward's work; also allocates the pages it writes to."""
         self._admit()
+        self._grow()
         budget = self.max_num_batched_tokens
         out: list[Scheduled] = []
         for seq in (s for s in self.running if not s.in_prefill):
@@ -89,3 +127,7 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+def _arrival(seq: Sequence) -> int:
+    return seq.arrival

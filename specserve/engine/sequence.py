@@ -66,6 +66,7 @@ class Sequence:
     arrival: int = 0
     budget: int = 0  # draft nodes per step (0 = plain autoregressive decoding)
     pending_context: list = field(default_factory=list)  # tapped features not yet drafted on
+    recompute_to: int = 0  # after a preemption: prefill again up to here (its tokens then)
     spec_stats: object | None = None  # RequestSpecStats
 
     @property
@@ -86,7 +87,8 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
+        """Its prompt (or, after a preemption, everything it had) is not all in the cache."""
+        return self.num_computed < max(len(self.prompt_ids), self.recompute_to)
 
     @property
     def reserve_tokens(self) -> int:

@@ -1,9 +1,10 @@
 """KV page bookkeeping: which pages each request owns. No torch (numpy for the page arrays).
 
-Policy lives here, memory lives in `kvcache.pool`. A request first *reserves* the pages it can
-ever need (admission control: the sum of reservations never exceeds the pool, so a running request
-can never hit out-of-pages mid-generation), then pages are *allocated* lazily as its length grows
-and freed when it shrinks (speculative scratch) or finishes.
+Policy lives here, memory lives in `kvcache.pool`. A request *reserves* pages (the sum of
+reservations never exceeds the pool): what it needs at admission, then more as it grows (`grow`:
+the scheduler preempts another request when that fails); pages are *allocated* lazily within
+the reservation as its length grows and freed when it shrinks (speculative scratch) or
+finishes.
 """
 
 from __future__ import annotations
@@ -89,6 +90,25 @@ class BlockManager:
             )
         self._entries[request_id] = _Entry(reserved=need)
         self._num_reserved += need
+
+    def grow(self, request_id: str, num_tokens: int) -> bool:
+        """Raise `request_id`'s reservation to cover `num_tokens` slots; False (and nothing
+        changed) if the pool's unreserved pages do not allow it."""
+        entry = self._entries[request_id]
+        need = pages_for(num_tokens, self.page_size)
+        if need <= entry.reserved:
+            return True
+        if need - entry.reserved > self.num_unreserved_pages:
+            return False
+        array = np.zeros(need, dtype=np.int32)
+        array[: len(entry.pages)] = entry.pages
+        self._num_reserved += need - entry.reserved
+        entry.reserved, entry.array = need, array
+        return True
+
+    def reserved(self, request_id: str) -> int:
+        """Pages promised to `request_id`."""
+        return self._entries[request_id].reserved
 
     # ---- growth and shrinkage ----------------------------------------------------------------
     def ensure(self, request_id: str, num_tokens: int) -> None:

@@ -425,3 +425,36 @@ async def test_a_request_failing_in_the_engine_fails_alone(plain, expected, monk
     assert err.details() == f"request 'doomed' failed: {type(error).__name__}: {error}"
     _check_victims(streams, expected)
     await _pages_back_within_1s(plain.stub, 0)
+
+
+@aio
+async def test_full_queue_is_resource_exhausted_and_stats_show_reservations(target, expected):
+    """max_num_seqs 1, max_waiting 2: with one request running and two waiting the next is
+    RESOURCE_EXHAUSTED with a clear message; the others finish exact; Stats count what running
+    requests reserved apart from what they use."""
+    server, port = await serve(_config(target, max_num_seqs=1, max_waiting=2,
+                                       kv_memory_gb=0.01))
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11], [12, 13, 14, 15, 16]]
+    try:
+        async with channel(f"127.0.0.1:{port}") as ch:
+            stub = verifier_pb2_grpc.VerifierStub(ch)
+            long = stub.Generate(_request(prompts[0], 480), timeout=RPC_S)
+            first = await long.read()  # running: the next two wait behind it
+            queued = [asyncio.ensure_future(_generate(stub, p, 30)) for p in prompts[1:]]
+            deadline = time.monotonic() + 10
+            while True:
+                stats = await stub.Stats(verifier_pb2.StatsRequest(), timeout=RPC_S)
+                if stats.waiting_requests == 2 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.005)
+            assert stats.waiting_requests == 2 and stats.active_requests == 1
+            assert 0 < stats.kv_pages_used <= stats.kv_pages_reserved <= stats.kv_pages_total
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _generate(stub, [1, 2, 3], 5)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "queue is full" in err.value.details()
+            rest = [[first, *await _read_all(long)], *await asyncio.gather(*queued)]
+    finally:
+        await server.stop(0)
+    for p, events, n in zip(prompts, rest, (480, 30, 30), strict=True):
+        assert _tokens(events) == expected(p, n)

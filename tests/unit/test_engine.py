@@ -127,7 +127,9 @@ def test_bad_input_rejected_others_unaffected(checkpoint_cache, make_engine):
 
 def test_out_of_pages_queues_or_rejects(checkpoint_cache, make_engine):
     path, hf = checkpoint_cache("qwen3-gqa1-tied")
-    # 6 pages of 16 slots: each request below needs 3 pages (30 prompt + 12 new tokens)
+    # 6 pages of 16 slots: each request below needs 2 pages to start (30 prompt tokens) and 3 by
+    # its end (+ 12 new tokens): 3 start, then growing past 32 tokens preempts the newest, which
+    # is recomputed later with its output unchanged
     engine = make_engine(path, page_size=16, num_pages=6)
     prompts = random_prompts(5, hf.config.vocab_size, [30], seed=9)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -137,7 +139,7 @@ def test_out_of_pages_queues_or_rejects(checkpoint_cache, make_engine):
     for i, p in enumerate(prompts):
         engine.add_request(f"q{i}", p, params)
     first = engine.step()
-    assert len(engine.scheduler.running) == 2 and len(engine.scheduler.waiting) == 3
+    assert len(engine.scheduler.running) == 3 and len(engine.scheduler.waiting) == 2
     assert engine.blocks.num_reserved_pages == 6
     got = {f"q{i}": [] for i in range(5)}
     for out in first:
@@ -147,6 +149,7 @@ def test_out_of_pages_queues_or_rejects(checkpoint_cache, make_engine):
             got[out.request_id].extend(out.new_token_ids)
             assert engine.blocks.num_used_pages <= 6
     assert [got[f"q{i}"] for i in range(5)] == alone
+    assert engine.scheduler.num_preempted > 0
 
 
 def test_abort_frees_pages_at_once(checkpoint_cache, make_engine):

@@ -1,0 +1,85 @@
+"""Admission by need and preemption (engine/scheduler.py): one request whose max_tokens is
+about the whole KV pool no longer starves the others — they are admitted with what they need
+now, finish first, and a request preempted when the pool runs out is recomputed with its output
+unchanged (greedy and seeded sampling, with speculation); the waiting queue is bounded."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.config import EngineConfig
+from specserve.drafters.ngram import NgramDrafter
+from specserve.engine.engine import Engine
+from specserve.errors import CapacityExhausted
+from specserve.types import SamplingParams
+from tests.helpers import random_prompts
+
+PAGE = 8
+
+
+def _engine(path, num_pages: int, max_waiting: int | None = None) -> Engine:
+    engine = Engine(EngineConfig(str(path), page_size=PAGE, num_pages=num_pages,
+                                 max_draft_tokens=8, max_num_batched_tokens=48,
+                                 max_waiting=max_waiting))
+    engine.set_drafter(NgramDrafter())
+    return engine
+
+
+def _requests(vocab: int):
+    prompts = random_prompts(9, vocab, [21, 9, 14, 25, 6, 17, 11, 23, 13], seed=31)
+    prompts = [p * 2 for p in prompts]  # some repetition: the n-gram drafter gets accepted
+    out = [("big", prompts[0], SamplingParams(max_tokens=300, ignore_eos=True), 6)]
+    for i, p in enumerate(prompts[1:], 1):
+        seed = 100 + i if i % 3 == 0 else None
+        params = SamplingParams(max_tokens=18 + 5 * i, temperature=0.8 if seed else 0.0,
+                                seed=seed, ignore_eos=True)
+        out.append((f"s{i}", p, params, (0, 4, 8)[i % 3]))
+    return out
+
+
+def _alone(path, req) -> list[int]:
+    engine = _engine(path, num_pages=512)
+    rid, prompt, params, budget = req
+    engine.add_request(rid, prompt, params, budget)
+    tokens = []
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
+def test_a_pool_sized_request_does_not_starve_the_rest(checkpoint_cache):
+    path, hf = checkpoint_cache("qwen3-gqa4-yarn")
+    reqs = _requests(hf.config.vocab_size)
+    want = {r[0]: _alone(path, r) for r in reqs}
+    # the big one alone needs (42 + 300 + 9) / 8 = 44 pages of the 56
+    engine = _engine(path, num_pages=56)
+    for req in reqs:
+        engine.add_request(*req)
+    got, finished = {r[0]: [] for r in reqs}, []
+    while engine.has_unfinished:
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished.append(out.request_id)
+        assert engine.blocks.num_used_pages <= engine.blocks.num_reserved_pages <= 56
+    assert got == want
+    assert finished[-1] == "big" and len(finished) == len(reqs)
+    assert engine.scheduler.num_preempted > 0  # the pool ran out on the way
+    assert engine.blocks.num_used_pages == engine.blocks.num_reserved_pages == 0
+
+
+def test_the_waiting_queue_is_bounded(checkpoint_cache):
+    path, hf = checkpoint_cache("qwen3-gqa4-yarn")
+    engine = _engine(path, num_pages=64, max_waiting=2)
+    prompts = random_prompts(4, hf.config.vocab_size, [7, 12, 5, 9], seed=2)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    engine.add_request("a", prompts[0], params)
+    engine.add_request("b", prompts[1], params)
+    with pytest.raises(CapacityExhausted, match="queue is full: 2 requests are waiting"):
+        engine.add_request("c", prompts[2], params)
+    assert "c" not in engine.requests
+    engine.step()  # a and b are admitted: the queue has room again
+    engine.add_request("c", prompts[2], params)
+    while engine.has_unfinished:
+        engine.step()
