@@ -5,6 +5,7 @@ The only place (with each service's own convert.py) that touches pb2 messages.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -16,6 +17,8 @@ from specserve.types import FinishReason, SamplingParams
 from specserve.v1 import common_pb2 as pb
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_TENSOR_RANK = 8  # context rows are [rows, width]: anything far beyond is malformed
 _FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -75,23 +78,43 @@ def tensor_to_pb(t: torch.Tensor, into: pb.Tensor | None = None) -> pb.Tensor:
 
 def tensor_from_pb(msg: pb.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """The message's tensor, on `device` (default: the host). For a CUDA device the bytes go
-    straight to it (one host copy fewer: a prefill chunk's context rows are 8-336 MB)."""
-    if msg.dtype not in _DTYPES:
-        raise InvalidRequest(f"unsupported tensor dtype {msg.dtype!r}")
-    dtype = _DTYPES[msg.dtype]
-    np_dtype = np.float32 if dtype == torch.float32 else np.int16
+    straight to it (one host copy fewer: a prefill chunk's context rows are 8-336 MB). Raises
+    InvalidRequest, before any copy, for an unknown dtype, a rank over MAX_TENSOR_RANK, a
+    negative dimension, sizes past int64 or a shape that does not describe the bytes."""
     data = msg.data  # upb hands out a new bytes object per access: take it once
-    arr = np.frombuffer(data, dtype=np_dtype)
-    if arr.size != int(np.prod(msg.shape)):
-        raise InvalidRequest(f"tensor of shape {list(msg.shape)} has {arr.size} elements")
+    shape = _checked_shape(msg, len(data))
+    dtype = _DTYPES[msg.dtype]
+    arr = np.frombuffer(data, dtype=np.float32 if dtype == torch.float32 else np.int16)
     if device is not None and torch.device(device).type == "cuda":
         with warnings.catch_warnings():  # read-only bytes: read once by the copy to the device
             warnings.simplefilter("ignore", UserWarning)
             t = torch.from_numpy(arr).to(device)
     else:
         t = torch.from_numpy(arr.copy())
-    t = t.view(*msg.shape)
+    t = t.view(shape)
     return t if dtype == torch.float32 else t.view(dtype)
+
+
+def _checked_shape(msg: pb.Tensor, nbytes: int) -> tuple[int, ...]:
+    """The message's shape, once it is known to describe `nbytes` of its dtype (in Python
+    integers: no product overflows here)."""
+    if msg.dtype not in _DTYPES:
+        raise InvalidRequest(f"unsupported tensor dtype {msg.dtype[:40]!r} "
+                             f"(float32, bfloat16 or float16)")
+    shape, item = tuple(msg.shape), _ITEM_BYTES[msg.dtype]
+    if len(shape) > MAX_TENSOR_RANK:
+        raise InvalidRequest(f"tensor rank {len(shape)} is over {MAX_TENSOR_RANK}")
+    if any(d < 0 for d in shape):
+        raise InvalidRequest(f"tensor shape {list(shape)} has a negative dimension")
+    if math.prod(max(d, 1) for d in shape) * item >= 1 << 63:  # bytes past int64 (0 dims too)
+        raise InvalidRequest(f"tensor shape {list(shape)} is too large")
+    if nbytes % item:
+        raise InvalidRequest(f"tensor data of {nbytes} bytes is not a whole number of "
+                             f"{msg.dtype} elements ({item} bytes each)")
+    if math.prod(shape) != nbytes // item:
+        raise InvalidRequest(f"tensor of shape {list(shape)} needs {math.prod(shape)} "
+                             f"{msg.dtype} elements, its data holds {nbytes // item}")
+    return shape
 
 
 def spec_stats_to_pb(s: RequestSpecStats, other_s: float = 0.0) -> pb.SpecStats:

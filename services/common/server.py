@@ -1,15 +1,19 @@
 """grpc.aio server bootstrap shared by gateway, verifier and drafter.
 
 Every service gets: deliberate message-size limits, keepalive that the peers' pings respect,
-gRPC health (SERVING once ready) and reflection, and a graceful stop that drains in-flight RPCs
-for `grace_s` before cancelling them.
+gRPC health (SERVING once ready) and reflection, a graceful stop that drains in-flight RPCs
+for `grace_s` before cancelling them, and `MalformedRequests`: a request that does not parse as
+its message ends its RPC with INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from collections.abc import Callable, Sequence
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -39,6 +43,70 @@ CHANNEL_OPTIONS = [
 ]
 
 
+class MalformedRequests(grpc.aio.ServerInterceptor):
+    """Requests that do not parse as their message (a corrupt wire format, invalid UTF-8 in a
+    string field) end the RPC with INVALID_ARGUMENT "malformed request: not a valid
+    specserve.v1.X"; grpc alone answers UNKNOWN, naming the parser's exception.
+
+    The method's deserializer returns MALFORMED instead of raising, and its behavior aborts on
+    it: before the call for a unary request, at that message for a request stream. Unknown
+    methods and handlers that are not async (none here) are left as they are.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        kind = (f"{'stream' if handler.request_streaming else 'unary'}_"
+                f"{'stream' if handler.response_streaming else 'unary'}")
+        behavior = getattr(handler, kind)
+        if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+            return handler
+        deserialize = handler.request_deserializer
+        name = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
+        message = f"malformed request: not a valid {name.full_name}" if name else \
+            "malformed request"
+        return handler._replace(request_deserializer=_lenient(deserialize),
+                                **{kind: _aborting(behavior, handler, message)})
+
+
+MALFORMED = object()  # what a request that did not parse becomes
+
+
+def _lenient(deserialize: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except DecodeError:
+            return MALFORMED
+
+    return parse
+
+
+def _aborting(behavior, handler: grpc.RpcMethodHandler, message: str):
+    """`behavior` as a coroutine that aborts with INVALID_ARGUMENT `message` on MALFORMED."""
+
+    async def call(request, context):
+        if handler.request_streaming:
+            request = _checked(request, context, message)
+        elif request is MALFORMED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        if not handler.response_streaming or inspect.iscoroutinefunction(behavior):
+            return await behavior(request, context)
+        async with contextlib.aclosing(behavior(request, context)) as responses:
+            async for response in responses:  # as grpc writes an async generator's responses
+                await context.write(response)
+
+    return call
+
+
+async def _checked(requests, context, message: str):
+    async for request in requests:
+        if request is MALFORMED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        yield request
+
+
 def with_message_limit(options: list[tuple], limit: int) -> list[tuple]:
     """`options` with both message-size limits set to `limit` bytes."""
     return [(k, limit if "message_length" in k else v) for k, v in options]
@@ -62,7 +130,7 @@ async def start_server(
     until the caller says the service is ready with `mark_serving`).
     """
     options = [(k, max_message_bytes if "message_length" in k else v) for k, v in SERVER_OPTIONS]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, interceptors=[MalformedRequests()])
     for add, servicer in adders:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer()

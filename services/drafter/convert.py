@@ -27,8 +27,8 @@ def drafter_name(kind: int) -> str | None:
 
 def entry_from_pb(msg: pb.DraftEntry, device: torch.device, dtype: torch.dtype,
                   rings: dict[int, torch.Tensor] | None = None) -> Entry:
-    """Raises InvalidRequest for a malformed context tensor or a reference to rows of a ring
-    that is not attached here."""
+    """Raises InvalidRequest for a malformed context tensor (`tensor_from_pb`), or a reference
+    to a ring not attached here or to rows outside it (any generation, offset and rows)."""
     context = None
     if msg.HasField("context_ref"):
         context = _ring_rows(msg.context_ref, rings or {}).to(device=device, dtype=dtype)

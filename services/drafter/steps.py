@@ -2,14 +2,15 @@
 
 Owns what the gRPC stream (servicer.py) and the same-host lane (attach.py) both do with a
 batch, so the two transports cannot drift: entries are decoded (context rows from the message,
-or read in place from an attached ring), the core drafts, the trees go back under the batch's
-step id, and each traced entry gets its `draft.forward` / `ddtree.build` (or `ngram.draft`)
-spans, timed by the batch's measurements. Runs in whatever thread calls it (a worker thread for
-the stream, the lane's own thread).
+or read in place from an attached ring; an entry that fails to decode fails alone), the core
+drafts, the trees go back under the batch's step id, and each traced entry gets its
+`draft.forward` / `ddtree.build` (or `ngram.draft`) spans, timed by the batch's measurements.
+Runs in whatever thread calls it (a worker thread for the stream, the lane's own thread).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -22,6 +23,8 @@ from services.drafter import convert
 from services.drafter.core import DFLASH, DrafterCore, DraftTimes, Entry, Result
 from specserve.errors import InvalidRequest
 from specserve.v1 import drafter_pb2
+
+log = logging.getLogger(__name__)
 
 
 def error_text(error: BaseException) -> str:
@@ -40,19 +43,17 @@ class BatchRunner:
 
     def run(self, core: DrafterCore, batch: drafter_pb2.DraftBatch, owner: object = None
             ) -> tuple[drafter_pb2.TreeBatch, Callable[[], None]]:
-        """Decode the entries, draft, encode the trees (one bad entry fails alone). Returns the
-        reply and what records its spans and metrics: call it once the reply is sent, so the
-        verifier does not wait for them. `owner`: the connection the batch came on."""
+        """Decode the entries, draft, encode the trees (an entry that fails to decode, for
+        whatever reason, fails alone). Returns the reply and what records its spans and metrics:
+        call it once the reply is sent, so the verifier does not wait for them. `owner`: the
+        connection the batch came on."""
         t0 = time.perf_counter()
         device, dtype = core.context_device, core.context_dtype
         entries: list[Entry | str] = []
         in_ring = False
         for msg in batch.entries:
-            try:
-                entries.append(convert.entry_from_pb(msg, device, dtype, self.rings))
-                in_ring = in_ring or msg.HasField("context_ref")
-            except InvalidRequest as e:
-                entries.append(error_text(e))
+            entries.append(self._decode(msg, device, dtype))
+            in_ring = in_ring or msg.HasField("context_ref")
         results, times = core.draft_timed(entries, owner)
         if in_ring and device.type == "cuda":  # every ring read done before the reply
             torch.cuda.current_stream(device).synchronize()
@@ -64,6 +65,18 @@ class BatchRunner:
         """The context cache's page gauges (after a batch or a release)."""
         if self.metrics is not None:
             self.metrics.set_cache_pages(core.cache_pages())
+
+    def _decode(self, msg: drafter_pb2.DraftEntry, device: torch.device,
+                dtype: torch.dtype) -> Entry | str:
+        """The entry, or why it fails alone: an InvalidRequest's message, or for anything else
+        (say the device out of memory) a generic error, the details only in the log."""
+        try:
+            return convert.entry_from_pb(msg, device, dtype, self.rings)
+        except InvalidRequest as e:
+            return error_text(e)
+        except Exception:
+            log.exception("decoding the entry of request %r failed", msg.request_id)
+            return f"INTERNAL: the entry of request {msg.request_id!r} could not be decoded"
 
     def _record(self, core: DrafterCore, batch, results: Sequence[Result], times: DraftTimes,
                 batch_s: float) -> None:

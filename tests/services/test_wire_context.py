@@ -1,17 +1,26 @@
-"""Context rows on the drafter wire: written into the batch in place and read back exactly, and
-the verifier's kept rows (for resends) merged without copying a long prompt's chunks again."""
+"""Context rows on the drafter wire: written into the batch in place and read back exactly (a
+malformed Tensor message is an InvalidRequest, nothing else), and the verifier's kept rows (for
+resends) merged without copying a long prompt's chunks again."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
-from services.common.convert import tensor_from_pb, tensor_to_pb
+from services.common.convert import MAX_TENSOR_RANK, tensor_from_pb, tensor_to_pb
 from services.verifier import convert
 from services.verifier.context_rows import MAX_CHUNKS
 from services.verifier.drafter_client import RemoteDrafter
 from specserve.drafters.base import DraftRequest
-from specserve.v1 import drafter_pb2
+from specserve.errors import InvalidRequest
+from specserve.v1 import common_pb2, drafter_pb2
+
+ITEM = {"float32": 4, "bfloat16": 2, "float16": 2}
+DIMS = [0, 1, 2, 3, 7, 13, -1, -6, 2**31, 2**32 + 5, 2**62, 2**63 - 1, -2**63]
+CHECKS = ("unsupported tensor dtype", "rank", "negative dimension", "too large", "whole number",
+          "elements, its data holds")
 
 
 def test_context_rows_in_place_round_trip_exactly():
@@ -31,6 +40,38 @@ def test_context_rows_in_place_round_trip_exactly():
         got = tensor_from_pb(a.context)
         assert got.dtype == dtype and torch.equal(got, rows)
         got[0, 0] = 0  # the host copy is the caller's own (writable)
+
+
+def _random_tensor_msg(rng: random.Random) -> common_pb2.Tensor:
+    """A Tensor message that is sometimes well formed: a dtype known or not, a rank up to twice
+    the bound, dimensions small, negative or huge, data of the right length or not."""
+    dtype = rng.choice([*ITEM, "float64", "int8", "", "Float32", "bfloat16 "])
+    rank = rng.choice([0, 1, 2, 2, 3, rng.randrange(2 * MAX_TENSOR_RANK + 1)])
+    shape = [rng.choice(DIMS) if rng.random() < 0.3 else rng.randrange(1, 9) for _ in range(rank)]
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * ITEM.get(dtype, 4) if 0 <= numel <= 4096 and rng.random() < 0.6 else \
+        rng.randrange(0, 300)
+    nbytes += rng.choice([0, 0, 0, 1, -1]) if nbytes else 0
+    return common_pb2.Tensor(data=rng.randbytes(nbytes), dtype=dtype, shape=shape)
+
+
+def test_malformed_tensors_are_invalid_requests_only():
+    rng, decoded, rejected = random.Random(20240611), 0, []
+    for _ in range(3000):
+        msg = _random_tensor_msg(rng)
+        try:
+            got = tensor_from_pb(msg)
+        except InvalidRequest as e:
+            rejected += [c for c in CHECKS if c in str(e)]
+            assert "Error" not in str(e) and "<class" not in str(e)
+            continue
+        decoded += 1
+        assert list(got.shape) == list(msg.shape) and len(msg.shape) <= MAX_TENSOR_RANK
+        assert tensor_to_pb(got) == msg  # the very bytes, dtype and shape
+    assert decoded + len(rejected) == 3000  # each rejection named one check
+    assert decoded > 200 and all(rejected.count(c) > 20 for c in CHECKS)
 
 
 def test_kept_rows_merge_the_newer_half_only():
