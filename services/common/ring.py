@@ -82,6 +82,7 @@ class ContextRing:
             shared = dict(cuda=self._buf.untyped_storage()._share_cuda_())
         else:
             self._path = _shm_path()
+            self._path.touch(mode=0o600)  # context features: this user's processes only
             self._buf = torch.from_file(str(self._path), shared=True, size=nbytes,
                                         dtype=torch.uint8)
             shared = dict(shm_path=str(self._path))

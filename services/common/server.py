@@ -1,7 +1,8 @@
 """grpc.aio server bootstrap shared by gateway, verifier and drafter.
 
 Every service gets: deliberate message-size limits, keepalive that the peers' pings respect,
-gRPC health (SERVING once ready) and reflection, a graceful stop that drains in-flight RPCs
+gRPC health (SERVING once ready) and reflection (unless switched off), TLS and a bearer-token
+check when configured (services/common/security.py), a graceful stop that drains in-flight RPCs
 for `grace_s` before cancelling them, and `MalformedRequests`: a request that does not parse as
 its message ends its RPC with INVALID_ARGUMENT.
 """
@@ -16,6 +17,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.common.security import NONE, Security
 
 MiB = 1 << 20
 # Tensors cross the drafter stream (context features); 64 MiB bounds one step's message.
@@ -112,9 +115,15 @@ def with_message_limit(options: list[tuple], limit: int) -> list[tuple]:
     return [(k, limit if "message_length" in k else v) for k, v in options]
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """An insecure aio channel to a peer with the shared limits and keepalive."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, security: Security = NONE,
+            options: list[tuple] | None = None) -> grpc.aio.Channel:
+    """An aio channel to a peer with the shared limits and keepalive (`options` instead); TLS
+    when `security` names the peer's CA."""
+    options = CHANNEL_OPTIONS if options is None else options
+    creds = security.channel_credentials()
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, creds, options=options)
 
 
 async def start_server(
@@ -123,21 +132,27 @@ async def start_server(
     host: str = "127.0.0.1",
     port: int = 0,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    security: Security = NONE,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Start a server with the given `(add_XServicer_to_server, servicer)` pairs.
+    """Start a server with the given `(add_XServicer_to_server, servicer)` pairs (TLS, a
+    bearer-token check and reflection as `security` says).
 
     Returns the server, the bound port (useful with port 0) and its health servicer (NOT_SERVING
     until the caller says the service is ready with `mark_serving`).
     """
     options = [(k, max_message_bytes if "message_length" in k else v) for k, v in SERVER_OPTIONS]
-    server = grpc.aio.server(options=options, interceptors=[MalformedRequests()])
+    server = grpc.aio.server(options=options,
+                             interceptors=[*security.interceptors(), MalformedRequests()])
     for add, servicer in adders:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-    reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if security.reflection:
+        names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, server)
+    creds = security.server_credentials()
+    bound = server.add_secure_port(f"{host}:{port}", creds) if creds else \
+        server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     await server.start()

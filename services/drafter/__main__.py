@@ -12,11 +12,13 @@ import logging
 from collections.abc import Sequence
 
 from services.common import telemetry
+from services.common.security import SECURITY_FLAGS, Security
 from services.common.settings import COMMON, DRAFTER_METRICS_PORT, DRAFTER_PORT, Flag, add_flags
 from services.drafter.server import DTYPES, DrafterConfig, run
 
 FLAGS = [
     *COMMON,
+    *SECURITY_FLAGS,
     Flag("--port", "SPECSERVE_DRAFTER_PORT", DRAFTER_PORT, int, "port to bind (0: any free)"),
     Flag("--model", "SPECSERVE_MODEL", None, str,
          "target checkpoint dir (DFlash uses its embedding and LM head)"),
@@ -31,6 +33,8 @@ FLAGS = [
          "compile the GPU kernels before serving: auto (on cuda) | on | off"),
     Flag("--cuda-graphs", "SPECSERVE_CUDA_GRAPHS", "auto", str,
          "the DFlash block forward as CUDA graphs: auto (on cuda) | on | off"),
+    Flag("--max-message-mb", "SPECSERVE_DRAFTER_MAX_MESSAGE_MB", 256, int,
+         "largest message taken (a prefill chunk's rows across hosts must fit)"),
     Flag("--max-stream-share", "SPECSERVE_DRAFTER_MAX_STREAM_SHARE", 1.0, float,
          "the share of the context cache one verifier connection may hold (0-1]"),
     Flag("--lane", "SPECSERVE_DRAFTER_LANE", "auto", str,
@@ -57,7 +61,8 @@ def config_from_args(args: argparse.Namespace) -> DrafterConfig:
                          page_size=args.page_size, num_pages=args.drafter_pages,
                          metrics_port=args.metrics_port, warmup=args.warmup,
                          cuda_graphs=args.cuda_graphs, lane=args.lane,
-                         max_stream_share=args.max_stream_share)
+                         max_stream_share=args.max_stream_share,
+                         max_message_mb=args.max_message_mb, security=Security.from_args(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,6 +33,7 @@ class Attachments:
     def __init__(self, runner: BatchRunner, core: Callable[[], DrafterCore | None],
                  lane_path: str | None) -> None:
         self.runner, self._core, self.lane_path = runner, core, lane_path
+        self.max_message_bytes = 0  # what the drafter's server takes (0: unknown)
         self._tokens: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
         self._server: lane.LaneServer | None = None
@@ -52,7 +53,7 @@ class Attachments:
                 self.runner.rings[info.generation] = view
                 while len(self.runner.rings) > MAX_RINGS:
                     self.runner.rings.pop(next(iter(self.runner.rings)))
-        return convert.attach_reply_to_pb(attached, error, *self._lane())
+        return convert.attach_reply_to_pb(attached, error, *self._lane(), self.max_message_bytes)
 
     def _lane(self) -> tuple[str | None, bytes]:
         if self.lane_path is None:

@@ -62,9 +62,10 @@ def ring_from_pb(msg: pb.RingSpec) -> RingInfo:
 
 
 def attach_reply_to_pb(attached: bool, ring_error: str | None, lane_path: str | None,
-                       lane_token: bytes) -> pb.AttachReply:
+                       lane_token: bytes, max_message_bytes: int = 0) -> pb.AttachReply:
     return pb.AttachReply(ring_attached=attached, ring_error=ring_error or "",
-                          lane_path=lane_path or "", lane_token=lane_token)
+                          lane_path=lane_path or "", lane_token=lane_token,
+                          max_message_bytes=max_message_bytes)
 
 
 def ring_of(msg: pb.AttachRequest) -> pb.RingSpec | None:

@@ -19,7 +19,8 @@ import torch
 
 from services.common import lane, telemetry
 from services.common.metrics import DrafterMetrics
-from services.common.server import INTERNAL_MESSAGE_BYTES, mark_serving, start_server
+from services.common.security import NONE, Security
+from services.common.server import MiB, mark_serving, start_server
 from services.common.settings import DEFAULT_HOST, DRAFTER_PORT
 from services.drafter.core import DrafterCore
 from services.drafter.servicer import DrafterServicer
@@ -46,6 +47,10 @@ class DrafterConfig:
     warmup: str = "auto"  # compile kernels before serving: auto (= on cuda) | on | off
     cuda_graphs: str = "auto"  # DFlash block forward as CUDA graphs: auto (= on cuda) | on | off
     max_stream_share: float = 1.0  # the context-cache share one verifier connection may hold
+    # largest message the drafter takes: a prefill chunk's inline (fc-projected) rows across
+    # hosts, e.g. 8192 rows x 4096 x 2 B = 64 MiB; a request resent after a reconnect must fit
+    max_message_mb: int = 256
+    security: Security = NONE
     lane: str = "auto"  # same-host lane socket: auto (a path in the temp dir) | off (steps stay
     #                     on gRPC) | a socket path
 
@@ -68,6 +73,8 @@ class DrafterConfig:
                              f"{self.page_size}, {self.num_pages}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be non-negative, got {self.grace_s}")
+        if self.max_message_mb <= 0:
+            raise ValueError(f"max_message_mb must be positive, got {self.max_message_mb}")
         if not 0 < self.max_stream_share <= 1:
             raise ValueError(f"max_stream_share must be in (0, 1], got {self.max_stream_share}")
         if not self.lane:
@@ -108,9 +115,11 @@ async def serve(config: DrafterConfig, core: DrafterCore | None = None,
     """Start serving; returns once SERVING. A given `core` is used instead of loading one;
     `metrics` (optional) are recorded per draft batch."""
     servicer = DrafterServicer(metrics=metrics)
+    servicer.attachments.max_message_bytes = config.max_message_mb * MiB
     server, port, health = await start_server(
         [(drafter_pb2_grpc.add_DrafterServicer_to_server, servicer)], [SERVICE_NAME],
-        host=config.host, port=config.port, max_message_bytes=INTERNAL_MESSAGE_BYTES)
+        host=config.host, port=config.port, max_message_bytes=config.max_message_mb * MiB,
+        security=config.security)
     servicer.attachments.lane_path = config.lane_path(port)
     server.attachments = servicer.attachments  # closed by `stop`
     try:

@@ -16,12 +16,14 @@ import sys
 from pathlib import Path
 
 from services.common import telemetry
+from services.common.security import SECURITY_FLAGS, Security
 from services.common.settings import COMMON, VERIFIER_METRICS_PORT, VERIFIER_PORT, Flag, add_flags
 from services.verifier.server import VerifierConfig, serve
 from specserve.errors import SpecServeError
 
 FLAGS = [
     *COMMON,
+    *SECURITY_FLAGS,
     Flag("--port", "SPECSERVE_VERIFIER_PORT", VERIFIER_PORT, int, "port to bind (0 = any)"),
     Flag("--model", "SPECSERVE_MODEL", "", str, "target checkpoint directory (HF format)"),
     Flag("--drafter", "SPECSERVE_DRAFTER_ADDR", "", str, "drafter address host:port ('' = none)"),
@@ -97,7 +99,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         trace_steps=args.trace_steps, metrics_port=args.metrics_port, warmup=args.warmup,
         cuda_graphs=args.cuda_graphs, drafter_transport=args.drafter_transport,
         context_ring_rows=args.context_ring_rows, keep_context=args.keep_context,
-        overlap=args.overlap, max_waiting=args.max_waiting)
+        overlap=args.overlap, max_waiting=args.max_waiting, security=Security.from_args(args))
 
 
 

@@ -164,8 +164,10 @@ def attach_to_pb(ring) -> drafter_pb2.AttachRequest:
     return drafter_pb2.AttachRequest(ring=spec)
 
 
-def attachment_from_pb(reply: drafter_pb2.AttachReply) -> tuple[bool, str, str | None, bytes]:
-    return (reply.ring_attached, reply.ring_error, reply.lane_path or None, reply.lane_token)
+def attachment_from_pb(reply: drafter_pb2.AttachReply
+                       ) -> tuple[bool, str, str | None, bytes, int]:
+    return (reply.ring_attached, reply.ring_error, reply.lane_path or None, reply.lane_token,
+            reply.max_message_bytes)
 
 
 def fill_context(entry: drafter_pb2.DraftEntry, rows: torch.Tensor, fused: bool) -> None:

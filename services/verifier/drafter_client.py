@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 
 from services.common import lane
 from services.common.ring import ContextRing
+from services.common.security import NONE, Security
 from services.verifier import convert
 from services.verifier.context_rows import RequestRows
 from services.verifier.drafter_entries import DraftEntries
@@ -59,12 +60,13 @@ class RemoteDrafter:
 
     `ring`: the same-host context ring (None: rows on the wire); `projection`: the drafter's
     `hidden_norm(fc(·))` (models/dflash.ContextProjection) for rows that cross the wire and for
-    the kept copies; `same_host=False` asks for no attachment (the cross-host path)."""
+    the kept copies; `same_host=False` takes neither ring nor lane (the cross-host path);
+    `security`: TLS to the drafter and the token sent to it."""
 
     def __init__(self, address: str, target_layer_ids: Sequence[int] = (),
                  timeout_s: float = 2.0, reconnect_s: float = 0.5, *,
                  ring: ContextRing | None = None, projection=None, keep_context: str = "auto",
-                 same_host: bool = True) -> None:
+                 same_host: bool = True, security: Security = NONE) -> None:
         if not address:
             raise ValueError("drafter address is empty")
         if timeout_s <= 0 or reconnect_s <= 0:
@@ -77,7 +79,7 @@ class RemoteDrafter:
         self.entries = DraftEntries(self.needs_context, projection, keep_context, timeout_s)
         self.stream = DrafterStream(address, timeout_s, reconnect_s,
                                     ring=ring.info if ring is not None else None,
-                                    same_host=same_host)
+                                    same_host=same_host, security=security)
         self._grpc = GrpcLink(self.stream, timeout_s)
         self._lane: LaneLink | None = None
         self._lane_tried = 0  # the epoch whose lane was last tried
@@ -142,6 +144,8 @@ class RemoteDrafter:
             self._lane.close()
             self._lane = None
         att = stream.attachment if stream.connected else None
+        if att is not None and att.epoch == epoch:
+            self.entries.max_inline_bytes = att.max_message_bytes
         ring = self.ring if att is not None and att.epoch == epoch and att.ring_attached else None
         if self._lane is None and att is not None and att.epoch == epoch and att.lane_path \
                 and self._lane_tried != epoch:

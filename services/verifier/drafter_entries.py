@@ -38,6 +38,7 @@ class DraftEntries:
         self.feed_failed: set[str] = set()  # requests whose feed failed: resend in full
         self.context_rows: Counter = Counter()  # rows sent, by path (ring / inline_*)
         self.tracing = None  # a StepTracer (set by the client)
+        self.max_inline_bytes = 0  # the drafter's message bound (0: unknown, not checked)
 
     def absorb_all(self, requests: Sequence[DraftRequest], link) -> dict[str, New]:
         """Take each request's rows not seen before (a gap: an entry error); keep them on the
@@ -97,37 +98,50 @@ class DraftEntries:
         if st.lost and st.kind != "ngram":
             self.errors[req.request_id] = f"{CONTEXT_LOST}: its rows were not kept"
             return False
+        rows, fused, ref = None, False, None
+        if st.rows_sent < held_before:  # a resend: every kept row, on the wire
+            rows, fused = st.rows_since(st.rows_sent), self.projection is not None
+        elif new is not None:  # in the ring when it has room, else inline
+            ref = self._ring_segment(new, link, batch.step_id)
+            if ref is None:
+                rows = next(r for r in (new.host, new.fused, new.raw) if r is not None)
+                fused = new.fused is not None
+        if not self._fits(batch, rows):
+            st.lost = True
+            self.errors[req.request_id] = (f"{CONTEXT_LOST}: its rows are more than the "
+                                           "drafter takes in one message (--max-message-mb)")
+            return False
         st.sent_once = True
         history = list(req.history[st.history_sent:]) if req.history is not None else []
         trace_context = (self.tracing.open_draft(req.request_id)
                          if self.tracing and traced else None)
-        if st.rows_sent < held_before:  # a resend: every kept row, on the wire
-            rows = st.rows_since(st.rows_sent)
-            fused = self.projection is not None
-            entry = convert.add_draft_entry(batch, req, st.kind, rows, history, trace_context,
-                                            fused=fused)
-            self._count(rows, fused)
-        else:
-            entry = convert.add_draft_entry(batch, req, st.kind, None, history, trace_context)
-            if new is not None:
-                self._put_rows(entry, new, link, batch.step_id)
+        entry = convert.add_draft_entry(batch, req, st.kind, rows, history, trace_context,
+                                        fused=fused)
+        if ref is not None:
+            convert.set_context_ref(entry, link.ring.generation, *ref)
+            self.context_rows["ring"] += ref[1]
+        self._count(rows, fused)
         return True
 
-    def _put_rows(self, entry, new: New, link, step_id: int) -> None:
-        """The new rows into the ring (named by the entry) when it has room, else inline."""
+    def _ring_segment(self, new: New, link, step_id: int) -> tuple[int, int] | None:
+        """(first row, rows) of the new rows written into the link's ring, or None (no ring, or
+        no room in it within `room_s`)."""
         ring, n = link.ring, new.raw.shape[0]
-        if ring is not None:
+        if ring is None:
+            return None
+        start = ring.alloc(n, step_id)
+        while start is None and link.make_room(self.room_s):
             start = ring.alloc(n, step_id)
-            while start is None and link.make_room(self.room_s):
-                start = ring.alloc(n, step_id)
-            if start is not None:
-                ring.write(start, new.raw)
-                convert.set_context_ref(entry, ring.generation, start, n)
-                self.context_rows["ring"] += n
-                return
-        rows = next(r for r in (new.host, new.fused, new.raw) if r is not None)
-        convert.fill_context(entry, rows, fused=new.fused is not None)
-        self._count(rows, new.fused is not None)
+        if start is None:
+            return None
+        ring.write(start, new.raw)
+        return start, n
+
+    def _fits(self, message, rows: torch.Tensor | None) -> bool:
+        if not self.max_inline_bytes or rows is None:
+            return True
+        nbytes = rows.numel() * rows.element_size()
+        return message.ByteSize() + nbytes + (64 << 10) <= self.max_inline_bytes
 
     def _count(self, rows: torch.Tensor | None, fused: bool) -> None:
         if rows is not None:

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.security import NONE, Security
 from services.common.server import CHANNEL_OPTIONS, INTERNAL_MESSAGE_BYTES, with_message_limit
+from services.common.server import channel as make_channel
 from services.verifier import convert
 from specserve.v1 import drafter_pb2_grpc
 
@@ -52,12 +54,14 @@ class Attachment:
     ring_error: str
     lane_path: str | None
     lane_token: bytes
+    max_message_bytes: int  # the largest message the drafter takes (0: unknown)
 
 
 class DrafterStream:
     def __init__(self, address: str, timeout_s: float, reconnect_s: float,
-                 ring=None, same_host: bool = True) -> None:
+                 ring=None, same_host: bool = True, security: Security = NONE) -> None:
         self.address, self.timeout_s, self.reconnect_s = address, timeout_s, reconnect_s
+        self.security = security  # TLS to the drafter and the token sent to it
         self.ring_info = ring  # RingInfo offered on each connection (None: no ring)
         self.same_host = same_host  # False: ask for nothing (the cross-host path, measured)
         self.attachment: Attachment | None = None
@@ -155,7 +159,7 @@ class DrafterStream:
     async def _connect(self) -> bool:
         self._last_attempt = time.monotonic()
         options = with_message_limit(CHANNEL_OPTIONS, INTERNAL_MESSAGE_BYTES)
-        channel = grpc.aio.insecure_channel(self.address, options=options + RECONNECT_OPTIONS)
+        channel = make_channel(self.address, self.security, options + RECONNECT_OPTIONS)
         try:
             await asyncio.wait_for(channel.channel_ready(), max(self.timeout_s, 1.0))
         except (TimeoutError, grpc.aio.AioRpcError):
@@ -171,7 +175,7 @@ class DrafterStream:
             await channel.close()
             return False
         # The stream lives as long as the connection; each step has its own deadline (timeout_s).
-        call = stub.Draft()
+        call = stub.Draft(metadata=self.security.peer_metadata())
         self.epoch += 1  # every request is resent in full on the new stream
         self.attachment = None if attached is None else Attachment(self.epoch, *attached)
         self._channel, self._stub, self._call = channel, stub, call
@@ -180,13 +184,12 @@ class DrafterStream:
         return True
 
     async def _attach(self, stub) -> tuple | None:
-        """(ring attached, ring error, lane path, lane token), or None (not on one host, or a
-        drafter without `Attach`)."""
-        if not self.same_host:
-            return None
+        """(ring attached, ring error, lane path, lane token, max message bytes), or None (a
+        drafter without `Attach`). Not on one host: no ring offered, the lane not taken."""
         try:
-            reply = await stub.Attach(convert.attach_to_pb(self.ring_info),
-                                      timeout=max(self.timeout_s, 5.0))
+            reply = await stub.Attach(
+                convert.attach_to_pb(self.ring_info if self.same_host else None),
+                timeout=max(self.timeout_s, 5.0), metadata=self.security.peer_metadata())
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 raise _NotReady from None
@@ -194,6 +197,8 @@ class DrafterStream:
                         self.address, e.code())
             return None
         got = convert.attachment_from_pb(reply)
+        if not self.same_host:
+            return False, "", None, b"", got[4]
         if self.ring_info is not None and not got[0]:
             log.warning("drafter at %s could not map the context ring: %s", self.address, got[1])
         return got

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from services.common import telemetry
 from services.common.metrics import VerifierMetrics
 from services.common.ring import ContextRing
+from services.common.security import NONE, Security
 from services.common.server import mark_serving, start_server
 from services.verifier.convert import SpecLimits
 from services.verifier.drafter_client import RemoteDrafter
@@ -52,6 +53,7 @@ class VerifierConfig:
     tap_layers: tuple[int, ...] | None = None  # overrides the draft model's target_layer_ids
     max_num_seqs: int = 64
     max_waiting: int = 256  # queued requests past which new ones get RESOURCE_EXHAUSTED
+    security: Security = NONE  # TLS / token of this port; TLS to and token for the drafter
     max_num_batched_tokens: int = 2048
     grace_s: float = 5.0  # shutdown drains in-flight requests this long
     trace_steps: int = 1  # a `step` span for every Nth step of a request (0 = none)
@@ -205,7 +207,7 @@ def _remote_drafter(config: VerifierConfig, engine: Engine) -> RemoteDrafter:
                         config.draft_model, e)
     return RemoteDrafter(config.drafter, taps, timeout_s=config.drafter_timeout_s, ring=ring,
                          projection=projection, keep_context=config.keep_context,
-                         same_host=config.drafter_transport == "auto")
+                         same_host=config.drafter_transport == "auto", security=config.security)
 
 
 async def serve(config: VerifierConfig) -> tuple[VerifierServer, int]:
@@ -215,7 +217,7 @@ async def serve(config: VerifierConfig) -> tuple[VerifierServer, int]:
     servicer = VerifierServicer(limits, metrics)
     server, port, health = await start_server(
         [(verifier_pb2_grpc.add_VerifierServicer_to_server, servicer)], [SERVICE],
-        host=config.host, port=config.port)
+        host=config.host, port=config.port, security=config.security)
     try:
         loop, drafter = await _build(config, metrics)
     except BaseException:

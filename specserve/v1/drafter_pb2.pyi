@@ -137,13 +137,15 @@ class AttachRequest(_message.Message):
     def __init__(self, ring: _Optional[_Union[RingSpec, _Mapping]] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("ring_attached", "ring_error", "lane_path", "lane_token")
+    __slots__ = ("ring_attached", "ring_error", "lane_path", "lane_token", "max_message_bytes")
     RING_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     RING_ERROR_FIELD_NUMBER: _ClassVar[int]
     LANE_PATH_FIELD_NUMBER: _ClassVar[int]
     LANE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ring_attached: bool
     ring_error: str
     lane_path: str
     lane_token: bytes
-    def __init__(self, ring_attached: _Optional[bool] = ..., ring_error: _Optional[str] = ..., lane_path: _Optional[str] = ..., lane_token: _Optional[bytes] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, ring_attached: _Optional[bool] = ..., ring_error: _Optional[str] = ..., lane_path: _Optional[str] = ..., lane_token: _Optional[bytes] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
