@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.common.security import Security
+from services.common.security import NONE, Security
 from services.common.server import channel
 from services.drafter.core import DrafterCore
 from services.drafter.server import DrafterConfig
@@ -51,7 +51,7 @@ async def _verifier(target, dport: int, security: Security):
     return server, port
 
 
-async def _generate(address: str, security: Security = Security(), metadata=()):
+async def _generate(address: str, security: Security = NONE, metadata=()):
     async with channel(address, security) as ch:
         stub = verifier_pb2_grpc.VerifierStub(ch)
         req = verifier_pb2.VerifyRequest(
