@@ -21,6 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_OVERRIDE = "docker/compose.cpu.yml"
+SECURE_OVERRIDE = "docker/compose.secure.yml"
+TOKENS = {"SPECSERVE_AUTH_TOKEN": "client-token", "SPECSERVE_PEER_TOKEN": "peer-token"}
 SERVICES = ("gateway", "verifier", "drafter")
 PORT_ENV = {"gateway": "SPECSERVE_GATEWAY_PORT", "verifier": "SPECSERVE_VERIFIER_PORT",
             "drafter": "SPECSERVE_DRAFTER_PORT"}
@@ -37,22 +39,23 @@ def _compose_binary() -> Path:
     return binary
 
 
-def _env() -> dict[str, str]:
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """No interpolation variables from the outside (TARGET_MODEL, …) leak into the model."""
     keep = ("PATH", "HOME", "TMPDIR", "LANG")
-    return {k: v for k, v in os.environ.items() if k in keep}
+    return {**{k: v for k, v in os.environ.items() if k in keep}, **(extra or {})}
 
 
-def _compose(*args: str, files: tuple[str, ...] = ("docker-compose.yml",), cwd: Path = ROOT):
+def _compose(*args: str, files: tuple[str, ...] = ("docker-compose.yml",), cwd: Path = ROOT,
+             env: dict[str, str] | None = None):
     cmd = [str(_compose_binary())]
     for f in files:
         cmd += ["-f", f]
-    return subprocess.run([*cmd, *args], cwd=cwd, env=_env(), capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([*cmd, *args], cwd=cwd, env=_env(env), capture_output=True,
+                          text=True, timeout=60)
 
 
-def _model(files: tuple[str, ...] = ("docker-compose.yml",)) -> dict:
-    out = _compose("config", "--format", "json", files=files)
+def _model(files: tuple[str, ...] = ("docker-compose.yml",), env=None) -> dict:
+    out = _compose("config", "--format", "json", files=files, env=env)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -146,7 +149,7 @@ def test_peers_dial_the_ports_they_listen_on(monkeypatch):
     assert published == {(gateway.port, gateway.port)}
     jaeger = services["jaeger"]
     assert jaeger["image"] == "cr.jaegertracing.io/jaegertracing/jaeger:2.15.0"
-    assert {int(p["target"]) for p in jaeger["ports"]} == {16686, 4317}
+    assert {int(p["target"]) for p in jaeger["ports"]} == {16686}  # the UI only
 
 
 def test_gpu_reservation_and_cpu_override():
@@ -172,3 +175,25 @@ def test_verifier_and_drafter_share_what_the_same_host_path_needs(monkeypatch):
               for name in ("verifier", "drafter")}
     lane_dir = str(Path(lane).parent)
     assert mounts["verifier"][lane_dir] == mounts["drafter"][lane_dir] == "lanes"
+
+
+def test_secure_override(monkeypatch):
+    """docker/compose.secure.yml: valid, every variable a flag of its service, each link under
+    TLS (verifier and drafter require a client certificate), tokens, no reflection; it refuses
+    to render without the tokens."""
+    files = ("docker-compose.yml", SECURE_OVERRIDE)
+    missing = _compose("config", "-q", files=files)
+    assert missing.returncode != 0 and "SPECSERVE_PEER_TOKEN" in missing.stderr
+    services = _model(files, TOKENS)["services"]
+    parsed = {}
+    for name in SERVICES:
+        env = {k: str(v) for k, v in services[name]["environment"].items()
+               if k.startswith("SPECSERVE_")}
+        parser, parsed[name] = _parse_with_env(name, env, monkeypatch)
+        assert not set(env) - set(_flag_envs(parser)), name
+        assert parsed[name].reflection == "off" and parsed[name].tls_cert.startswith("/app/certs/")
+    assert parsed["gateway"].auth_token == "client-token"
+    assert parsed["gateway"].peer_token == parsed["verifier"].auth_token == "peer-token"
+    assert parsed["verifier"].peer_token == parsed["drafter"].auth_token == "peer-token"
+    assert parsed["verifier"].tls_client_ca and parsed["drafter"].tls_client_ca
+    assert parsed["gateway"].peer_tls_ca and parsed["verifier"].peer_tls_ca
