@@ -2,11 +2,13 @@
 
 Every service gets: deliberate message-size limits, keepalive that the peers' pings respect,
 gRPC health (SERVING once ready) and reflection, and a graceful stop that drains in-flight RPCs
-for `grace_s` before cancelling them.
+for `grace_s` before cancelling them. A port in use is an error (OSError), never shared: gRPC's
+SO_REUSEPORT is off; `check_bindable` tells before a service is started.
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -29,6 +31,7 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.so_reuseport", 0),  # on by default: a second server would silently share the port
 ]
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -59,7 +62,8 @@ async def start_server(
     """Start a server with the given `(add_XServicer_to_server, servicer)` pairs.
 
     Returns the server, the bound port (useful with port 0) and its health servicer (NOT_SERVING
-    until the caller says the service is ready with `mark_serving`).
+    until the caller says the service is ready with `mark_serving`). Raises OSError when the
+    port cannot be bound.
     """
     options = [(k, max_message_bytes if "message_length" in k else v) for k, v in SERVER_OPTIONS]
     server = grpc.aio.server(options=options)
@@ -69,13 +73,26 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # "Failed to bind to address ..." (older grpc returned 0)
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        raise OSError(f"could not bind {host}:{port} (in use?)")
     await server.start()
     for name in service_names:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     return server, bound, health_servicer
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Raise OSError "could not bind HOST:PORT (in use?)" when another socket holds the port."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is free
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"could not bind {host}:{port} (in use?)") from e
 
 
 async def mark_serving(health_servicer: health.aio.HealthServicer, names: Sequence[str]) -> None:
