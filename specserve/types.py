@@ -57,7 +57,7 @@ class SamplingParams:
 
 class FinishReason(StrEnum):
     STOP = "stop"  # a stop token or stop string
-    LENGTH = "length"  # max_tokens or the model's context limit
+    LENGTH = "length"  # max_tokens (admission makes prompt + max_tokens fit the context)
     ABORT = "abort"  # cancelled
 
 

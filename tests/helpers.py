@@ -52,6 +52,23 @@ def make_checkpoint(path: Path, name: str, seed: int = 0, **overrides):
     return Path(path), model
 
 
+def save_tokenizer(root: Path, vocab_size: int = 300) -> Path:
+    """Write a small byte-level BPE tokenizer.json (trained on the tokenizer tests' corpus) into
+    `root`; returns `root`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from tests.unit.test_tokenizer import CORPUS
+
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=vocab_size, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(Path(root) / "tokenizer.json"))
+    return Path(root)
+
+
 def random_prompts(n: int, vocab: int, lengths, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (lengths[i % len(lengths)],), generator=g).tolist()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -26,6 +27,8 @@ _FINISH = {
 }
 DRAFTER_NAMES = {pb.DRAFTER_KIND_DFLASH: "dflash", pb.DRAFTER_KIND_NGRAM: "ngram",
                  pb.DRAFTER_KIND_NONE: "none", pb.DRAFTER_KIND_UNSPECIFIED: None}
+# a request's stop list: strings, UTF-8 bytes in all (the verifier's bounds, the gateway's default)
+MAX_STOP_STRINGS, MAX_STOP_BYTES = 16, 4096
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
@@ -40,6 +43,23 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
     )
+
+
+def check_stop(stop: Sequence[str], max_strings: int = MAX_STOP_STRINGS,
+               max_bytes: int = MAX_STOP_BYTES, flags: tuple[str, str] | None = None) -> None:
+    """Raises InvalidRequest for more than `max_strings` stop strings or more than `max_bytes`
+    UTF-8 bytes of them in all; `flags` names the settings of the two limits."""
+    hint = [f" ({f})" for f in flags] if flags else ["", ""]
+    if len(stop) > max_strings:
+        raise InvalidRequest(f"{len(stop)} stop strings; at most {max_strings} are allowed"
+                             f"{hint[0]}")
+    size = sum(map(len, stop))  # characters: a lower bound of the size, no copy made
+    exact = size <= max_bytes
+    if exact:
+        size = sum(len(s.encode()) for s in stop)
+    if size > max_bytes:
+        raise InvalidRequest(f"stop strings of {'' if exact else 'at least '}{size} bytes "
+                             f"(UTF-8); at most {max_bytes} are allowed{hint[1]}")
 
 
 def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:

@@ -4,13 +4,15 @@ Every service gets: deliberate message-size limits, keepalive that the peers' pi
 gRPC health (SERVING once ready) and reflection (unless switched off), TLS and a bearer-token
 check when configured (services/common/security.py), a graceful stop that drains in-flight RPCs
 for `grace_s` before cancelling them, and `MalformedRequests`: a request that does not parse as
-its message ends its RPC with INVALID_ARGUMENT.
+its message ends its RPC with INVALID_ARGUMENT. A port in use is an error (OSError), never
+shared: gRPC's SO_REUSEPORT is off; `check_bindable` tells before a service is started.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import socket
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -36,6 +38,7 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.so_reuseport", 0),  # on by default: a second server would silently share the port
 ]
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -138,7 +141,8 @@ async def start_server(
     bearer-token check and reflection as `security` says).
 
     Returns the server, the bound port (useful with port 0) and its health servicer (NOT_SERVING
-    until the caller says the service is ready with `mark_serving`).
+    until the caller says the service is ready with `mark_serving`). Raises OSError when the
+    port cannot be bound.
     """
     options = [(k, max_message_bytes if "message_length" in k else v) for k, v in SERVER_OPTIONS]
     server = grpc.aio.server(options=options,
@@ -151,14 +155,27 @@ async def start_server(
         names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, server)
     creds = security.server_credentials()
-    bound = server.add_secure_port(f"{host}:{port}", creds) if creds else \
-        server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_secure_port(f"{host}:{port}", creds) if creds else \
+            server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # "Failed to bind to address ..." (older grpc returned 0)
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        raise OSError(f"could not bind {host}:{port} (in use?)")
     await server.start()
     for name in service_names:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     return server, bound, health_servicer
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Raise OSError "could not bind HOST:PORT (in use?)" when another socket holds the port."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is free
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"could not bind {host}:{port} (in use?)") from e
 
 
 async def mark_serving(health_servicer: health.aio.HealthServicer, names: Sequence[str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from collections.abc import Sequence
 
 from services.common import telemetry
@@ -75,7 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     telemetry.setup_tracing("drafter")
-    asyncio.run(run(config, args.port_file))
+    try:
+        asyncio.run(run(config, args.port_file))
+    except OSError as e:  # the port is in use
+        print(f"specserve drafter: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import sys
 
+from services.common.convert import MAX_STOP_BYTES, MAX_STOP_STRINGS
 from services.common.server import MiB
 from services.common.settings import (
     COMMON,
@@ -33,6 +34,10 @@ FLAGS = [
          "verifier deadline for requests whose client set none"),
     Flag("--metrics-port", "SPECSERVE_GATEWAY_METRICS_PORT", GATEWAY_METRICS_PORT, int,
          "Prometheus /metrics port (0 = none)"),
+    Flag("--max-stop-strings", "SPECSERVE_MAX_STOP_STRINGS", MAX_STOP_STRINGS, int,
+         "most stop strings per request (more: INVALID_ARGUMENT)"),
+    Flag("--max-stop-bytes", "SPECSERVE_MAX_STOP_BYTES", MAX_STOP_BYTES, int,
+         "most UTF-8 bytes of a request's stop strings in all (more: INVALID_ARGUMENT)"),
 ]
 
 
@@ -48,20 +53,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def config_from_args(args: argparse.Namespace):
+    """The GatewayConfig of parsed flags (raises ValueError for bad values)."""
+    from services.gateway.server import GatewayConfig
+
+    return GatewayConfig(
+        model=args.model, verifier=args.verifier, host=args.host, port=args.port,
+        port_file=args.port_file, max_message_bytes=args.max_message_mb * MiB,
+        request_timeout_s=args.request_timeout_s, grace_s=args.grace_s,
+        metrics_port=args.metrics_port, max_stop_strings=args.max_stop_strings,
+        max_stop_bytes=args.max_stop_bytes)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from services.common import telemetry
-    from services.gateway.server import GatewayConfig, serve
+    from services.gateway.server import serve
     from specserve.errors import SpecServeError
 
     try:
-        config = GatewayConfig(
-            model=args.model, verifier=args.verifier, host=args.host, port=args.port,
-            port_file=args.port_file, max_message_bytes=args.max_message_mb * MiB,
-            request_timeout_s=args.request_timeout_s, grace_s=args.grace_s,
-            metrics_port=args.metrics_port)
+        config = config_from_args(args)
         telemetry.setup_tracing("gateway")
         asyncio.run(serve(config))
     except (ValueError, SpecServeError, OSError) as e:

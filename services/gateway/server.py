@@ -1,14 +1,17 @@
 """Gateway process: config, tokenizer, one long-lived verifier channel, server lifecycle.
 
-`serve` loads the target's tokenizer, starts the gRPC server (health + reflection), reports
-SERVING, writes the bound port to `port_file` (for port 0), and on SIGINT/SIGTERM (or `stop`)
-turns health to NOT_SERVING and drains in-flight generations for `grace_s` before cancelling.
+`serve` loads the target's tokenizer, starts the gRPC server (health + reflection), writes the
+bound port to `port_file` (for port 0), and on SIGINT/SIGTERM (or `stop`) turns health to
+NOT_SERVING and drains in-flight generations for `grace_s` before cancelling. While it runs,
+`follow_verifier` checks the verifier's health every `health_period_s`: the gateway's named
+service is SERVING while the verifier's is, NOT_SERVING while it is unreachable or not serving.
 Prometheus metrics are served on `metrics_port` (0: none); buffered spans are flushed at exit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -16,21 +19,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import telemetry
+from services.common.convert import MAX_STOP_BYTES, MAX_STOP_STRINGS
 from services.common.metrics import GatewayMetrics
 from services.common.server import (
     CHANNEL_OPTIONS,
     MAX_MESSAGE_BYTES,
-    mark_serving,
     start_server,
 )
 from services.common.settings import DEFAULT_HOST, GATEWAY_PORT, VERIFIER_PORT
-from services.gateway.servicer import GatewayServicer
+from services.gateway.servicer import GatewayServicer, StopLimits
 from specserve.engine.tokenizer import Tokenizer
-from specserve.v1 import gateway_pb2_grpc
+from specserve.v1 import gateway_pb2_grpc, verifier_pb2
 
 SERVICE_NAME = "specserve.v1.Gateway"
+VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+CHECK_TIMEOUT_S = 1.0  # one verifier health check (at least the period)
 # a restarted verifier is found within a second (grpc's default reconnect backoff reaches 120 s);
 # meanwhile requests fail fast with UNAVAILABLE rather than wait
 VERIFIER_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
@@ -50,6 +56,9 @@ class GatewayConfig:
     request_timeout_s: float = 600.0  # verifier deadline when the client sets none
     grace_s: float = 5.0
     metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
+    health_period_s: float = 0.5  # how often the verifier's health is checked
+    max_stop_strings: int = MAX_STOP_STRINGS  # a request's stop list: how many strings
+    max_stop_bytes: int = MAX_STOP_BYTES  # and their UTF-8 bytes in all
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -66,6 +75,11 @@ class GatewayConfig:
                              f"got {self.max_message_bytes}")
         if self.request_timeout_s <= 0 or self.grace_s < 0:
             raise ValueError("request_timeout_s must be > 0 and grace_s >= 0")
+        if not self.health_period_s > 0:
+            raise ValueError(f"health_period_s must be > 0, got {self.health_period_s}")
+        if self.max_stop_strings < 0 or self.max_stop_bytes < 0:
+            raise ValueError(f"max_stop_strings and max_stop_bytes must be >= 0, got "
+                             f"{self.max_stop_strings} and {self.max_stop_bytes}")
 
 
 def write_port_file(path: str, port: int) -> None:
@@ -83,20 +97,52 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
+async def follow_verifier(verifier: grpc.aio.Channel, health, period_s: float,
+                          address: str) -> None:
+    """Set the gateway's health from the verifier's, checked every `period_s` (until cancelled):
+    SERVING while it reports SERVING, NOT_SERVING while it is unreachable or not serving."""
+    stub = health_pb2_grpc.HealthStub(verifier)
+    request = health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE)
+    status = health_pb2.HealthCheckResponse.ServingStatus
+    serving = None
+    while True:
+        try:
+            reply = await stub.Check(request, timeout=max(period_s, CHECK_TIMEOUT_S))
+            now, why = reply.status == status.Value("SERVING"), status.Name(reply.status)
+        except grpc.aio.AioRpcError as e:
+            now, why = False, f"{e.code().name}: {e.details()}"
+        if now != serving:
+            serving = now
+            mine = "SERVING" if now else "NOT_SERVING"
+            await health.set(SERVICE_NAME, status.Value(mine))
+            log.log(logging.INFO if now else logging.WARNING, "verifier at %s: %s; gateway %s",
+                    address, why, mine)
+        await asyncio.sleep(period_s)
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     """Run the gateway until `stop` is set (default: until SIGINT/SIGTERM)."""
     tokenizer = Tokenizer.from_dir(config.model)
     verifier = grpc.aio.insecure_channel(config.verifier, options=VERIFIER_CHANNEL_OPTIONS)
     metrics = GatewayMetrics()
-    servicer = GatewayServicer(tokenizer, verifier, config.request_timeout_s, metrics)
+    servicer = GatewayServicer(
+        tokenizer, verifier, config.request_timeout_s, metrics, verifier_address=config.verifier,
+        stop_limits=StopLimits(config.max_stop_strings, config.max_stop_bytes))
     server, port, health = await start_server(
         [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer)], [SERVICE_NAME],
         config.host, config.port, config.max_message_bytes)
     stop = stop if stop is not None else _stop_on_signals()
     metrics_server = telemetry.start_metrics_server(metrics.registry, config.host,
                                                     config.metrics_port)
+    watcher = asyncio.create_task(follow_verifier(verifier, health, config.health_period_s,
+                                                  config.verifier), name="gateway-health")
     try:
-        await mark_serving(health, [SERVICE_NAME])
         if config.port_file:
             write_port_file(config.port_file, port)
         print(f"specserve gateway listening on {config.host}:{port}", flush=True)
@@ -106,6 +152,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         await health.enter_graceful_shutdown()
         await server.stop(config.grace_s)
     finally:
+        await _cancel(watcher)
         await server.stop(0)
         await verifier.close()
         telemetry.stop_metrics_server(metrics_server)

@@ -2,8 +2,11 @@
 
 Thin: convert → call the verifier → convert. The gateway owns what needs text: tokenizing the
 prompt, incremental detokenization and stop strings (a completed stop string cancels the
-verifier stream, which frees the request there). Verifier errors keep their status code and
-message; a client cancel cancels the verifier call.
+verifier stream, which frees the request there; a stop list over `StopLimits` is refused before
+the verifier is called). Verifier errors keep their status code and message, but UNAVAILABLE's
+(it can name the verifier's address) goes to the log and the client reads "verifier
+unavailable"; a client cancel cancels the verifier call. A call whose deadline passed is counted
+as DEADLINE_EXCEEDED in `specserve_gateway_requests_total`.
 
 Each call is one `generate` span (SERVER; a child of the client's span if it sent a W3C
 `traceparent`), whose context goes to the verifier in the call metadata: the root of the
@@ -17,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.common import telemetry
+from services.common.convert import MAX_STOP_BYTES, MAX_STOP_STRINGS, check_stop
 from services.common.errors import status_for
 from services.gateway import convert
 from services.gateway.convert import GatewayFinal, GatewayRequest, Step, VerifierFinal
@@ -34,6 +39,15 @@ from specserve.v1 import gateway_pb2_grpc, verifier_pb2_grpc
 
 log = logging.getLogger("specserve.gateway")
 _TOKENIZE_OFF_LOOP_CHARS = 16_384  # longer prompts are tokenized in a worker thread
+STOP_FLAGS = ("--max-stop-strings", "--max-stop-bytes")  # what sets StopLimits
+
+
+@dataclass(frozen=True)
+class StopLimits:
+    """A request's stop list: at most `max_strings` strings, `max_bytes` UTF-8 bytes in all."""
+
+    max_strings: int = MAX_STOP_STRINGS
+    max_bytes: int = MAX_STOP_BYTES
 
 
 class _RequestState:
@@ -94,10 +108,13 @@ def _record(stats: RequestSpecStats, step: Step) -> None:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, tokenizer: Tokenizer, verifier: grpc.aio.Channel,
-                 default_timeout_s: float, metrics=None) -> None:
+                 default_timeout_s: float, metrics=None, *, verifier_address: str = "",
+                 stop_limits: StopLimits | None = None) -> None:
         self._tokenizer = tokenizer
         self._verifier = verifier_pb2_grpc.VerifierStub(verifier)
+        self._verifier_address = verifier_address  # for the log only
         self._default_timeout_s = default_timeout_s
+        self._stop_limits = stop_limits or StopLimits()
         self.metrics = metrics  # GatewayMetrics | None
         self._tracer = telemetry.tracer("specserve.gateway")
 
@@ -112,16 +129,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.send_initial_metadata(((convert.TRACE_ID_KEY, trace_id),))
         try:
             try:
-                req = convert.request_from_pb(request)
-                span.set_attribute("request.id", req.request_id)
-                prompt_ids = await self._prompt_ids(req)
+                req, prompt_ids = await self._admit(request, span)
                 state = _RequestState(self._tokenizer, prompt_ids, req)
             except SpecServeError as e:
                 code = status_for(e)
                 await context.abort(code, str(e))
-            span.set_attributes({"prompt_tokens": len(prompt_ids),
-                                 "max_tokens": req.params.max_tokens,
-                                 "drafter": req.drafter or "default"})
             call = self._verifier.Generate(
                 convert.verify_request_to_pb(req, prompt_ids), timeout=self._timeout(context),
                 metadata=telemetry.inject_metadata(trace.set_span_in_context(span)))
@@ -130,10 +142,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 async for response in self._relay(call, state):
                     yield response
             except grpc.aio.AioRpcError as e:
-                log.info("request %s: verifier %s: %s", req.request_id, e.code().name,
-                         e.details())
                 code = e.code()
-                await context.abort(e.code(), e.details() or e.code().name)
+                await context.abort(code, self._verifier_error(req, e))
             except SpecServeError as e:
                 code = status_for(e)
                 await context.abort(code, str(e))
@@ -141,7 +151,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 call.cancel()
             code = grpc.StatusCode.OK
         finally:
-            self._finish(span, code, state, time.perf_counter() - t0)
+            self._finish(span, _counted_as(code, context), state, time.perf_counter() - t0)
+
+    async def _admit(self, request, span) -> tuple[GatewayRequest, list[int]]:
+        """The validated request and its prompt ids (raises InvalidRequest)."""
+        req = convert.request_from_pb(request)
+        span.set_attribute("request.id", req.request_id)
+        check_stop(req.params.stop, self._stop_limits.max_strings, self._stop_limits.max_bytes,
+                   STOP_FLAGS)
+        prompt_ids = await self._prompt_ids(req)
+        span.set_attributes({"prompt_tokens": len(prompt_ids),
+                             "max_tokens": req.params.max_tokens,
+                             "drafter": req.drafter or "default"})
+        return req, prompt_ids
+
+    def _verifier_error(self, req: GatewayRequest, e: grpc.aio.AioRpcError) -> str:
+        """The client's message for a failed verifier call; the log keeps the details."""
+        if e.code() is grpc.StatusCode.UNAVAILABLE:
+            log.warning("request %s: verifier at %s unavailable: %s", req.request_id,
+                        self._verifier_address, e.details())
+            return "verifier unavailable"
+        log.info("request %s: verifier %s: %s", req.request_id, e.code().name, e.details())
+        return e.details() or e.code().name
 
     def _finish(self, span, code: grpc.StatusCode, state: _RequestState | None,
                 wall_s: float) -> None:
@@ -195,3 +226,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _timeout(self, context) -> float:
         remaining = context.time_remaining()
         return self._default_timeout_s if remaining is None else max(remaining, 0.001)
+
+
+def _counted_as(code: grpc.StatusCode, context) -> grpc.StatusCode:
+    """The code a finished call is counted under: cancelled past its deadline is
+    DEADLINE_EXCEEDED (gRPC cancels the handler when the client's deadline passes)."""
+    remaining = context.time_remaining()
+    if code is grpc.StatusCode.CANCELLED and remaining is not None and remaining <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return code

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     telemetry.setup_tracing("verifier")
     try:
         asyncio.run(_run(config, args.port_file))
-    except SpecServeError as e:
+    except (SpecServeError, OSError) as e:  # OSError: the port is in use
         print(f"specserve verifier: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -13,6 +13,7 @@ import torch
 
 from services.common.convert import (
     DRAFTER_NAMES,
+    check_stop,
     finish_to_pb,
     sampling_from_pb,
     spec_stats_to_pb,
@@ -47,8 +48,10 @@ class GenerateArgs:
 
 def generate_args_from_pb(msg: verifier_pb2.VerifyRequest, limits: SpecLimits,
                           fallback_id: str) -> GenerateArgs:
-    """Raises InvalidRequest for bad sampling parameters, a negative budget or a bad kind."""
+    """Raises InvalidRequest for bad sampling parameters (a stop list over the default bounds
+    included), a negative budget or a bad kind."""
     params = sampling_from_pb(msg.sampling)
+    check_stop(params.stop)
     if msg.spec.drafter not in DRAFTER_NAMES:
         raise InvalidRequest(f"unknown drafter kind {msg.spec.drafter}")
     kind = DRAFTER_NAMES[msg.spec.drafter]

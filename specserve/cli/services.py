@@ -125,11 +125,15 @@ async def _up_run(args) -> int:
     import asyncio
     import signal
 
+    from services.common.server import check_bindable
+
     plan, procs, pumps = _up_plan(args), {}, []
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
     try:
+        for _name, addr, _flags in plan:  # a port in use fails now, before anything starts
+            check_bindable(args.host, int(addr.rsplit(":", 1)[1]))
         for name, addr, flags in plan:
             await _start(name, addr, flags, args.startup_timeout_s, procs, pumps)
             print(f"specserve up: {name} SERVING on {addr} (pid {procs[name].pid})", flush=True)
@@ -142,7 +146,7 @@ async def _up_run(args) -> int:
     except asyncio.CancelledError:
         print("specserve up: stopping", flush=True)
         return 0
-    except (RuntimeError, TimeoutError) as e:
+    except (RuntimeError, OSError) as e:  # OSError: a port in use; TimeoutError: not SERVING
         print(f"specserve up: error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -85,7 +85,7 @@ class Engine:
         if not 0 <= budget <= self.config.max_draft_tokens:
             raise InvalidRequest(f"budget must be in [0, {self.config.max_draft_tokens}] "
                                  f"(the engine's max_draft_tokens), got {budget}")
-        prompt_ids = self._prompt_ids(prompt)
+        prompt_ids = self._prompt_ids(prompt, params.max_tokens)
         seq = Sequence(
             request_id=request_id,
             prompt_ids=prompt_ids,
@@ -107,7 +107,7 @@ class Engine:
         self.scheduler.add(seq)
         self.requests[request_id] = seq
 
-    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+    def _prompt_ids(self, prompt: str | Seq[int], max_tokens: int) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("a text prompt needs a tokenizer; send token ids instead")
@@ -120,10 +120,10 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:8]}")
-        if len(ids) >= self.max_model_len:
+        if len(ids) + max_tokens > self.max_model_len:
             raise InvalidRequest(
-                f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
-                "(at least one generated token must fit)"
+                f"prompt has {len(ids)} tokens and max_tokens is {max_tokens}; the model's "
+                f"context is {self.max_model_len} tokens"
             )
         return ids
 

@@ -70,6 +70,7 @@ def warm_up_engine(engine) -> float:
         - cfg.max_draft_tokens - 1  # what the pool can take beside the generated tokens
     prompt_len = max(1, min(cfg.max_num_batched_tokens + 37, room,
                             engine.max_model_len - max_tokens - 1))
+    max_tokens = min(max_tokens, engine.max_model_len - prompt_len)  # a tiny context: fit it
     vocab = engine.model_config.vocab_size
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0))
     previous = engine.drafter

@@ -183,6 +183,14 @@ async def test_streams_equal_engine_generate(plain, expected):
 @pytest.mark.parametrize("prompt,sampling,spec,message", [
     ([], None, {}, "prompt is empty"),
     ([1] * MAX_POS, None, {}, "the model's context is 512"),
+    ([4, 9, 2], common_pb2.SamplingParams(max_tokens=MAX_POS - 2), {},
+     "prompt has 3 tokens and max_tokens is 510; the model's context is 512 tokens"),
+    ([1, 2], common_pb2.SamplingParams(max_tokens=4, stop=["ab", "c"] * 8 + ["d"]), {},
+     "17 stop strings; at most 16 are allowed"),
+    ([1, 2], common_pb2.SamplingParams(max_tokens=4, stop=["é" * 2100, "xyz" * 33]), {},
+     "stop strings of 4299 bytes (UTF-8); at most 4096"),
+    ([1, 2], common_pb2.SamplingParams(max_tokens=4, stop=["q" * 4097]), {},
+     "at least 4097 bytes"),
     ([1, 2, VOCAB + 5], None, {}, "out of vocabulary"),
     ([1, 2], common_pb2.SamplingParams(max_tokens=0), {}, "max_tokens must be a positive"),
     ([1, 2], common_pb2.SamplingParams(max_tokens=4, temperature=-1), {}, "temperature"),
@@ -205,7 +213,7 @@ async def test_request_larger_than_the_pool_is_resource_exhausted(plain):
     stats = await plain.stub.Stats(verifier_pb2.StatsRequest(), timeout=RPC_S)
     assert stats.kv_pages_total < (MAX_POS + 17) // 16  # so a full-context request cannot fit
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await _generate(plain.stub, [1, 2, 3], MAX_POS)
+        await _generate(plain.stub, [1, 2, 3], MAX_POS - 3)  # fits the context, not the pool
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "KV pages" in err.value.details()
 

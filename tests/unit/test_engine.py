@@ -71,16 +71,36 @@ def test_stop_token_and_max_tokens(checkpoint_cache, make_engine):
     assert outs[-1].num_output_tokens == first + 1
 
 
-def test_context_limit_ends_with_length(checkpoint_cache, make_engine):
+def test_max_tokens_beyond_the_context_is_invalid(checkpoint_cache, make_engine):
+    """prompt + max_tokens must fit the model's context: one token over is refused (nothing
+    queued), exactly at it the request runs to max_tokens."""
     path, hf = checkpoint_cache("qwen3-gqa1-tied")
     engine = make_engine(path, max_model_len=40)
     prompt = random_prompts(1, hf.config.vocab_size, [33], seed=4)[0]
-    engine.add_request("c", prompt, SamplingParams(max_tokens=100, ignore_eos=True))
+    for max_tokens in (8, 100):
+        message = f"prompt has 33 tokens and max_tokens is {max_tokens}; the model's context " \
+                  "is 40 tokens"
+        with pytest.raises(InvalidRequest, match=message):
+            engine.add_request("c", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    assert not engine.has_unfinished and "c" not in engine.requests
+    engine.add_request("c", prompt, SamplingParams(max_tokens=7, ignore_eos=True))
     outs = []
     while engine.has_unfinished:
         outs += engine.step()
     assert sum(len(o.new_token_ids) for o in outs) == 7
     assert outs[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_warm_up_fits_a_short_context(checkpoint_cache, make_engine):
+    """The warm-up request (53 tokens of trees for max_draft_tokens 20) fits a 30-token context."""
+    from specserve.engine.warmup import warm_up_engine
+
+    path, _ = checkpoint_cache("qwen3-gqa1-tied")
+    engine = make_engine(path, max_model_len=30, max_draft_tokens=20)
+    steps = []
+    engine.on_step = lambda rid, s: steps.append(s)
+    warm_up_engine(engine)
+    assert steps and not engine.has_unfinished and not engine.requests
 
 
 BAD_INPUTS = [
