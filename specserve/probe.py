@@ -112,7 +112,7 @@ class _Waiting:
 
 
 def run_one(stub, ids: list[int], text: str, new_tokens: int, drafter: str | None,
-            budget: int | None, timeout_s: float) -> ProbeRow:
+            budget: int | None, timeout_s: float, metadata=()) -> ProbeRow:
     from services.gateway import convert
     from specserve.types import SamplingParams
 
@@ -120,7 +120,7 @@ def run_one(stub, ids: list[int], text: str, new_tokens: int, drafter: str | Non
     req = convert.generate_request_to_pb(ids, params, drafter, budget)
     waiting, steps, final = _Waiting(f"{text}: prefilling {len(ids):,} tokens"), [], None
     arrivals: list[float] = []  # when each chunk with tokens came (client clock)
-    call = stub.Generate(req, timeout=timeout_s)
+    call = stub.Generate(req, timeout=timeout_s, metadata=metadata)
     try:
         for msg in call:
             event = convert.response_from_pb(msg)

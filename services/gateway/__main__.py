@@ -11,6 +11,7 @@ import logging
 import sys
 
 from services.common.convert import MAX_STOP_BYTES, MAX_STOP_STRINGS
+from services.common.security import SECURITY_FLAGS, Security
 from services.common.server import MiB
 from services.common.settings import (
     COMMON,
@@ -24,6 +25,7 @@ from services.common.settings import (
 
 FLAGS = [
     *COMMON,
+    *SECURITY_FLAGS,
     Flag("--port", "SPECSERVE_GATEWAY_PORT", GATEWAY_PORT, int, "port to bind (0 = any free)"),
     Flag("--verifier", "SPECSERVE_VERIFIER_ADDR", f"{DEFAULT_HOST}:{VERIFIER_PORT}", str,
          "verifier address HOST:PORT"),
@@ -62,7 +64,7 @@ def config_from_args(args: argparse.Namespace):
         port_file=args.port_file, max_message_bytes=args.max_message_mb * MiB,
         request_timeout_s=args.request_timeout_s, grace_s=args.grace_s,
         metrics_port=args.metrics_port, max_stop_strings=args.max_stop_strings,
-        max_stop_bytes=args.max_stop_bytes)
+        max_stop_bytes=args.max_stop_bytes, security=Security.from_args(args))
 
 
 def main(argv: list[str] | None = None) -> int:

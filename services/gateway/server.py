@@ -24,9 +24,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common import telemetry
 from services.common.convert import MAX_STOP_BYTES, MAX_STOP_STRINGS
 from services.common.metrics import GatewayMetrics
+from services.common.security import NONE, Security
 from services.common.server import (
     CHANNEL_OPTIONS,
     MAX_MESSAGE_BYTES,
+    channel,
     start_server,
 )
 from services.common.settings import DEFAULT_HOST, GATEWAY_PORT, VERIFIER_PORT
@@ -59,6 +61,7 @@ class GatewayConfig:
     health_period_s: float = 0.5  # how often the verifier's health is checked
     max_stop_strings: int = MAX_STOP_STRINGS  # a request's stop list: how many strings
     max_stop_bytes: int = MAX_STOP_BYTES  # and their UTF-8 bytes in all
+    security: Security = NONE  # TLS / token of this port; TLS to and token for the verifier
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -129,14 +132,15 @@ async def _cancel(task: asyncio.Task) -> None:
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     """Run the gateway until `stop` is set (default: until SIGINT/SIGTERM)."""
     tokenizer = Tokenizer.from_dir(config.model)
-    verifier = grpc.aio.insecure_channel(config.verifier, options=VERIFIER_CHANNEL_OPTIONS)
+    verifier = channel(config.verifier, config.security, VERIFIER_CHANNEL_OPTIONS)
     metrics = GatewayMetrics()
     servicer = GatewayServicer(
         tokenizer, verifier, config.request_timeout_s, metrics, verifier_address=config.verifier,
-        stop_limits=StopLimits(config.max_stop_strings, config.max_stop_bytes))
+        stop_limits=StopLimits(config.max_stop_strings, config.max_stop_bytes),
+        peer_metadata=config.security.peer_metadata())
     server, port, health = await start_server(
         [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer)], [SERVICE_NAME],
-        config.host, config.port, config.max_message_bytes)
+        config.host, config.port, config.max_message_bytes, security=config.security)
     stop = stop if stop is not None else _stop_on_signals()
     metrics_server = telemetry.start_metrics_server(metrics.registry, config.host,
                                                     config.metrics_port)

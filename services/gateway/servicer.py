@@ -109,8 +109,10 @@ def _record(stats: RequestSpecStats, step: Step) -> None:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, tokenizer: Tokenizer, verifier: grpc.aio.Channel,
                  default_timeout_s: float, metrics=None, *, verifier_address: str = "",
-                 stop_limits: StopLimits | None = None) -> None:
+                 stop_limits: StopLimits | None = None,
+                 peer_metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self._tokenizer = tokenizer
+        self._peer_metadata = peer_metadata  # the token the verifier wants, if any
         self._verifier = verifier_pb2_grpc.VerifierStub(verifier)
         self._verifier_address = verifier_address  # for the log only
         self._default_timeout_s = default_timeout_s
@@ -136,7 +138,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 await context.abort(code, str(e))
             call = self._verifier.Generate(
                 convert.verify_request_to_pb(req, prompt_ids), timeout=self._timeout(context),
-                metadata=telemetry.inject_metadata(trace.set_span_in_context(span)))
+                metadata=(*telemetry.inject_metadata(trace.set_span_in_context(span)),
+                          *self._peer_metadata))
             context.add_done_callback(lambda _ctx: call.cancel())  # client cancel → verifier's
             try:
                 async for response in self._relay(call, state):

@@ -5,9 +5,10 @@ built in this process.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
+
+from specserve.cli.client import add_gateway_flags, gateway_channel
 
 
 def add(sub) -> None:
@@ -18,9 +19,7 @@ def add(sub) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt text from this file ('-': stdin)")
     src.add_argument("--token-ids", help="prompt token ids, comma-separated")
-    p.add_argument("--gateway", default=os.environ.get("SPECSERVE_GATEWAY_ADDR",
-                                                       "127.0.0.1:50051"),
-                   help="gateway HOST:PORT [env SPECSERVE_GATEWAY_ADDR]")
+    add_gateway_flags(p)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
@@ -73,15 +72,16 @@ def _generate(args) -> int:
 def _generate_remote(args, params) -> int:
     import grpc
 
-    from services.common.server import CHANNEL_OPTIONS
     from services.gateway import convert
     from specserve.v1 import gateway_pb2_grpc
 
     req = convert.generate_request_to_pb(_prompt(args), params, args.drafter, args.budget,
                                          args.request_id)
     text, ids, final = [], [], None
-    with grpc.insecure_channel(args.gateway, options=CHANNEL_OPTIONS) as ch:
-        call = gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=args.timeout_s)
+    ch, metadata = gateway_channel(args)
+    with ch:
+        call = gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=args.timeout_s,
+                                                        metadata=metadata)
         try:
             for msg in call:
                 event = convert.response_from_pb(msg)

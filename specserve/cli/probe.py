@@ -8,15 +8,15 @@ import os
 import sys
 from pathlib import Path
 
+from specserve.cli.client import add_gateway_flags, gateway_channel
+
 
 def add(sub) -> None:
     p = sub.add_parser("probe", help="the commit probe: predictable vs novel text by context",
                        description="Send predictable text ('The cat sat on the mat.' repeated) "
                                    "and novel text at several context lengths through the "
                                    "gateway; print commit_len, depth, drafts and timings.")
-    p.add_argument("--gateway", default=os.environ.get("SPECSERVE_GATEWAY_ADDR",
-                                                       "127.0.0.1:50051"),
-                   help="gateway HOST:PORT [env SPECSERVE_GATEWAY_ADDR]")
+    add_gateway_flags(p)
     p.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL"),
                    help="target checkpoint dir (its tokenizer.json sizes the prompts) "
                         "[env SPECSERVE_MODEL; default: the demo target in checkpoints/]")
@@ -35,7 +35,6 @@ def add(sub) -> None:
 def _probe(args) -> int:
     import grpc
 
-    from services.common.server import CHANNEL_OPTIONS
     from specserve import probe
     from specserve.engine.tokenizer import Tokenizer
     from specserve.v1 import gateway_pb2_grpc
@@ -53,7 +52,8 @@ def _probe(args) -> int:
               "novel": (lambda n: Path(args.text_file).read_text(encoding="utf-8"))
               if args.text_file else (lambda n: probe.novel_corpus(6 * n))}
     rows = []
-    with grpc.insecure_channel(args.gateway, options=CHANNEL_OPTIONS) as ch:
+    ch, metadata = gateway_channel(args)
+    with ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         for text in texts:
             corpus = source[text](max(contexts))
@@ -61,7 +61,7 @@ def _probe(args) -> int:
                 ids = probe.prompt_ids(tok, corpus, n)
                 try:
                     row = probe.run_one(stub, ids, text, args.new_tokens, args.drafter,
-                                        args.budget, args.timeout_s)
+                                        args.budget, args.timeout_s, metadata)
                 except grpc.RpcError as e:
                     print(f"specserve probe: {text} @ {n}: {e.code().name}: {e.details()}",
                           file=sys.stderr)

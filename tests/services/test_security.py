@@ -5,6 +5,11 @@ Speculation still works through all of it (the drafter's n-gram trees are accept
 
 from __future__ import annotations
 
+import asyncio
+import json
+import subprocess
+import sys
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -15,10 +20,12 @@ from services.common.server import channel
 from services.drafter.core import DrafterCore
 from services.drafter.server import DrafterConfig
 from services.drafter.server import serve as serve_drafter
+from services.gateway.server import GatewayConfig
+from services.gateway.server import serve as serve_gateway
 from services.verifier.server import VerifierConfig
 from services.verifier.server import serve as serve_verifier
 from specserve.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from tests.helpers import make_checkpoint
+from tests.helpers import make_checkpoint, save_tokenizer
 from tests.tls import make_pki
 
 aio = pytest.mark.asyncio(loop_scope="module")
@@ -137,3 +144,38 @@ async def test_reflection_can_be_switched_off(target):
     finally:
         await verifier.stop(0)
         await drafter.stop(0)
+
+
+@aio
+async def test_gateway_tls_and_token_with_the_cli(target, pki, tmp_path):
+    """The whole chain secured: `specserve generate --tls-ca --token` gets tokens; without the
+    token the gateway says UNAUTHENTICATED (exit 2)."""
+    save_tokenizer(target, vocab_size=211)
+    drafter, verifier, vport = await _stack(
+        target, Security(token="d"), Security(tls_cert=str(pki["verifier"]),
+                                              tls_key=str(pki["verifier-key"]),
+                                              token="v", peer_token="d"))
+    port_file, stop = tmp_path / "gateway.port", asyncio.Event()
+    gateway = asyncio.ensure_future(serve_gateway(GatewayConfig(
+        model=str(target), verifier=f"127.0.0.1:{vport}", port=0, port_file=str(port_file),
+        grace_s=0.1, security=Security(tls_cert=str(pki["drafter"]),
+                                       tls_key=str(pki["drafter-key"]), token="g",
+                                       peer_tls_ca=str(pki["ca"]), peer_token="v")), stop))
+    try:
+        while not port_file.exists():
+            await asyncio.sleep(0.02)
+        address = f"127.0.0.1:{int(port_file.read_text())}"
+        cli = [sys.executable, "-m", "specserve.cli", "generate", "--gateway", address,
+               "--token-ids", ",".join(map(str, PROMPT)), "--max-tokens", "12",
+               "--tls-ca", str(pki["ca"]), "--json"]
+        ok, denied = [await asyncio.to_thread(subprocess.run, cmd, capture_output=True,
+                                              text=True, timeout=60)
+                      for cmd in (cli + ["--token", "g"], cli)]
+    finally:
+        stop.set()
+        await gateway
+        await verifier.stop(0)
+        await drafter.stop(0)
+    assert ok.returncode == 0, ok.stderr
+    assert len(json.loads(ok.stdout)["token_ids"]) == 12
+    assert denied.returncode == 2 and "UNAUTHENTICATED" in denied.stderr
