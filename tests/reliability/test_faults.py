@@ -41,7 +41,7 @@ def stack(checkpoints, tmp_path_factory):  # noqa: F811
                             "512"])
         s.start("verifier", ["--model", tdir, "--drafter", s.addr("drafter"), "--draft-model",
                              ddir, *cpu, "--max-draft-tokens", "16", "--default-budget", "8",
-                             "--max-waiting", "48", "--keep-context", "on"])
+                             "--max-waiting", "256", "--keep-context", "on"])
         s.start("gateway", ["--verifier", s.addr("verifier"), "--model", tdir])
         yield s
     finally:
