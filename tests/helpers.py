@@ -27,6 +27,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "llama-linear-tied": ("Llama", dict(num_attention_heads=4, num_key_value_heads=4,
                                         head_dim=16, tie_word_embeddings=True,
                                         rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # biases: Llama's attention_bias biases o_proj too, mlp_bias gate/up/down; Qwen3's as well
+    "llama-biases": ("Llama", dict(num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                                   attention_bias=True, mlp_bias=True)),
+    "qwen3-attn-bias": ("Qwen3", dict(num_attention_heads=3, num_key_value_heads=1,
+                                      head_dim=32, attention_bias=True)),
 }
 BASE = dict(vocab_size=211, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
             max_position_embeddings=512, initializer_range=0.08, rms_norm_eps=1e-6)

@@ -168,16 +168,9 @@ def save_target(model, tokenizer, out_dir: Path) -> None:
 
 
 def taps(model, ids: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """No-grad target pass: outputs of decoder `layers` (before the final norm, as the engine
-    taps them) concatenated `[B, S, len(layers) * hidden]`, and greedy next tokens `[B, S]`."""
-    caught: dict[int, torch.Tensor] = {}
-    hooks = [model.model.layers[i].register_forward_hook(
-        lambda _m, _a, out, i=i: caught.__setitem__(i, out[0] if isinstance(out, tuple) else out))
-        for i in layers]
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.cat([caught[i] for i in layers], dim=-1), logits.argmax(-1)
+    """No-grad target pass: transformers' `hidden_states[i + 1]` of each of `layers` (a layer's
+    output; the last layer's after the final norm, as the engine and `dflash` tap them)
+    concatenated `[B, S, len(layers) * hidden]`, and greedy next tokens `[B, S]`."""
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    return torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1), out.logits.argmax(-1)

@@ -48,11 +48,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
+    def __init__(self, hidden: int, inter: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -70,7 +70,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d, cfg.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -98,7 +98,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -122,14 +122,17 @@ class _Fused:
     q/k norm: a `[Hq + Hkv, D]` copy of the two weights stacked per head (tiny), so all heads
     are scaled in one multiply; it is rebuilt when either weight changes (`_version`)."""
 
-    __slots__ = ("qkv_w", "qkv_b", "gate_up_w", "qk_norm_w", "ptrs")
+    __slots__ = ("qkv_w", "qkv_b", "gate_up_w", "gate_up_b", "qk_norm_w", "ptrs")
 
     def __init__(self, layer: DecoderLayer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = [m._parameters for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
         self.qkv_w = _fuse(qkv, "weight")
         self.qkv_b = _fuse(qkv, "bias") if all(p["bias"] is not None for p in qkv) else None
-        self.gate_up_w = _fuse([mlp.gate_proj._parameters, mlp.up_proj._parameters], "weight")
+        gate_up = [mlp.gate_proj._parameters, mlp.up_proj._parameters]
+        self.gate_up_w = _fuse(gate_up, "weight")
+        self.gate_up_b = _fuse(gate_up, "bias") if all(p["bias"] is not None
+                                                        for p in gate_up) else None
         self.qk_norm_w = None
         if attn.q_norm is not None and attn.q_norm.eps == attn.k_norm.eps:
             self.qk_norm_w = torch.cat([
@@ -245,13 +248,13 @@ class DecoderModel(FusedProjections, nn.Module):
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary(batch.positions, x.dtype)
         tapped: dict[int, torch.Tensor] = {}
-        wanted = set(taps)
+        wanted = set(taps) - {len(self.model.layers) - 1}  # the last one: after the final norm
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, batch, kv, self.attn_backend)
             if i in wanted:
                 tapped[i] = x
-        features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
-        return self.model.norm(x), features
+        normed = self.model.norm(x)
+        return normed, tap_features(tapped, taps, normed)
 
     def _forward_inference(self, input_ids, batch, kv, taps):
         """The same function as the module path with about half the kernel launches (module
@@ -265,17 +268,27 @@ class DecoderModel(FusedProjections, nn.Module):
         x = F.embedding(input_ids, backbone.embed_tokens.weight)
         cos, sin = self.rotary.rolled_tables(batch.positions, x.dtype)  # [T, 1, D], once
         tapped: dict[int, torch.Tensor] = {}
-        wanted = set(taps)
+        wanted = set(taps) - {len(backbone.layers) - 1}  # the last one: after the final norm
         for i, layer in enumerate(backbone.layers):
             x = _layer_inference(layer, self.fused_layer(i), x, cos, sin, batch, kv, attn_fn)
             if i in wanted:
                 tapped[i] = x
-        features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         norm = backbone.norm
-        return rms_norm(x, norm.weight, norm.eps), features
+        normed = rms_norm(x, norm.weight, norm.eps)
+        return normed, tap_features(tapped, taps, normed)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.lm_head(hidden).float()
+
+
+def tap_features(tapped: dict[int, torch.Tensor], taps: Sequence[int],
+                 normed: torch.Tensor) -> torch.Tensor | None:  # [T, len(taps) * hidden]
+    """The drafter's context features: each tapped layer's output, but the last layer's after
+    the final norm — transformers' `hidden_states[L]`, which DFlash reads for tap L − 1 (and its
+    checkpoints were trained on). `tapped` holds every tap but the last layer's."""
+    if not taps:
+        return None
+    return torch.cat([tapped.get(i, normed) for i in taps], dim=-1)
 
 
 def _layer_inference(layer: DecoderLayer, f: _Fused | None, x, cos, sin, batch, kv, attn_fn):
@@ -306,7 +319,8 @@ def _layer_inference(layer: DecoderLayer, f: _Fused | None, x, cos, sin, batch, 
     ln = layer.post_attention_layernorm
     h = rms_norm(x, ln.weight, ln.eps)
     if f is not None:  # one GEMM for gate and up
-        g, u = F.linear(h, f.gate_up_w).chunk(2, dim=1)
+        g, u = F.linear(h, f.gate_up_w, f.gate_up_b).chunk(2, dim=1)
     else:
-        g, u = F.linear(h, mlp.gate_proj.weight), F.linear(h, mlp.up_proj.weight)
-    return x + F.linear(F.silu(g) * u, mlp.down_proj.weight)
+        g = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+        u = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+    return x + F.linear(F.silu(g) * u, mlp.down_proj.weight, mlp.down_proj.bias)

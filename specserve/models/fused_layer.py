@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from kernels.fused import FusedOps, fused_ops
 from specserve.attention.base import AttnBatch
 from specserve.kvcache.pool import KVPool
-from specserve.models.decoder import DecoderModel, _Fused, _layer_inference
+from specserve.models.decoder import DecoderModel, _Fused, _layer_inference, tap_features
 
 
 def forward_fused(
@@ -46,7 +46,7 @@ def forward_fused(
     cos, sin = model.rotary.rolled_tables(batch.positions, x.dtype)  # [T, 1, D], once
     res = None  # pending residual: the stream is x + res
     tapped: dict[int, torch.Tensor] = {}
-    wanted = set(taps)
+    wanted = set(taps) - {len(backbone.layers) - 1}  # the last one: after the final norm
     for i, layer in enumerate(backbone.layers):
         f = model.fused_layer(i)
         a = layer.self_attn
@@ -58,9 +58,9 @@ def forward_fused(
         if i in wanted:
             x, res = _added(x, res), None
             tapped[i] = x
-    features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
     norm = backbone.norm
-    return ops.add_rms_norm(x, res, norm.weight, norm.eps)[0], features
+    normed = ops.add_rms_norm(x, res, norm.weight, norm.eps)[0]
+    return normed, tap_features(tapped, taps, normed)
 
 
 def _added(x: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
@@ -69,9 +69,10 @@ def _added(x: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
 
 def covered(layer, f: _Fused | None, cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
     """Whether the fused kernels cover this layer (else it runs its torch path)."""
-    a = layer.self_attn
+    a, mlp = layer.self_attn, layer.mlp
     return (f is not None and (a.q_norm is None or f.qk_norm_w is not None)
-            and cache_dtype == dtype)
+            and cache_dtype == dtype and a.o_proj.bias is None  # o / MLP biases: torch path
+            and all(m.bias is None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
 
 
 def layer_fused(ops: FusedOps, layer, f: _Fused, x, res, cos, sin, batch: AttnBatch,

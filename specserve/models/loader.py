@@ -65,6 +65,19 @@ def read_tensors(
     return out
 
 
+def _refuse_unconsumed(model_dir, params, tied: bool) -> None:
+    """A tensor this model would not read (a bias of a kind it does not build, say) is an
+    error, not something to drop: only rotary `inv_freq` buffers (recomputed) and a tied
+    checkpoint's copy of the LM head may be left."""
+    ignorable = ("lm_head.weight",) if tied else ()
+    extra = sorted(n for n in tensor_files(model_dir) if n not in params
+                   and n not in ignorable and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ModelError(f"checkpoint {model_dir} has tensors this model does not use "
+                         f"(unsupported layout or config): {extra[:8]}"
+                         + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))
+
+
 def load_model(
     model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"
 ) -> DecoderModel:
@@ -76,6 +89,7 @@ def load_model(
     params = dict(model.named_parameters())
     if cfg.tie_word_embeddings:
         params.pop("lm_head.weight", None)
+    _refuse_unconsumed(model_dir, params, cfg.tie_word_embeddings)
     tensors = read_tensors(model_dir, params, dtype)
     for name, p in params.items():
         if tuple(tensors[name].shape) != tuple(p.shape):

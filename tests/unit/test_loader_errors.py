@@ -67,3 +67,84 @@ def test_unsupported_rope_and_missing_key(tmp_path, checkpoint_cache):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelError, match="missing required key 'hidden_size'"):
         load_config(tmp_path)
+
+
+def test_a_tensor_the_model_would_not_read_is_named(tmp_path, checkpoint_cache):
+    """A bias of a kind this config does not build is an error, never silently dropped; the
+    rotary buffers old checkpoints carry are fine."""
+    src, _ = checkpoint_cache("llama-gqa4-llama3")
+    tensors = _copy(src, tmp_path / "m")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.arange(1.0, 9.0)
+    save_file(tensors, tmp_path / "m" / "model.safetensors")
+    load_model(tmp_path / "m")
+    tensors["model.layers.2.mlp.down_proj.bias"] = torch.randn(96)
+    save_file(tensors, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ModelError, match=r"does not use.*model\.layers\.2\.mlp\.down_proj\.bias"):
+        load_model(tmp_path / "m")
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("hidden_act", "gelu", "hidden_act 'gelu' is not implemented"),
+    ("final_logit_softcapping", 30.0, "final_logit_softcapping=30.0"),
+    ("quantization_config", {"quant_method": "awq"}, "quantization_config"),
+    ("layer_types", ["full_attention", "chunked_attention", "full_attention"],
+     "chunked_attention"),
+])
+def test_a_setting_that_is_not_implemented_is_named(tmp_path, checkpoint_cache, key, value,
+                                                     words):
+    src, _ = checkpoint_cache("qwen3-gqa1-tied")
+    raw = json.loads((src / "config.json").read_text())
+    raw[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelError, match=words):
+        load_config(tmp_path)
+
+
+def test_generation_config_adds_its_eos_ids(tmp_path, checkpoint_cache, make_engine):
+    """Instruct checkpoints list end-of-turn ids in generation_config.json: generation stops
+    at any of them."""
+    src, _ = checkpoint_cache("qwen3-gqa1-tied")
+    tensors = _copy(src, tmp_path / "m")
+    save_file(tensors, tmp_path / "m" / "model.safetensors")
+    free = make_engine(tmp_path / "m").generate([[5, 9, 13]], _greedy(12))[0]
+    stop = free[4]
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [7777, stop], "do_sample": False}))
+    cfg = load_config(tmp_path / "m")
+    assert stop in cfg.eos_token_ids and 7777 in cfg.eos_token_ids
+    got = make_engine(tmp_path / "m").generate([[5, 9, 13]], _greedy(12, eos=True))[0]
+    assert got == free[: free.index(stop) + 1]
+
+
+def _greedy(n: int, eos: bool = False):
+    from specserve.types import SamplingParams
+
+    return SamplingParams(max_tokens=n, ignore_eos=not eos)
+
+
+def test_the_older_qwen3_sliding_layout_is_read_as_transformers_reads_it(tmp_path,
+                                                                        make_engine):
+    """`use_sliding_window` + `max_window_layers` without `layer_types`: layers from
+    max_window_layers on slide; greedy output equals transformers'."""
+    import transformers
+
+    from tests.helpers import hf_config, hf_greedy, random_prompts
+
+    cfg = hf_config("qwen3-gqa1-tied", use_sliding_window=True, sliding_window=6,
+                    max_window_layers=1)
+    assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    torch.manual_seed(3)
+    hf = transformers.Qwen3ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["layer_types"]  # the older layout
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours = load_config(tmp_path)
+    assert ours.layer_types == tuple(cfg.layer_types) and ours.sliding_window == 6
+    prompts = random_prompts(3, cfg.vocab_size, [19, 4, 27], seed=2)
+    engine = make_engine(tmp_path)
+    assert engine.generate(prompts, _greedy(20)) == [hf_greedy(hf, p, 20) for p in prompts]
+    raw["use_sliding_window"] = False  # a window given but switched off: every layer full
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_config(tmp_path).layer_types == () and load_config(tmp_path).sliding_window \
+        is None

@@ -54,19 +54,27 @@ def test_greedy_generation_equals_transformers(checkpoint_cache, make_engine, na
     assert len({tuple(o) for o in ours}) > 1  # the prompts really produce different outputs
 
 
-def test_tapped_hidden_states_equal_output_hidden_states(checkpoint_cache):
+@pytest.mark.parametrize("taps", [(0, 1), (2, 0)])  # 2: the last layer, after the final norm
+def test_tapped_hidden_states_equal_output_hidden_states(checkpoint_cache, taps):
+    """Tap i is transformers' hidden_states[i + 1], as `dflash` reads it: for the last layer
+    that is after the final norm."""
     path, hf = checkpoint_cache("qwen3-gqa4-yarn")
     ours = load_model(path)
+    assert hf.config.num_hidden_layers == 3
     ids = torch.randint(0, hf.config.vocab_size, (1, 33),
                         generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True).hidden_states  # index 0 = embeddings
         batch = AttnBatch.build([33], [0], [[3, 4, 0]], list(range(33)), 16)
-        _, feats = ours(ids[0], batch, _pool(ours), taps=(0, 1))
+        _, feats = ours(ids[0], batch, _pool(ours), taps=taps)
+        ours.train(False)  # the module path too (the engine's CPU path is above)
+        with torch.enable_grad():
+            _, module_feats = ours(ids[0], batch, _pool(ours), taps=taps)
     d = hf.config.hidden_size
     assert feats.shape == (33, 2 * d)
-    for i, layer in enumerate((0, 1)):
+    for i, layer in enumerate(taps):
         assert rel_err(feats[:, i * d:(i + 1) * d], ref[layer + 1][0]) <= 1e-5
+        assert rel_err(module_feats[:, i * d:(i + 1) * d].detach(), ref[layer + 1][0]) <= 1e-5
     with torch.no_grad():
         _, none = ours(ids[0], batch, _pool(ours))
     assert none is None  # nothing collected unless asked

@@ -20,6 +20,17 @@ VOCAB, LAYERS, NEW = 211, 4, 64
 @pytest.fixture(scope="module")
 def dflash_pair(tmp_path_factory):
     """A tiny random target (saved by transformers) and a DFlash drafter (saved by `dflash`)."""
+    return _pair(tmp_path_factory, [0, 2])
+
+
+@pytest.fixture(scope="module")
+def dflash_pair_last(tmp_path_factory):
+    """The same, its drafter tapping the target's LAST layer: transformers' hidden_states[L]
+    (which `dflash` reads for tap L − 1) is after the final norm."""
+    return _pair(tmp_path_factory, [1, LAYERS - 1], draft_seed=12)  # 12: a chain is accepted
+
+
+def _pair(tmp_path_factory, taps: list[int], draft_seed: int = 8):
     import transformers
     from dflash.model import DFlashDraftModel
 
@@ -31,8 +42,8 @@ def dflash_pair(tmp_path_factory):
     cfg = hf_config("qwen3-gqa4-yarn", num_hidden_layers=2, initializer_range=0.2)
     cfg.architectures = ["DFlashDraftModel"]
     cfg.block_size, cfg.num_target_layers = 16, LAYERS
-    cfg.dflash_config = {"target_layer_ids": [0, 2], "mask_token_id": VOCAB - 1}
-    torch.manual_seed(8)
+    cfg.dflash_config = {"target_layer_ids": taps, "mask_token_id": VOCAB - 1}
+    torch.manual_seed(draft_seed)
     draft = DFlashDraftModel(cfg).eval()
     ddir = tmp_path_factory.mktemp("dflash-draft")
     draft.save_pretrained(ddir)
@@ -49,8 +60,9 @@ def _prompts(n: int = 4):
     return [p + p[:9] for p in prompts]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_chain_matches_dflash_generate(dflash_pair, make_engine, page_size, monkeypatch):
+@pytest.mark.parametrize("pair,page_size", [("dflash_pair", 1), ("dflash_pair", 16),
+                                            ("dflash_pair_last", 16)])
+def test_chain_matches_dflash_generate(request, make_engine, pair, page_size, monkeypatch):
     import time
 
     import dflash.model
@@ -59,7 +71,7 @@ def test_chain_matches_dflash_generate(dflash_pair, make_engine, page_size, monk
     # the reference times itself with torch.cuda.synchronize; on CPU a plain clock does
     monkeypatch.setattr(dflash.model, "_cuda_time", time.perf_counter)
 
-    tdir, target, ddir, draft = dflash_pair
+    tdir, target, ddir, draft = request.getfixturevalue(pair)
     engine = make_engine(tdir, page_size=page_size, max_draft_tokens=15)
     engine.set_drafter(_drafter(tdir, ddir, tree=False))
     total_accepted = 0
