@@ -8,20 +8,28 @@ a healthy system keeps a high commit_len on predictable text at every context le
 decode step and the steady ones are separate columns: a first step that waits (for the prompt's
 context feed, say) is not folded into the cost of every step.
 
-grpc is imported lazily (this module is part of the grpc-free core's namespace).
+Each row also says whose fault a low commit_len is (`verdict`): whether the target itself
+continued the predictable text (its continuation is known), whether the same request without
+speculation gives the same tokens (the losslessness spot check), how often the drafter could not
+serve, and where along the tree the drafts fail (`accepted_per_position`). The gateway calls are
+`probe_client.py`'s, the plot `probe_plot.py`'s; grpc is imported lazily (this module is part
+of the grpc-free core's namespace).
 """
 
 from __future__ import annotations
 
 import random
-import statistics
-import sys
-import threading
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 PREDICTABLE = "The cat sat on the mat. "
+
+
+HEALTHY = "healthy"
+HARD = "text is hard for this drafter"
+TARGET = "the target does not follow the text at this length"
+BROKEN = "speculation broken (lossless check failed)"
+NO_DRAFTER = "drafter unavailable (fallbacks)"
 
 
 @dataclass(frozen=True)
@@ -34,14 +42,51 @@ class ProbeRow:
     depth: float  # mean accepted_depth
     drafts: float  # mean draft nodes per step (tree size)
     wall_s: float  # gateway-measured request time
-    prefill_s: float  # verifier-measured prefill time
+    prefill_s: float  # verifier-measured prefill compute
     ttft_s: float
     step_ms: float  # mean decode step time: (wall − ttft) / steps (the first step included)
     first_step_ms: float  # the first decode step (a feed stall or a cold path shows here)
     steady_step_ms: float  # median of the later steps (what a step costs once running)
     fallbacks: int
     stream_commit_len: float  # the same mean recomputed from the streamed chunks
+    text_head: str = ""  # the generated text's first characters
+    followed: float | None = None  # share of tokens equal to the text's own continuation
+    lossless: bool | None = None  # the same request without speculation: the same tokens
+    accepted_per_position: dict[int, float] = field(default_factory=dict)  # depth → rate
+    fail_position: int | None = None  # the first depth accepted in under half the steps
+    verdict: str = ""
     trace_id: str | None = None  # the request's trace (when the services export spans)
+
+    @property
+    def ttft_other_s(self) -> float:
+        """TTFT beyond the prefill compute: queueing, transport, the gateway."""
+        return max(0.0, self.ttft_s - self.prefill_s)
+
+
+def verdict(row: ProbeRow, hard_below: float = 2.0) -> str:
+    """Whose fault a low commit_len is, most serious first."""
+    if row.lossless is False:
+        return BROKEN
+    if row.steps and row.fallbacks > row.steps / 2:
+        return NO_DRAFTER
+    if row.followed is not None and row.followed < 0.5:
+        return TARGET
+    return HARD if row.commit_len < hard_below else HEALTHY
+
+
+def acceptance(accepted_per_position: dict[int, int], steps: int) -> tuple[dict, int | None]:
+    """(depth → share of steps that accepted a token there, the first depth under 1/2)."""
+    rates = {int(k): v / steps for k, v in sorted(accepted_per_position.items())} if steps \
+        else {}
+    first = next((k for k in range(1, len(rates) + 2) if rates.get(k, 0.0) < 0.5), None)
+    return rates, first
+
+
+def followed(generated: list[int], expected: list[int] | None) -> float | None:
+    """Share of generated tokens equal to the known continuation (None: not known)."""
+    if not expected or not generated:
+        return None
+    return sum(a == b for a, b in zip(generated, expected, strict=False)) / len(generated)
 
 
 def parse_contexts(spec: str) -> list[int]:
@@ -90,97 +135,25 @@ def prompt_ids(tokenizer, text: str, n: int) -> list[int]:
     return ids[:n]
 
 
-class _Waiting:
-    """A live 'prefilling N tokens … t s' line on stderr until the first token arrives."""
-
-    def __init__(self, label: str) -> None:
-        self.label, self.done = label, threading.Event()
-        self.t0 = time.perf_counter()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.done.wait(0.5):
-            print(f"\r  {self.label} … {time.perf_counter() - self.t0:6.1f} s", end="",
-                  file=sys.stderr, flush=True)
-
-    def stop(self) -> None:
-        if not self.done.is_set():
-            self.done.set()
-            print(f"\r  {self.label} … {time.perf_counter() - self.t0:6.1f} s", file=sys.stderr,
-                  flush=True)
-
-
-def run_one(stub, ids: list[int], text: str, new_tokens: int, drafter: str | None,
-            budget: int | None, timeout_s: float, metadata=()) -> ProbeRow:
-    from services.gateway import convert
-    from specserve.types import SamplingParams
-
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    req = convert.generate_request_to_pb(ids, params, drafter, budget)
-    waiting, steps, final = _Waiting(f"{text}: prefilling {len(ids):,} tokens"), [], None
-    arrivals: list[float] = []  # when each chunk with tokens came (client clock)
-    call = stub.Generate(req, timeout=timeout_s, metadata=metadata)
-    try:
-        for msg in call:
-            event = convert.response_from_pb(msg)
-            waiting.stop()
-            if isinstance(event, convert.GatewayFinal):
-                final = event
-            elif event[1].token_ids:
-                steps.append(event[1])
-                arrivals.append(time.perf_counter())
-    finally:
-        waiting.stop()
-    s = final.stats
-    spec_steps = steps[1:]  # the first chunk is prefill's token, not a speculative step
-    n = max(s.steps, 1)
-    gaps = [1e3 * (b - a) for a, b in zip(arrivals, arrivals[1:], strict=False)]
-    return ProbeRow(
-        text=text, context=len(ids), new_tokens=final.completion_tokens, steps=s.steps,
-        commit_len=s.mean_commit_len, depth=s.accepted_tokens / n, drafts=s.draft_tokens / n,
-        wall_s=final.wall_s, prefill_s=s.prefill_s, ttft_s=final.ttft_s,
-        step_ms=1e3 * (final.wall_s - final.ttft_s) / n,
-        first_step_ms=gaps[0] if gaps else float("nan"),
-        steady_step_ms=statistics.median(gaps[1:]) if len(gaps) > 1 else float("nan"),
-        fallbacks=sum(s.fallbacks.values()),
-        stream_commit_len=sum(x.commit_len for x in spec_steps) / max(len(spec_steps), 1),
-        trace_id=convert.trace_id_from_metadata(call.initial_metadata()),
-    )
-
-
 def table(rows: list[ProbeRow]) -> str:
-    head = ("| text | context | commit len | depth | drafts | wall s | prefill s | "
-            "1st step ms | steady step ms | fallbacks |\n|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| text | context | commit len | depth | drafts | followed | lossless | fails at "
+            "| prefill s | TTFT other s | 1st step ms | steady step ms | fallbacks | verdict |"
+            "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [f"| {r.text} | {r.context:,} | {r.commit_len:.2f} | {r.depth:.2f} | "
-             f"{r.drafts:.2f} | {r.wall_s:.2f} | {r.prefill_s:.2f} | {r.first_step_ms:.1f} | "
-             f"{r.steady_step_ms:.1f} | {r.fallbacks} |" for r in rows]
+             f"{r.drafts:.2f} | {_opt(r.followed)} | {_yes(r.lossless)} | "
+             f"{r.fail_position or '-'} | {r.prefill_s:.2f} | {r.ttft_other_s:.2f} | "
+             f"{r.first_step_ms:.1f} | {r.steady_step_ms:.1f} | {r.fallbacks} | {r.verdict} |"
+             for r in rows]
     return "\n".join([head, *lines])
 
 
-def plot(rows: list[ProbeRow], path: str) -> None:
-    import matplotlib
+def _opt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for text in sorted({r.text for r in rows}):
-        mine = sorted((r for r in rows if r.text == text), key=lambda r: r.context)
-        xs = [r.context for r in mine]
-        a.plot(xs, [r.commit_len for r in mine], marker="o", label=text)
-        b.plot(xs, [r.steady_step_ms for r in mine], marker="o", label=text)
-    for ax, label in ((a, "mean commit_len"), (b, "steady decode step (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel(label)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    a.set_ylim(bottom=0)
-    fig.suptitle("specserve commit probe")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def _yes(x: bool | None) -> str:
+    return "-" if x is None else ("yes" if x else "**NO**")
 
 
 def rows_as_json(rows: list[ProbeRow]) -> list[dict]:
-    return [asdict(r) for r in rows]
+    return [{**asdict(r), "ttft_other_s": r.ttft_other_s} for r in rows]

@@ -15,7 +15,8 @@ def add(sub) -> None:
     p = sub.add_parser("probe", help="the commit probe: predictable vs novel text by context",
                        description="Send predictable text ('The cat sat on the mat.' repeated) "
                                    "and novel text at several context lengths through the "
-                                   "gateway; print commit_len, depth, drafts and timings.")
+                                   "gateway; print commit_len, depth, drafts, timings and a verdict "
+                                   "per row (exit 3 if speculation changed any tokens).")
     add_gateway_flags(p)
     p.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL"),
                    help="target checkpoint dir (its tokenizer.json sizes the prompts) "
@@ -27,6 +28,9 @@ def add(sub) -> None:
     p.add_argument("--texts", default="predictable,novel", help="which texts to probe")
     p.add_argument("--text-file", help="novel text to use instead of the built-in one")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="deadline per request")
+    p.add_argument("--lossless-check", choices=["on", "off"], default="on",
+                   help="per row, the same request without speculation must give the same "
+                        "first tokens (one more short request each)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot (commit_len, step time)")
     p.set_defaults(func=_probe)
@@ -35,7 +39,7 @@ def add(sub) -> None:
 def _probe(args) -> int:
     import grpc
 
-    from specserve import probe
+    from specserve import probe, probe_client, probe_plot
     from specserve.engine.tokenizer import Tokenizer
     from specserve.v1 import gateway_pb2_grpc
 
@@ -57,11 +61,14 @@ def _probe(args) -> int:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         for text in texts:
             corpus = source[text](max(contexts))
+            corpus_ids = tok.encode(corpus) if text == "predictable" else None
             for n in contexts:
                 ids = probe.prompt_ids(tok, corpus, n)
+                expected = corpus_ids[n : n + args.new_tokens] if corpus_ids else None
                 try:
-                    row = probe.run_one(stub, ids, text, args.new_tokens, args.drafter,
-                                        args.budget, args.timeout_s, metadata)
+                    row = probe_client.probe_row(stub, ids, expected, text, args.new_tokens,
+                                                 args.drafter, args.budget, args.timeout_s,
+                                                 metadata, args.lossless_check == "on")
                 except grpc.RpcError as e:
                     print(f"specserve probe: {text} @ {n}: {e.code().name}: {e.details()}",
                           file=sys.stderr)
@@ -69,11 +76,14 @@ def _probe(args) -> int:
                 rows.append(row)
                 print(f"  {text} @ {n:,}: commit_len {row.commit_len:.2f}, "
                       f"steps {row.first_step_ms:.1f} ms then {row.steady_step_ms:.1f} ms, "
-                      f"wall {row.wall_s:.1f} s", file=sys.stderr)
+                      f"wall {row.wall_s:.1f} s: {row.verdict}", file=sys.stderr)
+                if row.lossless is False:
+                    print(f"specserve probe: {text} @ {n:,}: speculation changed the tokens "
+                          "(the same request without it differs)", file=sys.stderr)
     print(probe.table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(probe.rows_as_json(rows), indent=2))
     if args.plot:
-        probe.plot(rows, args.plot)
+        probe_plot.plot(rows, args.plot, args.budget, Path(args.model).name)
         print(f"plot: {args.plot}", file=sys.stderr)
-    return 0
+    return 3 if any(r.lossless is False for r in rows) else 0

@@ -1,0 +1,114 @@
+"""The commit probe's gateway calls: one probe row from a speculative request, its losslessness
+spot check (the same request, speculation off, must give the same tokens) and the row's verdict.
+
+grpc is imported lazily (this module is part of the grpc-free core's namespace).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+from specserve import probe
+
+CHECK_TOKENS = 16  # tokens compared by the losslessness spot check
+HEAD_CHARS = 80
+
+
+class _Waiting:
+    """A live 'prefilling N tokens … t s' line on stderr until the first token arrives."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.done = label, threading.Event()
+        self.t0 = time.perf_counter()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.5):
+            print(f"\r  {self.label} … {time.perf_counter() - self.t0:6.1f} s", end="",
+                  file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        if not self.done.is_set():
+            self.done.set()
+            print(f"\r  {self.label} … {time.perf_counter() - self.t0:6.1f} s", file=sys.stderr,
+                  flush=True)
+
+
+@dataclass
+class Generation:
+    """One streamed request: its tokens, text, per-step records, final stats, arrival times."""
+
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    steps: list = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)  # client clock, one per chunk
+    final: object = None
+    trace_id: str | None = None
+
+
+def generate(stub, ids: list[int], new_tokens: int, drafter: str | None, budget: int | None,
+             timeout_s: float, metadata=(), label: str = "") -> Generation:
+    from services.gateway import convert
+    from specserve.types import SamplingParams
+
+    req = convert.generate_request_to_pb(ids, SamplingParams(max_tokens=new_tokens,
+                                                             ignore_eos=True), drafter, budget)
+    out, waiting = Generation(), _Waiting(label) if label else None
+    call = stub.Generate(req, timeout=timeout_s, metadata=metadata)
+    try:
+        for msg in call:
+            event = convert.response_from_pb(msg)
+            if waiting is not None:
+                waiting.stop()
+            if isinstance(event, convert.GatewayFinal):
+                out.final = event
+            elif event[1].token_ids:
+                out.text += event[0]
+                out.ids += event[1].token_ids
+                out.steps.append(event[1])
+                out.arrivals.append(time.perf_counter())
+    finally:
+        if waiting is not None:
+            waiting.stop()
+    out.trace_id = convert.trace_id_from_metadata(call.initial_metadata())
+    return out
+
+
+def probe_row(stub, ids: list[int], expected: list[int] | None, text: str, new_tokens: int,
+              drafter: str | None, budget: int | None, timeout_s: float, metadata=(),
+              check: bool = True) -> probe.ProbeRow:
+    """The row of `ids` (the continuation `expected`, if known), spot-checked when `check`."""
+    g = generate(stub, ids, new_tokens, drafter, budget, timeout_s, metadata,
+                 label=f"{text}: prefilling {len(ids):,} tokens")
+    lossless = None
+    if check:
+        n = min(CHECK_TOKENS, len(g.ids))
+        plain = generate(stub, ids, n, "none", 0, timeout_s, metadata)
+        lossless = plain.ids == g.ids[:n]
+    row = _row(g, text, len(ids), expected, lossless)
+    return replace(row, verdict=probe.verdict(row))
+
+
+def _row(g: Generation, text: str, context: int, expected, lossless) -> probe.ProbeRow:
+    s, final = g.final.stats, g.final
+    n = max(s.steps, 1)
+    gaps = [1e3 * (b - a) for a, b in zip(g.arrivals, g.arrivals[1:], strict=False)]
+    rates, fail = probe.acceptance(s.accepted_per_position, s.steps)
+    spec_steps = g.steps[1:]  # the first chunk is prefill's token, not a speculative step
+    return probe.ProbeRow(
+        text=text, context=context, new_tokens=final.completion_tokens, steps=s.steps,
+        commit_len=s.mean_commit_len, depth=s.accepted_tokens / n, drafts=s.draft_tokens / n,
+        wall_s=final.wall_s, prefill_s=s.prefill_s, ttft_s=final.ttft_s,
+        step_ms=1e3 * (final.wall_s - final.ttft_s) / n,
+        first_step_ms=gaps[0] if gaps else float("nan"),
+        steady_step_ms=statistics.median(gaps[1:]) if len(gaps) > 1 else float("nan"),
+        fallbacks=sum(s.fallbacks.values()),
+        stream_commit_len=sum(x.commit_len for x in spec_steps) / max(len(spec_steps), 1),
+        text_head=g.text[:HEAD_CHARS], followed=probe.followed(g.ids, expected),
+        lossless=lossless, accepted_per_position=rates, fail_position=fail,
+        trace_id=g.trace_id)
