@@ -15,8 +15,8 @@ def add(sub) -> None:
     p = sub.add_parser("probe", help="the commit probe: predictable vs novel text by context",
                        description="Send predictable text ('The cat sat on the mat.' repeated) "
                                    "and novel text at several context lengths through the "
-                                   "gateway; print commit_len, depth, drafts, timings and a verdict "
-                                   "per row (exit 3 if speculation changed any tokens).")
+                                   "gateway; print commit_len, depth, drafts, timings and a "
+                                   "verdict per row (exit 3 if speculation changed tokens).")
     add_gateway_flags(p)
     p.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL"),
                    help="target checkpoint dir (its tokenizer.json sizes the prompts) "
