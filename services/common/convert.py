@@ -31,13 +31,18 @@ DRAFTER_NAMES = {pb.DRAFTER_KIND_DFLASH: "dflash", pb.DRAFTER_KIND_NGRAM: "ngram
 MAX_STOP_STRINGS, MAX_STOP_BYTES = 16, 4096
 
 
-def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
-    """Raises InvalidRequest for out-of-range values (SamplingParams validates)."""
+def sampling_from_pb(msg: pb.SamplingParams, defaults=None) -> SamplingParams:
+    """Raises InvalidRequest for out-of-range values (SamplingParams validates). What the
+    message leaves unset (temperature, top_k, top_p) comes from `defaults` (the model's
+    GenerationDefaults), else greedy / no cut."""
+    temperature = defaults.temperature if defaults is not None else 0.0
+    top_k = defaults.top_k if defaults is not None else None
+    top_p = defaults.top_p if defaults is not None else 1.0
     return SamplingParams(
         max_tokens=msg.max_tokens,
-        temperature=msg.temperature,
-        top_k=msg.top_k if msg.HasField("top_k") else None,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        temperature=msg.temperature if msg.HasField("temperature") else temperature,
+        top_k=(msg.top_k or None) if msg.HasField("top_k") else top_k,  # 0: no cut
+        top_p=msg.top_p if msg.HasField("top_p") else top_p,
         seed=msg.seed if msg.HasField("seed") else None,
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
         stop=tuple(msg.stop),
@@ -63,13 +68,12 @@ def check_stop(stop: Sequence[str], max_strings: int = MAX_STOP_STRINGS,
 
 
 def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    """Every sampling value explicit (top_k 0: no cut), so the receiver's defaults never
+    apply; a client that wants the model's defaults clears temperature / top_k / top_p."""
     msg = pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
+                            top_k=p.top_k or 0, top_p=p.top_p,
                             stop_token_ids=list(p.stop_token_ids), stop=list(p.stop),
                             ignore_eos=p.ignore_eos)
-    if p.top_k is not None:
-        msg.top_k = p.top_k
-    if p.top_p != 1.0:
-        msg.top_p = p.top_p
     if p.seed is not None:
         msg.seed = p.seed
     return msg

@@ -73,8 +73,9 @@ class GatewayFinal:
 
 
 # ---- server side ---------------------------------------------------------------------------
-def request_from_pb(msg: gateway_pb2.GenerateRequest) -> GatewayRequest:
-    """Raises InvalidRequest for an empty prompt, bad sampling params or an unknown drafter."""
+def request_from_pb(msg: gateway_pb2.GenerateRequest, defaults=None) -> GatewayRequest:
+    """Raises InvalidRequest for an empty prompt, bad sampling params or an unknown drafter.
+    Sampling values the request leaves unset come from `defaults` (the model's)."""
     which = msg.WhichOneof("prompt")
     text = msg.text if which == "text" else None
     ids = tuple(int(t) for t in msg.token_ids.ids) if which == "token_ids" else None
@@ -86,7 +87,9 @@ def request_from_pb(msg: gateway_pb2.GenerateRequest) -> GatewayRequest:
     budget = msg.spec.budget if msg.spec.HasField("budget") else None
     if budget is not None and budget < 0:
         raise InvalidRequest(f"budget must be >= 0, got {budget}")
-    params = sampling_from_pb(msg.sampling) if msg.HasField("sampling") else SamplingParams()
+    params = sampling_from_pb(msg.sampling, defaults) if msg.HasField("sampling") else \
+        sampling_from_pb(common_pb2.SamplingParams(max_tokens=SamplingParams().max_tokens),
+                         defaults)
     return GatewayRequest(msg.request_id or uuid.uuid4().hex, text, ids, params,
                           DRAFTER_NAMES[msg.spec.drafter], budget)
 

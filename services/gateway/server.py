@@ -34,6 +34,7 @@ from services.common.server import (
 from services.common.settings import DEFAULT_HOST, GATEWAY_PORT, VERIFIER_PORT
 from services.gateway.servicer import GatewayServicer, StopLimits
 from specserve.engine.tokenizer import Tokenizer
+from specserve.models.config import load_generation_defaults
 from specserve.v1 import gateway_pb2_grpc, verifier_pb2
 
 SERVICE_NAME = "specserve.v1.Gateway"
@@ -137,7 +138,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     servicer = GatewayServicer(
         tokenizer, verifier, config.request_timeout_s, metrics, verifier_address=config.verifier,
         stop_limits=StopLimits(config.max_stop_strings, config.max_stop_bytes),
-        peer_metadata=config.security.peer_metadata())
+        peer_metadata=config.security.peer_metadata(),
+        defaults=load_generation_defaults(config.model))
     server, port, health = await start_server(
         [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer)], [SERVICE_NAME],
         config.host, config.port, config.max_message_bytes, security=config.security)

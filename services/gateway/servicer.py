@@ -110,8 +110,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, tokenizer: Tokenizer, verifier: grpc.aio.Channel,
                  default_timeout_s: float, metrics=None, *, verifier_address: str = "",
                  stop_limits: StopLimits | None = None,
-                 peer_metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 peer_metadata: tuple[tuple[str, str], ...] = (),
+                 defaults=None) -> None:
         self._tokenizer = tokenizer
+        self._defaults = defaults  # the model's GenerationDefaults (None: greedy)
         self._peer_metadata = peer_metadata  # the token the verifier wants, if any
         self._verifier = verifier_pb2_grpc.VerifierStub(verifier)
         self._verifier_address = verifier_address  # for the log only
@@ -158,7 +160,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _admit(self, request, span) -> tuple[GatewayRequest, list[int]]:
         """The validated request and its prompt ids (raises InvalidRequest)."""
-        req = convert.request_from_pb(request)
+        req = convert.request_from_pb(request, self._defaults)
         span.set_attribute("request.id", req.request_id)
         check_stop(req.params.stop, self._stop_limits.max_strings, self._stop_limits.max_bytes,
                    STOP_FLAGS)

@@ -35,6 +35,7 @@ class SpecLimits:
     default_budget: int
     max_draft_tokens: int
     has_drafter: bool
+    sampling_defaults: object = None  # the model's GenerationDefaults (None: greedy)
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def generate_args_from_pb(msg: verifier_pb2.VerifyRequest, limits: SpecLimits,
                           fallback_id: str) -> GenerateArgs:
     """Raises InvalidRequest for bad sampling parameters (a stop list over the default bounds
     included), a negative budget or a bad kind."""
-    params = sampling_from_pb(msg.sampling)
+    params = sampling_from_pb(msg.sampling, limits.sampling_defaults)
     check_stop(params.stop)
     if msg.spec.drafter not in DRAFTER_NAMES:
         raise InvalidRequest(f"unknown drafter kind {msg.spec.drafter}")

@@ -28,6 +28,7 @@ from specserve.config import EngineConfig, check_switch, switched_on
 from specserve.engine.engine import Engine
 from specserve.engine.warmup import warm_up_engine
 from specserve.errors import ModelError
+from specserve.models.config import load_generation_defaults
 from specserve.models.dflash import load_context_projection
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -212,7 +213,8 @@ def _remote_drafter(config: VerifierConfig, engine: Engine) -> RemoteDrafter:
 
 async def serve(config: VerifierConfig) -> tuple[VerifierServer, int]:
     """Start the verifier; returns the running server and its bound port (SERVING)."""
-    limits = SpecLimits(config.default_budget, config.max_draft_tokens, bool(config.drafter))
+    limits = SpecLimits(config.default_budget, config.max_draft_tokens, bool(config.drafter),
+                        load_generation_defaults(config.model))
     metrics = VerifierMetrics()
     servicer = VerifierServicer(limits, metrics)
     server, port, health = await start_server(

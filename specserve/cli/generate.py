@@ -21,9 +21,10 @@ def add(sub) -> None:
     src.add_argument("--token-ids", help="prompt token ids, comma-separated")
     add_gateway_flags(p)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the model's generation_config.json, else greedy)")
     p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=None, help="(default: the model's, else 1)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stop-token-id", type=int, action="append", default=[])
@@ -58,11 +59,17 @@ def _prompt(args) -> str | list[int]:
 
 
 def _generate(args) -> int:
+    from specserve.models.config import GenerationDefaults, load_generation_defaults
     from specserve.types import SamplingParams
 
+    # remote: the server fills what is not given (the fields are cleared on the wire)
+    d = load_generation_defaults(args.model) if args.in_process and args.model else \
+        GenerationDefaults()
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
+        max_tokens=args.max_tokens,
+        temperature=d.temperature if args.temperature is None else args.temperature,
+        top_k=d.top_k if args.top_k is None else args.top_k,
+        top_p=d.top_p if args.top_p is None else args.top_p, seed=args.seed, stop=tuple(args.stop),
         stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos)
     if args.in_process:
         return _generate_in_process(args, params)
@@ -77,6 +84,9 @@ def _generate_remote(args, params) -> int:
 
     req = convert.generate_request_to_pb(_prompt(args), params, args.drafter, args.budget,
                                          args.request_id)
+    for name in ("temperature", "top_k", "top_p"):  # not given: the model's defaults apply
+        if getattr(args, name) is None:
+            req.sampling.ClearField(name)
     text, ids, final = [], [], None
     ch, metadata = gateway_channel(args)
     with ch:

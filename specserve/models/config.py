@@ -209,6 +209,32 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         raise ModelError(f"config.json is missing required key {e.args[0]!r}") from None
 
 
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a request that leaves sampling unset gets, as transformers' `generate` reads
+    `generation_config.json`: its temperature / top_p / top_k when `do_sample`, else greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+
+
+def load_generation_defaults(model_dir: str | Path) -> GenerationDefaults:
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return GenerationDefaults()
+    try:
+        raw = json.loads(path.read_text())
+        if not raw.get("do_sample", False):
+            return GenerationDefaults()
+        top_k = raw.get("top_k", 50)  # transformers' GenerationConfig default
+        return GenerationDefaults(float(raw.get("temperature", 1.0)),
+                                  float(raw.get("top_p", 1.0)),
+                                  int(top_k) if top_k and int(top_k) > 0 else None)
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise ModelError(f"{path} is not valid: {e}") from None
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     try:

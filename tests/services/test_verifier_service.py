@@ -466,3 +466,37 @@ async def test_full_queue_is_resource_exhausted_and_stats_show_reservations(targ
         await server.stop(0)
     for p, events, n in zip(prompts, rest, (480, 30, 30), strict=True):
         assert _tokens(events) == expected(p, n)
+
+
+@aio
+async def test_unset_sampling_takes_the_models_generation_config(target, tmp_path, expected):
+    """A request that leaves temperature / top_k / top_p unset samples as the checkpoint's
+    generation_config.json says (do_sample); one that says temperature 0 stays greedy."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(target, model)
+    (model / "generation_config.json").write_text(
+        '{"do_sample": true, "temperature": 0.9, "top_k": 7, "top_p": 0.97}')
+    prompt = [31, 7, 99, 12, 64]
+    engine = Engine(EngineConfig(str(model)))
+    want = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.9, top_k=7,
+                                                    top_p=0.97, seed=3, ignore_eos=True))[0]
+    server, port = await serve(_config(model))
+    try:
+        async with channel(f"127.0.0.1:{port}") as ch:
+            stub = verifier_pb2_grpc.VerifierStub(ch)
+            unset = common_pb2.SamplingParams(max_tokens=20, seed=3, ignore_eos=True)
+            sampled = await _generate_with(stub, prompt, unset)
+            greedy = await _generate_with(stub, prompt, common_pb2.SamplingParams(
+                max_tokens=20, temperature=0.0, ignore_eos=True))
+    finally:
+        await server.stop(0)
+    assert _tokens(sampled) == want != expected(prompt, 20)
+    assert _tokens(greedy) == expected(prompt, 20)
+
+
+async def _generate_with(stub, prompt, sampling):
+    req = verifier_pb2.VerifyRequest(prompt_ids=prompt, sampling=sampling,
+                                     spec=common_pb2.SpecOptions(budget=0))
+    return [e async for e in stub.Generate(req, timeout=RPC_S)]

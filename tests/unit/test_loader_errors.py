@@ -148,3 +148,30 @@ def test_the_older_qwen3_sliding_layout_is_read_as_transformers_reads_it(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert load_config(tmp_path).layer_types == () and load_config(tmp_path).sliding_window \
         is None
+
+
+def test_generation_config_sampling_defaults(tmp_path):
+    """As transformers' generate reads generation_config.json: its sampling values only with
+    do_sample (top_k 50 when unset, 0 = none); a request's own values win, top_k 0 = no cut."""
+    from services.common.convert import sampling_from_pb
+    from specserve.models.config import GenerationDefaults, load_generation_defaults
+    from specserve.v1 import common_pb2
+
+    assert load_generation_defaults(tmp_path) == GenerationDefaults()
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({"temperature": 0.6, "top_p": 0.95}))  # no do_sample: greedy
+    assert load_generation_defaults(tmp_path) == GenerationDefaults()
+    gen.write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95}))
+    assert load_generation_defaults(tmp_path) == GenerationDefaults(0.6, 0.95, 50)
+    gen.write_text(json.dumps({"do_sample": True, "top_k": 0}))
+    d = load_generation_defaults(tmp_path)
+    assert d == GenerationDefaults(1.0, 1.0, None)
+    qwen = GenerationDefaults(0.6, 0.95, 20)
+    unset = common_pb2.SamplingParams(max_tokens=9)
+    got = sampling_from_pb(unset, qwen)
+    assert (got.temperature, got.top_p, got.top_k) == (pytest.approx(0.6), pytest.approx(0.95),
+                                                       20)
+    mine = common_pb2.SamplingParams(max_tokens=9, temperature=0.0, top_k=0, top_p=1.0)
+    got = sampling_from_pb(mine, qwen)
+    assert (got.temperature, got.top_p, got.top_k, got.greedy) == (0.0, 1.0, None, True)
+    assert sampling_from_pb(unset).greedy  # no defaults: greedy
