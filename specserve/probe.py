@@ -56,6 +56,7 @@ class ProbeRow:
     fail_position: int | None = None  # the first depth accepted in under half the steps
     verdict: str = ""
     trace_id: str | None = None  # the request's trace (when the services export spans)
+    device: str = ""  # where the verifier ran the target
 
     @property
     def ttft_other_s(self) -> float:

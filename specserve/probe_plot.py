@@ -1,7 +1,7 @@
 """The commit probe's PNG: mean commit_len and the steady decode step by context, per text.
 
 x ticks read 1k, 2k, …; the step axis starts at 0; the commit plot carries the tree's ceiling
-(budget + 1 tokens a step); the title names the model and the budget.
+(budget + 1 tokens a step); the title names the model, the budget and the verifier's device.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def plot(rows: list[ProbeRow], path: str, budget: int | None = None, model: str 
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend()
-    parts = [p for p in (model, f"budget {budget}" if budget else "") if p]
+    devices = ", ".join(sorted({r.device for r in rows if r.device}))
+    parts = [p for p in (model, f"budget {budget}" if budget else "", devices) if p]
     fig.suptitle("specserve commit probe" + (f" — {', '.join(parts)}" if parts else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -150,4 +150,5 @@ def spec_stats_to_pb(s: RequestSpecStats, other_s: float = 0.0) -> pb.SpecStats:
         fallbacks=dict(s.fallbacks),
         phases=pb.PhaseTimes(prefill_s=s.prefill_s, draft_s=s.draft_s, verify_s=s.verify_s,
                              commit_s=s.commit_s, other_s=other_s),
+        device=s.device,
     )

@@ -144,7 +144,8 @@ def spec_stats_from_pb(msg: common_pb2.SpecStats) -> tuple[RequestSpecStats, flo
         committed_tokens=msg.committed_tokens, commit_len_hist=Counter(msg.commit_len_hist),
         accepted_per_position=Counter(msg.accepted_per_position),
         fallbacks=Counter(msg.fallbacks), prefill_s=msg.phases.prefill_s,
-        draft_s=msg.phases.draft_s, verify_s=msg.phases.verify_s, commit_s=msg.phases.commit_s)
+        draft_s=msg.phases.draft_s, verify_s=msg.phases.verify_s, commit_s=msg.phases.commit_s,
+        device=msg.device)
     return stats, msg.phases.other_s
 
 

@@ -95,7 +95,7 @@ class Engine:
             generator=make_generator(params, self.runner.device),
             arrival=next(self._arrivals),
             budget=budget,
-            spec_stats=RequestSpecStats(),
+            spec_stats=RequestSpecStats(device=self.runner.device_name),
         )
         if self.tokenizer is not None:
             from specserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher

@@ -39,6 +39,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model: DecoderModel | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        self.device_name = _device_name(self.device)  # for stats and the probe's plot
         self.dtype = resolve_dtype(config.dtype)
         self.model = model or load_model(config.model_dir, self.dtype, config.device)
         self.model.attn_backend = backend_for(self.device)
@@ -107,3 +108,10 @@ class ModelRunner:
         if not whole:  # only the rows that need a token go through the LM head
             hidden = hidden.index_select(0, extra[1])
         return self.model.logits(hidden), features
+
+
+def _device_name(device: torch.device) -> str:
+    """"cuda (NVIDIA H200)", "cpu": the device type and, on CUDA, the board's name."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return device.type

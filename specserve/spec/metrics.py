@@ -72,6 +72,7 @@ class RequestSpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0
+    device: str = ""  # where the target ran, e.g. "cuda (NVIDIA H200)" or "cpu"
 
     def record(self, step: StepRecord) -> None:
         self.steps += 1

@@ -68,7 +68,7 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("steps", "draft_tokens", "accepted_tokens", "committed_tokens", "mean_commit_len", "commit_len_hist", "accepted_per_position", "fallbacks", "phases")
+    __slots__ = ("steps", "draft_tokens", "accepted_tokens", "committed_tokens", "mean_commit_len", "commit_len_hist", "accepted_per_position", "fallbacks", "phases", "device")
     class CommitLenHistEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class SpecStats(_message.Message):
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     steps: int
     draft_tokens: int
     accepted_tokens: int
@@ -108,7 +109,8 @@ class SpecStats(_message.Message):
     accepted_per_position: _containers.ScalarMap[int, int]
     fallbacks: _containers.ScalarMap[str, int]
     phases: PhaseTimes
-    def __init__(self, steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., mean_commit_len: _Optional[float] = ..., commit_len_hist: _Optional[_Mapping[int, int]] = ..., accepted_per_position: _Optional[_Mapping[int, int]] = ..., fallbacks: _Optional[_Mapping[str, int]] = ..., phases: _Optional[_Union[PhaseTimes, _Mapping]] = ...) -> None: ...
+    device: str
+    def __init__(self, steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., mean_commit_len: _Optional[float] = ..., commit_len_hist: _Optional[_Mapping[int, int]] = ..., accepted_per_position: _Optional[_Mapping[int, int]] = ..., fallbacks: _Optional[_Mapping[str, int]] = ..., phases: _Optional[_Union[PhaseTimes, _Mapping]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class PhaseTimes(_message.Message):
     __slots__ = ("prefill_s", "draft_s", "verify_s", "commit_s", "other_s")

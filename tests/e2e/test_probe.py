@@ -33,6 +33,7 @@ def test_probe_table_json_and_plot(stack, checkpoints, tmp_path):  # noqa: F811
         ("predictable", 40), ("predictable", 200), ("novel", 40), ("novel", 200)]
     for r in rows:
         assert r["new_tokens"] == 24 and r["steps"] >= 1
+        assert r["device"] == "cpu"  # the verifier's device, for the plot's title
         # the probe's per-step numbers and the final message's stats are the same numbers
         assert r["stream_commit_len"] == pytest.approx(r["commit_len"])
         assert r["commit_len"] == pytest.approx(r["depth"] + 1)  # no step was cut
