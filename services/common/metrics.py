@@ -104,8 +104,8 @@ class VerifierMetrics:
 class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("specserve_gateway_requests", "Generate calls finished, by gRPC "
-                                "status", ["code"], registry=r)
+        self.requests = Counter("specserve_gateway_requests", "Generations finished, by gRPC "
+                                "status and front (grpc | openai)", ["code", "api"], registry=r)
         self.ttft = Histogram("specserve_gateway_ttft_seconds", "Client-visible time to first "
                               "chunk", buckets=SECONDS_BUCKETS, registry=r)
         self.duration = Histogram("specserve_gateway_request_seconds", "Generate call wall "

@@ -23,6 +23,7 @@ class Flag:
 
 DEFAULT_HOST = "127.0.0.1"
 GATEWAY_PORT, VERIFIER_PORT, DRAFTER_PORT = 50051, 50052, 50053
+HTTP_PORT = 8000  # the gateway's OpenAI-compatible HTTP API (vLLM's default too)
 # Prometheus /metrics (0 disables); bound on the --host address like the gRPC port
 GATEWAY_METRICS_PORT, VERIFIER_METRICS_PORT, DRAFTER_METRICS_PORT = 9101, 9102, 9103
 

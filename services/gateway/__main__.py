@@ -18,15 +18,28 @@ from services.common.settings import (
     DEFAULT_HOST,
     GATEWAY_METRICS_PORT,
     GATEWAY_PORT,
+    HTTP_PORT,
     VERIFIER_PORT,
     Flag,
     add_flags,
 )
 
+
+def port_or_off(raw: str) -> int | None:
+    """A port number, or "off" (None)."""
+    return None if str(raw).lower() == "off" else int(raw)
+
+
+port_or_off.__name__ = "port or off"
+
 FLAGS = [
     *COMMON,
     *SECURITY_FLAGS,
     Flag("--port", "SPECSERVE_GATEWAY_PORT", GATEWAY_PORT, int, "port to bind (0 = any free)"),
+    Flag("--http-port", "SPECSERVE_GATEWAY_HTTP_PORT", HTTP_PORT, port_or_off,
+         "OpenAI-compatible HTTP API port (0 = any free, off = none)"),
+    Flag("--served-model-name", "SPECSERVE_SERVED_MODEL_NAME", None, str,
+         "model id of the HTTP API (default: the model directory's name)"),
     Flag("--verifier", "SPECSERVE_VERIFIER_ADDR", f"{DEFAULT_HOST}:{VERIFIER_PORT}", str,
          "verifier address HOST:PORT"),
     Flag("--model", "SPECSERVE_MODEL", None, str, "target model directory (its tokenizer.json)"),
@@ -46,10 +59,14 @@ FLAGS = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specserve serve gateway",
-        description="The specserve gateway: text in, streamed text chunks + stats out.")
+        description="The specserve gateway: text in, streamed text chunks + stats out, over "
+                    "gRPC and an OpenAI-compatible HTTP API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /health).")
     add_flags(parser, FLAGS)
     parser.add_argument("--port-file", default=None,
                         help="write the bound port here once SERVING (useful with --port 0)")
+    parser.add_argument("--http-port-file", default=None,
+                        help="write the HTTP API's bound port here (useful with --http-port 0)")
     parser.add_argument("--grace-s", type=float, default=5.0,
                         help="seconds to drain in-flight requests on SIGTERM")
     return parser
@@ -64,7 +81,9 @@ def config_from_args(args: argparse.Namespace):
         port_file=args.port_file, max_message_bytes=args.max_message_mb * MiB,
         request_timeout_s=args.request_timeout_s, grace_s=args.grace_s,
         metrics_port=args.metrics_port, max_stop_strings=args.max_stop_strings,
-        max_stop_bytes=args.max_stop_bytes, security=Security.from_args(args))
+        max_stop_bytes=args.max_stop_bytes, security=Security.from_args(args),
+        http_port=args.http_port, http_port_file=args.http_port_file,
+        served_model_name=args.served_model_name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,9 @@ def add_up(sub) -> None:
                    help="base port: gateway BASE, verifier BASE+1, drafter BASE+2")
     for name in SERVICES:
         p.add_argument(f"--{name}-port", type=int, default=None, help=f"{name} port override")
+    p.add_argument("--http-port", default=os.environ.get("SPECSERVE_GATEWAY_HTTP_PORT", "8000"),
+                   help="the gateway's OpenAI HTTP API port (0 = any free, off = none) "
+                        "[env SPECSERVE_GATEWAY_HTTP_PORT, default 8000]")
     p.add_argument("--no-drafter", action="store_true",
                    help="no drafter service (the verifier decodes without the DFlash drafter)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
@@ -57,6 +60,10 @@ def _up_plan(args) -> list[tuple[str, str, list[str]]]:
     if not args.model:
         raise SystemExit("specserve up: --model (or SPECSERVE_MODEL) is required "
                          "(no demo pair under checkpoints/)")
+    http = str(args.http_port).lower()
+    if http != "off" and not (http.isdigit() and int(http) <= 65535):
+        raise SystemExit(f"specserve up: --http-port must be a port number or off, "
+                         f"got {args.http_port!r}")
     base = {"gateway": 0, "verifier": 1, "drafter": 2}
     port = {n: getattr(args, f"{n}_port") or args.ports + base[n] for n in SERVICES}
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
@@ -68,9 +75,27 @@ def _up_plan(args) -> list[tuple[str, str, list[str]]]:
     flags["drafter"] += draft + device
     flags["verifier"] += draft + device + ([] if args.no_drafter else
                                            ["--drafter", addr["drafter"]])
-    flags["gateway"] += ["--verifier", addr["verifier"]]
+    flags["gateway"] += ["--verifier", addr["verifier"], "--http-port", str(args.http_port)]
+    if str(args.http_port).lower() != "off":
+        flags["gateway"] += ["--http-port-file", _http_port_file()]
     names = [n for n in SERVICES if not (n == "drafter" and args.no_drafter)]
     return [(n, addr[n], flags[n]) for n in names]
+
+
+def _http_port_file() -> str:
+    import tempfile
+
+    return os.path.join(tempfile.mkdtemp(prefix="specserve-up-"), "http.port")
+
+
+def _http_address(plan, host: str) -> str | None:
+    """The OpenAI API's base URL once the gateway wrote its HTTP port (None: not served)."""
+    flags = next(f for n, _a, f in plan if n == "gateway")
+    if "--http-port-file" not in flags:
+        return None
+    path = flags[flags.index("--http-port-file") + 1]
+    with open(path) as f:
+        return f"http://{host}:{int(f.read())}/v1"
 
 
 async def _pump(name: str, stream) -> None:
@@ -134,10 +159,15 @@ async def _up_run(args) -> int:
     try:
         for _name, addr, _flags in plan:  # a port in use fails now, before anything starts
             check_bindable(args.host, int(addr.rsplit(":", 1)[1]))
+        if str(args.http_port).lower() not in ("off", "0"):
+            check_bindable(args.host, int(args.http_port))
         for name, addr, flags in plan:
             await _start(name, addr, flags, args.startup_timeout_s, procs, pumps)
             print(f"specserve up: {name} SERVING on {addr} (pid {procs[name].pid})", flush=True)
-        print("specserve up: ready — " + ", ".join(f"{n} {a}" for n, a, _ in plan), flush=True)
+        gateway = next(a for n, a, _f in plan if n == "gateway")
+        http = _http_address(plan, gateway.rsplit(":", 1)[0])
+        print("specserve up: ready — " + ", ".join(f"{n} {a}" for n, a, _ in plan)
+              + (f", OpenAI API {http}" if http else ""), flush=True)
         waits = {asyncio.ensure_future(p.wait()): n for n, p in procs.items()}
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         name = waits[next(iter(done))]

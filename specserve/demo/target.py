@@ -151,6 +151,16 @@ class TargetObjective(torch.nn.Module):
         return F.cross_entropy(model.lm_head(hs + lin(hs)).float(), ids[row, col + 1 + i])
 
 
+# the demo pair's chat template: system text, then "Q: …" / "A: …" lines; generation opens "A:"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] in ('system', 'developer') %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}Q: {{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}A: {{ message['content'] }}{{ eos_token }}\n"
+    "{% else %}{{ raise_exception('the demo template takes system, user and assistant "
+    "messages') }}{% endif %}{% endfor %}{% if add_generation_prompt %}A:{% endif %}")
+
+
 def save_target(model, tokenizer, out_dir: Path) -> None:
     """HF format in bfloat16 (`save_pretrained`), plus tokenizer.json and tokenizer_config.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -164,7 +174,8 @@ def save_target(model, tokenizer, out_dir: Path) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS,
         "additional_special_tokens": [MASK], "model_max_length": MAX_POSITIONS,
-        "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+        "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE},
+        indent=2) + "\n")
 
 
 def taps(model, ids: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,7 +47,7 @@ REPETITIVE = [11, 12, 13, 14, 15, 16, 17, 18] * 6
 ENV = {**os.environ, "GRPC_VERBOSITY": "ERROR", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
        "TOKENIZERS_PARALLELISM": "false", "SPECSERVE_KV_MEMORY_GB": "0.05",
        "SPECSERVE_GATEWAY_METRICS_PORT": "0", "SPECSERVE_VERIFIER_METRICS_PORT": "0",
-       "SPECSERVE_DRAFTER_METRICS_PORT": "0"}
+       "SPECSERVE_DRAFTER_METRICS_PORT": "0", "SPECSERVE_GATEWAY_HTTP_PORT": "0"}
 aio = pytest.mark.asyncio(loop_scope="module")
 pytestmark = pytest.mark.timeout(180)
 

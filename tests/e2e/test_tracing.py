@@ -263,7 +263,7 @@ def test_prometheus_scrapes_agree_with_the_spans(traced):
     assert val(v, "specserve_requests_total", code="OK") == 2
     assert val(v, "specserve_kv_pages_used") == 0 and val(v, "specserve_kv_pages_free") > 0
     assert not [k for k in v if k[0] == "specserve_drafter_fallbacks_total"]
-    assert val(g, "specserve_gateway_requests_total", code="OK") == 2
+    assert val(g, "specserve_gateway_requests_total", api="grpc", code="OK") == 2
     assert val(g, "specserve_gateway_ttft_seconds_count") == 2
     assert val(g, "specserve_gateway_completion_tokens_total") == 2 * NEW
     forwards = sum(r.span.name == "draft.forward" for r in spans)

@@ -79,7 +79,8 @@ async def running_gateway(tmp_path: Path, **config):
     """`serve` as a task until the block ends; yields (address, config). Afterwards no task of
     the gateway is left behind."""
     port_file = tmp_path / f"gateway-{time.monotonic_ns()}.port"
-    cfg = GatewayConfig(port=0, port_file=str(port_file), grace_s=0.2, **config)
+    cfg = GatewayConfig(**{"http_port": None, **config}, port=0, port_file=str(port_file),
+                        grace_s=0.2)
     before = asyncio.all_tasks()
     stop = asyncio.Event()
     task = asyncio.ensure_future(serve(cfg, stop))
@@ -167,7 +168,8 @@ def test_health_period_is_validated(model_dir):
 def _requests_by_code(metrics_port: int) -> dict[str, float]:
     body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
     return {m[1]: float(m[2]) for m in re.finditer(
-        r'^specserve_gateway_requests_total\{code="(\w+)"\} (\S+)$', body.decode(), re.M)}
+        r'^specserve_gateway_requests_total\{api="grpc",code="(\w+)"\} (\S+)$', body.decode(),
+        re.M)}
 
 
 async def _counted(metrics_port: int, n: int) -> dict[str, float]:

@@ -66,7 +66,7 @@ async def stack(model_dir, tmp_path_factory):
     port_file, stop = tmp_path_factory.mktemp("gw") / "port", asyncio.Event()
     gateway = asyncio.create_task(serve_gateway(GatewayConfig(
         model=str(model_dir), verifier=f"127.0.0.1:{vport}", port=0, port_file=str(port_file),
-        grace_s=0.5), stop))
+        http_port=None, grace_s=0.5), stop))
     while not port_file.exists():
         assert not gateway.done(), gateway.exception()
         await asyncio.sleep(0.05)

@@ -25,7 +25,7 @@ from tests.helpers import make_checkpoint, save_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "GRPC_VERBOSITY": "ERROR", "OMP_NUM_THREADS": "1",
-       "TOKENIZERS_PARALLELISM": "false"}
+       "TOKENIZERS_PARALLELISM": "false", "SPECSERVE_GATEWAY_HTTP_PORT": "0"}
 pytestmark = pytest.mark.timeout(120)
 
 

@@ -158,7 +158,7 @@ async def test_gateway_tls_and_token_with_the_cli(target, pki, tmp_path):
     port_file, stop = tmp_path / "gateway.port", asyncio.Event()
     gateway = asyncio.ensure_future(serve_gateway(GatewayConfig(
         model=str(target), verifier=f"127.0.0.1:{vport}", port=0, port_file=str(port_file),
-        grace_s=0.1, security=Security(tls_cert=str(pki["drafter"]),
+        http_port=None, grace_s=0.1, security=Security(tls_cert=str(pki["drafter"]),
                                        tls_key=str(pki["drafter-key"]), token="g",
                                        peer_tls_ca=str(pki["ca"]), peer_token="v")), stop))
     try:

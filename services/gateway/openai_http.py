@@ -1,0 +1,197 @@
+"""The gateway's OpenAI-compatible HTTP front: a Starlette app served by uvicorn in the gateway's
+own event loop, beside the gRPC server, over the same pipeline (admission, tracing, metrics).
+
+Routes: `POST /v1/completions` and `POST /v1/chat/completions` (whole or SSE: `data: {…}`
+chunks, then `data: [DONE]`), `GET /v1/models`, `GET /health` (200 while the gateway's gRPC
+health is SERVING, i.e. while the verifier serves; 503 otherwise). With a token configured,
+`/v1/*` needs `Authorization: Bearer TOKEN` (401 otherwise); `/health` stays open.
+
+Errors before the first token answer with their HTTP status (400 invalid, 404 another model,
+413 a body over the limit, 429 the verifier's queue is full, 503 the verifier is unavailable,
+504 the deadline passed); an error once the stream has started is one `data: {"error": …}`
+event before `[DONE]`. A client that disconnects — while waiting, mid-stream, or before a whole
+response — cancels the request: the verifier call ends and the request's pages are freed. When
+spans are exported the response carries the trace id in the `x-specserve-trace-id` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from services.common import telemetry
+from services.gateway import openai_responses as out
+from services.gateway.convert import TRACE_ID_KEY, GatewayFinal
+from services.gateway.openai_api import ApiError, ApiRequest, parse
+from services.gateway.pipeline import GenerationFailed, Pipeline, TextChunk
+
+API = "openai"  # the `api` label of specserve_gateway_requests_total
+
+
+class Disconnected(Exception):
+    """The HTTP client went away before its answer was ready."""
+
+
+class OpenAIFront:
+    def __init__(self, pipeline: Pipeline, model: str, template, *, token: str | None = None,
+                 max_body_bytes: int = 64 << 20, serving=lambda: True, created: int = 0) -> None:
+        self.pipeline, self.model, self.template = pipeline, model, template
+        self._want = f"Bearer {token}".encode() if token else None
+        self.max_body_bytes, self.serving, self.created = max_body_bytes, serving, created
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/health", self._health, methods=["GET"]),
+        ])
+
+    async def _health(self, request: Request) -> JSONResponse:
+        ok = self.serving()
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, 200 if ok else 503)
+
+    async def _models(self, request: Request) -> JSONResponse:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        return JSONResponse(out.models(self.model, self.created))
+
+    async def _completions(self, request: Request):
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: Request):
+        return await self._generate(request, chat=True)
+
+    def _denied(self, request: Request) -> JSONResponse | None:
+        sent = request.headers.get("authorization", "").encode()
+        if self._want is None or hmac.compare_digest(sent, self._want):
+            return None
+        return _error(ApiError(401, "missing or wrong bearer token (Authorization: Bearer …)",
+                               "authentication_error", code="invalid_api_key"))
+
+    async def _generate(self, request: Request, chat: bool):
+        if (denied := self._denied(request)) is not None:
+            self._count("UNAUTHENTICATED")
+            return denied
+        try:
+            body = await _read_json(request, self.max_body_bytes)
+            api = parse(body, chat, self.model, self.template, self.pipeline.defaults)
+        except ApiError as e:
+            self._count("NOT_FOUND" if e.status == 404 else "INVALID_ARGUMENT")
+            return _error(e)
+        span = self.pipeline.start_span(request.headers.items())
+        trace_id = telemetry.trace_id_of(span) if telemetry.exporting() else None
+        headers = {TRACE_ID_KEY: trace_id} if trace_id else {}
+        events = self.pipeline.run(lambda: api.request, span, None, API)
+        try:  # the first event, or the error that came instead: answered with its status
+            first = await _unless_disconnect(request, anext(events))
+        except (GenerationFailed, StopAsyncIteration, Disconnected) as e:
+            await events.aclose()
+            return _failed(e, headers)
+        if api.stream:
+            return StreamingResponse(self._sse(api, first, events), headers=headers,
+                                     media_type="text/event-stream")
+        try:
+            return JSONResponse(await _unless_disconnect(
+                request, self._whole(api, first, events)), headers=headers)
+        except (GenerationFailed, Disconnected) as e:
+            return _failed(e, headers)
+        finally:
+            await events.aclose()
+
+    async def _whole(self, api: ApiRequest, first, events) -> dict:
+        text = []
+        event = first
+        while not isinstance(event, GatewayFinal):
+            text.append(event.text)
+            event = await anext(events)
+        return out.whole(api, self.model, "".join(text), event)
+
+    async def _sse(self, api: ApiRequest, first, events):
+        async with contextlib.aclosing(events):
+            if api.chat:
+                yield _data(out.chunk(api, self.model, "", first=True))
+            event = first
+            try:
+                while True:
+                    if isinstance(event, TextChunk):
+                        if event.text:
+                            yield _data(out.chunk(api, self.model, event.text))
+                    else:
+                        yield _data(out.chunk(api, self.model, "", event))
+                        if api.include_usage:
+                            yield _data(out.usage_chunk(api, self.model, event))
+                        break
+                    event = await anext(events)
+            except GenerationFailed as e:
+                yield _data(ApiError.of_grpc(e.code, e.message).body())
+            yield "data: [DONE]\n\n"
+
+    def _count(self, code: str) -> None:
+        if self.pipeline.metrics is not None:
+            self.pipeline.metrics.requests.labels(code=code, api=API).inc()
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error(e: ApiError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), e.status, headers=headers)
+
+
+def _failed(e: Exception, headers: dict) -> JSONResponse:
+    if isinstance(e, GenerationFailed):
+        return _error(ApiError.of_grpc(e.code, e.message), headers)
+    if isinstance(e, Disconnected):  # nobody reads it; the status is for the access log
+        return _error(ApiError(499, "client disconnected", "cancelled"), headers)
+    return _error(ApiError(500, "the generation ended without a result", "internal_error"),
+                  headers)
+
+
+async def _read_json(request: Request, limit: int):
+    """The body as JSON; ApiError 413 past `limit` bytes, 400 if it is not JSON."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise ApiError(413, f"request body of {int(size)} bytes is over the limit of {limit}")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise ApiError(413, f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not JSON: {e}") from None
+
+
+async def _unless_disconnect(request: Request, awaitable):
+    """`awaitable`'s result; cancelled (Disconnected raised) if the client disconnects first."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the handler itself (shutdown): the work goes with it
+        work.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await work
+        raise Disconnected()
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,86 @@
+"""OpenAI API response bodies from the pipeline's results: whole completions, stream chunks, the
+usage chunk, and the request's speculative decoding stats.
+
+`speculative_decoding` rides on the whole response and on the stream's finishing chunk (vLLM
+reports the same figures as server metrics; here they are per request): steps (verifier steps
+that drafted), draft and accepted tokens, the mean acceptance length (tokens committed per
+step: accepted drafts + the target's own token), the histogram of committed tokens per step,
+how often each tree depth was accepted, steps that fell back to plain decoding by reason, and
+the phase times.
+"""
+
+from __future__ import annotations
+
+from services.gateway.convert import GatewayFinal
+from services.gateway.openai_api import ApiRequest
+from specserve.types import FinishReason
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    return None if reason is None else ("length" if reason is FinishReason.LENGTH else "stop")
+
+
+def usage(final: GatewayFinal) -> dict:
+    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+            "total_tokens": final.prompt_tokens + final.completion_tokens}
+
+
+def speculative_decoding(final: GatewayFinal) -> dict:
+    s = final.stats
+    return {
+        "steps": s.steps, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+        "mean_acceptance_length": s.mean_commit_len,
+        "acceptance_length_histogram": {str(k): v for k, v in sorted(s.commit_len_hist.items())},
+        "accepted_per_position": {str(k): v
+                                  for k, v in sorted(s.accepted_per_position.items())},
+        "fallbacks": dict(s.fallbacks),
+        "ttft_s": final.ttft_s, "wall_s": final.wall_s,
+        "phases_s": {"prefill": s.prefill_s, "draft": s.draft_s, "verify": s.verify_s,
+                     "commit": s.commit_s, "other": final.other_s},
+    }
+
+
+def _head(api: ApiRequest, model: str, chunk: bool) -> dict:
+    kind = ("chat.completion" if api.chat else "text_completion") + \
+        (".chunk" if chunk and api.chat else "")
+    return {"id": api.id, "object": kind, "created": api.created, "model": model}
+
+
+def whole(api: ApiRequest, model: str, text: str, final: GatewayFinal) -> dict:
+    """The non-streamed response."""
+    choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason(final.finish_reason)}
+    if api.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {**_head(api, model, False), "choices": [choice], "usage": usage(final),
+            "speculative_decoding": speculative_decoding(final)}
+
+
+def chunk(api: ApiRequest, model: str, text: str, final: GatewayFinal | None = None,
+          first: bool = False) -> dict:
+    """A stream chunk: a text delta; with `final`, the finishing one (its reason and stats);
+    `first` (chat): the delta that names the assistant role."""
+    choice = {"index": 0, "logprobs": None,
+              "finish_reason": finish_reason(final.finish_reason) if final else None}
+    if api.chat:
+        choice["delta"] = {"role": "assistant", "content": text} if first else \
+            ({"content": text} if text or final is None else {})
+    else:
+        choice["text"] = text
+    body = {**_head(api, model, True), "choices": [choice]}
+    if api.include_usage:
+        body["usage"] = None
+    if final is not None:
+        body["speculative_decoding"] = speculative_decoding(final)
+    return body
+
+
+def usage_chunk(api: ApiRequest, model: str, final: GatewayFinal) -> dict:
+    """The last chunk when stream_options.include_usage: no choices, the usage."""
+    return {**_head(api, model, True), "choices": [], "usage": usage(final)}
+
+
+def models(model: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                        "owned_by": "specserve"}]}

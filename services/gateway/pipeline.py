@@ -1,0 +1,255 @@
+"""One generation through the gateway, whichever front took it (gRPC `Generate` or the OpenAI
+HTTP API): validate, tokenize, call the verifier, relay its steps as text, finish the span and
+the metrics.
+
+The gateway owns what needs text: tokenizing the prompt, incremental detokenization and stop
+strings (a completed stop string cancels the verifier stream, which frees the request there; a
+stop list over `StopLimits` is refused before the verifier is called). Verifier errors keep
+their status code and message, but UNAVAILABLE's (it can name the verifier's address) goes to
+the log and the client reads "verifier unavailable". Cancelling the consumer (a gRPC client's
+cancel, an HTTP client's disconnect) cancels the verifier call. A call whose deadline passed is
+counted as DEADLINE_EXCEEDED in `specserve_gateway_requests_total`.
+
+Each request is one `generate` span (SERVER; a child of the caller's span if it sent a W3C
+`traceparent`), whose context goes to the verifier in the call metadata: the root of the
+request's trace across the three services. The final's phase times are the verifier's, and
+`other` = the gateway's wall time − those phases, so they add up to `wall_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from services.common import telemetry
+from services.common.convert import MAX_STOP_BYTES, MAX_STOP_STRINGS, check_stop
+from services.common.errors import status_for
+from services.gateway import convert
+from services.gateway.convert import GatewayFinal, GatewayRequest, Step, VerifierFinal
+from specserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from specserve.errors import InvalidRequest, SpecServeError
+from specserve.spec.metrics import RequestSpecStats
+from specserve.types import FinishReason
+from specserve.v1 import verifier_pb2_grpc
+
+log = logging.getLogger("specserve.gateway")
+_TOKENIZE_OFF_LOOP_CHARS = 16_384  # longer prompts are tokenized in a worker thread
+STOP_FLAGS = ("--max-stop-strings", "--max-stop-bytes")  # what sets StopLimits
+
+
+@dataclass(frozen=True)
+class StopLimits:
+    """A request's stop list: at most `max_strings` strings, `max_bytes` UTF-8 bytes in all."""
+
+    max_strings: int = MAX_STOP_STRINGS
+    max_bytes: int = MAX_STOP_BYTES
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """Text for the client and the step it came from (None: held-back text at the end)."""
+
+    text: str
+    step: Step | None
+
+
+class GenerationFailed(Exception):
+    """A generation ended in error: the gRPC status and the client's message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _RequestState:
+    """Per-request detokenizer, stop-string matcher and the stats seen so far."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], req: GatewayRequest) -> None:
+        self.req, self.prompt_ids = req, prompt_ids
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stopper = StopStringMatcher(req.params.stop) if req.params.stop else None
+        self.stats = RequestSpecStats()
+        self.completion_tokens = 0
+        self.t0 = time.perf_counter()
+        self.ttft_s = 0.0
+        self.final_: GatewayFinal | None = None  # what the client was sent last
+
+    def push(self, step: Step) -> tuple[str, bool]:
+        """Text for a step's tokens (cut at a stop string) and whether a stop string completed."""
+        if not self.ttft_s:
+            self.ttft_s = time.perf_counter() - self.t0
+        if self.completion_tokens:  # the first event is prefill's sampled token, not a step
+            _record(self.stats, step)
+        self.completion_tokens += len(step.token_ids)
+        return self._stop(self.detok.push(step.token_ids))
+
+    def tail(self) -> tuple[str, bool]:
+        """Held-back text at the end of generation."""
+        text, stopped = self._stop(self.detok.flush())
+        if self.stopper is not None and not stopped:
+            text += self.stopper.flush()
+        return text, stopped
+
+    def _stop(self, delta: str) -> tuple[str, bool]:
+        return (delta, False) if self.stopper is None else self.stopper.feed(delta)
+
+    def final(self, reason: FinishReason | None, v: VerifierFinal | None) -> GatewayFinal:
+        """The verifier's usage and stats when it finished the request, ours when we cut it."""
+        wall = time.perf_counter() - self.t0
+        stats, prompt, completion = (self.stats, len(self.prompt_ids), self.completion_tokens) \
+            if v is None else (v.stats, v.prompt_tokens, v.completion_tokens)
+        phases = stats.prefill_s + stats.draft_s + stats.verify_s + stats.commit_s
+        self.final_ = GatewayFinal(reason, prompt, completion, stats, max(0.0, wall - phases),
+                                   self.req.request_id, self.ttft_s, wall)
+        return self.final_
+
+
+def _record(stats: RequestSpecStats, step: Step) -> None:
+    """Accumulate a step (the verifier's own stats replace these when it finishes the request)."""
+    stats.steps += 1
+    stats.draft_tokens += step.tree_size
+    stats.accepted_tokens += step.accepted_depth
+    stats.committed_tokens += step.commit_len
+    stats.commit_len_hist[step.commit_len] += 1
+    for depth in range(1, step.accepted_depth + 1):
+        stats.accepted_per_position[depth] += 1
+    if step.fallback:
+        stats.fallbacks[step.fallback] += 1
+
+
+class Pipeline:
+    """What the gateway's fronts share: the tokenizer, the verifier, defaults, limits, metrics."""
+
+    def __init__(self, tokenizer: Tokenizer, verifier: grpc.aio.Channel,
+                 default_timeout_s: float, metrics=None, *, verifier_address: str = "",
+                 stop_limits: StopLimits | None = None,
+                 peer_metadata: tuple[tuple[str, str], ...] = (), defaults=None) -> None:
+        self.tokenizer = tokenizer
+        self.defaults = defaults  # the model's GenerationDefaults (None: greedy)
+        self._peer_metadata = peer_metadata  # the token the verifier wants, if any
+        self._verifier = verifier_pb2_grpc.VerifierStub(verifier)
+        self._verifier_address = verifier_address  # for the log only
+        self.default_timeout_s = default_timeout_s
+        self._stop_limits = stop_limits or StopLimits()
+        self.metrics = metrics  # GatewayMetrics | None
+        self._tracer = telemetry.tracer("specserve.gateway")
+
+    def start_span(self, carrier: Iterable | None):
+        """The request's `generate` span, a child of the caller's (W3C headers / metadata)."""
+        return self._tracer.start_span("generate", telemetry.extract_metadata(carrier),
+                                       kind=SpanKind.SERVER)
+
+    async def run(self, parse: Callable[[], GatewayRequest], span, timeout_s: float | None,
+                  api: str, on_done=None) -> AsyncIterator[TextChunk | GatewayFinal]:
+        """The request `parse()` returns, generated: text chunks, then one GatewayFinal.
+        Raises GenerationFailed; `timeout_s` None: the default deadline. `on_done` (gRPC's
+        `context.add_done_callback`) also cancels the verifier call when the caller's call ends."""
+        t0, code, state = time.perf_counter(), grpc.StatusCode.CANCELLED, None
+        deadline = time.monotonic() + (timeout_s or self.default_timeout_s)
+        try:
+            try:
+                req = parse()
+                prompt_ids = await self._admit(req, span)
+            except SpecServeError as e:
+                code = status_for(e)
+                raise GenerationFailed(code, str(e)) from None
+            state = _RequestState(self.tokenizer, prompt_ids, req)
+            call = self._verifier.Generate(
+                convert.verify_request_to_pb(req, prompt_ids),
+                timeout=max(deadline - time.monotonic(), 0.001),
+                metadata=(*telemetry.inject_metadata(trace.set_span_in_context(span)),
+                          *self._peer_metadata))
+            if on_done is not None:
+                on_done(lambda _ctx: call.cancel())
+            try:
+                async for event in self._relay(call, state):
+                    yield event
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                raise GenerationFailed(code, self._verifier_error(req, e)) from None
+            except SpecServeError as e:
+                code = status_for(e)
+                raise GenerationFailed(code, str(e)) from None
+            finally:
+                call.cancel()
+            code = grpc.StatusCode.OK
+        finally:
+            if code is grpc.StatusCode.CANCELLED and time.monotonic() >= deadline:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
+            self._finish(span, code, state, time.perf_counter() - t0, api)
+
+    async def _admit(self, req: GatewayRequest, span) -> list[int]:
+        """The validated request's prompt ids (raises InvalidRequest)."""
+        span.set_attribute("request.id", req.request_id)
+        check_stop(req.params.stop, self._stop_limits.max_strings, self._stop_limits.max_bytes,
+                   STOP_FLAGS)
+        prompt_ids = await self._prompt_ids(req)
+        span.set_attributes({"prompt_tokens": len(prompt_ids),
+                             "max_tokens": req.params.max_tokens,
+                             "drafter": req.drafter or "default"})
+        return prompt_ids
+
+    async def _relay(self, call, state: _RequestState):
+        async for event in call:
+            step, final = convert.event_from_pb(event)
+            if step is not None:
+                text, stopped = state.push(step)
+                yield TextChunk(text, step)
+                if stopped:
+                    call.cancel()  # the verifier frees the request's pages
+                    yield state.final(FinishReason.STOP, None)
+                    return
+            if final is not None:
+                text, stopped = state.tail()
+                if text:
+                    yield TextChunk(text, None)
+                yield state.final(FinishReason.STOP if stopped else final.finish_reason, final)
+                return
+        raise SpecServeError("the verifier stream ended without a final event")
+
+    def _verifier_error(self, req: GatewayRequest, e: grpc.aio.AioRpcError) -> str:
+        """The client's message for a failed verifier call; the log keeps the details."""
+        if e.code() is grpc.StatusCode.UNAVAILABLE:
+            log.warning("request %s: verifier at %s unavailable: %s", req.request_id,
+                        self._verifier_address, e.details())
+            return "verifier unavailable"
+        log.info("request %s: verifier %s: %s", req.request_id, e.code().name, e.details())
+        return e.details() or e.code().name
+
+    async def _prompt_ids(self, req: GatewayRequest) -> list[int]:
+        if req.token_ids is not None:
+            return self.tokenizer.check_ids(req.token_ids)
+        if len(req.text) > _TOKENIZE_OFF_LOOP_CHARS:
+            ids = await asyncio.to_thread(self.tokenizer.encode, req.text)
+        else:
+            ids = self.tokenizer.encode(req.text)
+        if not ids:
+            raise InvalidRequest("prompt text encodes to no tokens")
+        return ids
+
+    def _finish(self, span, code: grpc.StatusCode, state: _RequestState | None, wall_s: float,
+                api: str) -> None:
+        final = state.final_ if state is not None else None
+        if final is not None and span.is_recording():
+            span.set_attributes({
+                "completion_tokens": final.completion_tokens, "ttft_s": final.ttft_s,
+                "finish_reason": str(final.finish_reason), "steps": final.stats.steps,
+                "mean_commit_len": final.stats.mean_commit_len})
+        if code is not grpc.StatusCode.OK:
+            span.set_status(Status(StatusCode.ERROR, code.name))
+        span.end()
+        if self.metrics is None:
+            return
+        self.metrics.requests.labels(code=code.name, api=api).inc()
+        self.metrics.duration.observe(wall_s)
+        if state is not None and state.ttft_s:
+            self.metrics.ttft.observe(state.ttft_s)
+        if state is not None:
+            self.metrics.completion_tokens.inc(state.completion_tokens)

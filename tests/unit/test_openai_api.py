@@ -1,0 +1,125 @@
+"""OpenAI request bodies → validated gateway requests (what is taken, what is refused with which
+status and param), and the response shapes built from a finished generation."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from services.gateway import openai_responses as out
+from services.gateway.convert import GatewayFinal
+from services.gateway.openai_api import ApiError, parse
+from specserve.engine.chat_template import ChatTemplate
+from specserve.models.config import GenerationDefaults
+from specserve.spec.metrics import RequestSpecStats
+from specserve.types import FinishReason, SamplingParams
+
+MODEL = "tiny-model"
+TEMPLATE = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _completion(**body):
+    return parse({"model": MODEL, "prompt": "Hi there", **body}, False, MODEL, None)
+
+
+def _chat(**body):
+    return parse({"model": MODEL, "messages": [{"role": "user", "content": "Hey"}], **body},
+                 True, MODEL, TEMPLATE)
+
+
+def test_a_completion_takes_every_supported_parameter():
+    api = _completion(max_tokens=7, temperature=0.7, top_p=0.9, top_k=13, seed=5,
+                      stop=["\n\n", "END"], budget=9, drafter="ngram", ignore_eos=True,
+                      stream=True, stream_options={"include_usage": True}, user="x")
+    r = api.request
+    assert (r.text, r.token_ids, r.drafter, r.budget) == ("Hi there", None, "ngram", 9)
+    assert r.params == SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=13,
+                                      seed=5, stop=("\n\n", "END"), ignore_eos=True)
+    assert api.stream and api.include_usage and not api.chat
+    assert api.id.startswith("cmpl-") and api.id.endswith(r.request_id)
+
+
+def test_prompt_forms_and_defaults():
+    assert _completion(prompt=[[5, 17, 3]]).request.token_ids == (5, 17, 3)
+    assert _completion(prompt=["one"]).request.text == "one"
+    plain = _completion().request
+    assert plain.params == SamplingParams(max_tokens=SamplingParams().max_tokens)
+    assert (plain.drafter, plain.budget) == (None, None)
+    # unset sampling values: the model's generation_config; top_k -1 / 0: no cut
+    d = GenerationDefaults(temperature=0.6, top_p=0.95, top_k=20)
+    p = parse({"prompt": "x"}, False, MODEL, None, d).request.params
+    assert (p.temperature, p.top_p, p.top_k) == (0.6, 0.95, 20)
+    p = parse({"prompt": "x", "top_k": -1, "temperature": 0}, False, MODEL, None, d)
+    assert (p.request.params.top_k, p.request.params.temperature) == (None, 0.0)
+
+
+def test_chat_renders_the_template_and_prefers_max_completion_tokens():
+    api = _chat(max_tokens=3, max_completion_tokens=11, stop="\n")
+    assert api.request.text == "<user>Hey<assistant>" and api.chat
+    assert api.request.params.max_tokens == 11 and api.request.params.stop == ("\n",)
+    assert _chat(max_tokens=4).request.params.max_tokens == 4
+    assert api.id.startswith("chatcmpl-")
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"n": 2}, 400, "n"), ({"logprobs": 1}, 400, "logprobs"), ({"echo": True}, 400, "echo"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty"), ({"best_of": 3}, 400, "best_of"),
+    ({"model": "gpt-4o"}, 404, "model"), ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"), ({"prompt": [1, True]}, 400, "prompt"),
+    ({"max_tokens": "9"}, 400, "max_tokens"), ({"max_tokens": 0}, 400, None),
+    ({"temperature": -1}, 400, None), ({"top_p": 1.5}, 400, None),
+    ({"stop": [3]}, 400, "stop"), ({"stream_options": {"include_usage": True}}, 400,
+                                   "stream_options"),
+    ({"drafter": "eagle"}, 400, "drafter"), ({"budget": -2}, 400, "budget"),
+    ({"stream": "yes"}, 400, "stream"), ({"seed": 1.5}, 400, "seed"),
+])
+def test_what_is_refused(body, status, param):
+    with pytest.raises(ApiError) as e:
+        _completion(**body)
+    assert (e.value.status, e.value.param) == (status, param)
+    assert e.value.body()["error"]["message"] == e.value.message
+    assert e.value.body()["error"]["type"] == ("not_found_error" if status == 404 else
+                                               "invalid_request_error")
+
+
+def test_chat_without_a_template_or_with_bad_messages():
+    with pytest.raises(ApiError, match="no chat template"):
+        parse({"messages": [{"role": "user", "content": "x"}]}, True, MODEL, None)
+    with pytest.raises(ApiError, match="role"):
+        _chat(messages=[{"role": "robot", "content": "x"}])
+    with pytest.raises(ApiError, match="JSON object"):
+        parse([1, 2], False, MODEL, None)
+
+
+def _final(reason=FinishReason.LENGTH) -> GatewayFinal:
+    stats = RequestSpecStats(steps=4, draft_tokens=32, accepted_tokens=9, committed_tokens=13,
+                             commit_len_hist=Counter({4: 2, 2: 1, 3: 1}),
+                             accepted_per_position=Counter({1: 4, 2: 3, 3: 2}),
+                             fallbacks=Counter({"drafter_timeout": 1}), prefill_s=0.25)
+    return GatewayFinal(reason, 17, 14, stats, 0.01, "r1", 0.3, 0.9)
+
+
+def test_response_shapes():
+    api, final = _completion(), _final()
+    body = out.whole(api, MODEL, "text!", final)
+    assert body["choices"] == [{"index": 0, "logprobs": None, "finish_reason": "length",
+                                "text": "text!"}]
+    assert body["usage"] == {"prompt_tokens": 17, "completion_tokens": 14, "total_tokens": 31}
+    spec = body["speculative_decoding"]
+    assert spec["mean_acceptance_length"] == pytest.approx(13 / 4)
+    assert spec["acceptance_length_histogram"] == {"2": 1, "3": 1, "4": 2}
+    assert spec["accepted_per_position"] == {"1": 4, "2": 3, "3": 2}
+    assert spec["fallbacks"] == {"drafter_timeout": 1} and spec["phases_s"]["prefill"] == 0.25
+    chat = _chat(stream=True, stream_options={"include_usage": True})
+    first = out.chunk(chat, MODEL, "", first=True)
+    assert first["object"] == "chat.completion.chunk" and first["usage"] is None
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    last = out.chunk(chat, MODEL, "", _final(FinishReason.STOP))
+    assert last["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": "stop",
+                                  "delta": {}}
+    assert "speculative_decoding" in last
+    assert out.usage_chunk(chat, MODEL, final)["choices"] == []
+    assert out.whole(_chat(), MODEL, "ok", final)["choices"][0]["message"] == {
+        "role": "assistant", "content": "ok"}
