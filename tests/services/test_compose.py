@@ -125,7 +125,8 @@ def test_service_env_matches_its_flags(name, monkeypatch):
     assert args.host == "0.0.0.0"
     assert args.port == int(env[PORT_ENV[name]])
     assert args.metrics_port == METRICS_PORTS[name]
-    assert _container_ports(svc) == {args.port, args.metrics_port}
+    http = {args.http_port} if name == "gateway" else set()  # the OpenAI API
+    assert _container_ports(svc) == {args.port, args.metrics_port, *http}
     mount = next(v["target"] for v in svc["volumes"] if v["source"].endswith("checkpoints"))
     assert args.model.startswith(mount + "/")
     assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
@@ -146,7 +147,7 @@ def test_peers_dial_the_ports_they_listen_on(monkeypatch):
     assert verifier.model == gateway.model == drafter.model  # one tokenizer, one target
     assert verifier.draft_model == drafter.draft_model
     published = {(int(p["published"]), int(p["target"])) for p in services["gateway"]["ports"]}
-    assert published == {(gateway.port, gateway.port)}
+    assert published == {(gateway.port, gateway.port), (gateway.http_port, gateway.http_port)}
     jaeger = services["jaeger"]
     assert jaeger["image"] == "cr.jaegertracing.io/jaegertracing/jaeger:2.15.0"
     assert {int(p["target"]) for p in jaeger["ports"]} == {16686}  # the UI only

@@ -211,3 +211,37 @@ async def test_a_client_disconnect_cancels_the_verifier_call(model_dir, tmp_path
             assert len(fake.requests) == 1
     finally:
         await server.stop(0)
+
+
+@pytest.mark.asyncio
+async def test_https_with_the_grpc_ports_certificate(model_dir, tmp_path):  # noqa: F811
+    import ssl
+
+    from tests.tls import make_pki
+
+    pki = make_pki(tmp_path / "pki", ("gateway",))
+    server, gateway, port_file = await _gateway(
+        tmp_path, model_dir, FakeVerifier(), security=Security(
+            tls_cert=str(pki["gateway"]), tls_key=str(pki["gateway-key"]), token="t"))
+    trusted = ssl.create_default_context(cafile=str(pki["ca"]))
+
+    def https(path: str, body=None):
+        conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=20, context=trusted)
+        conn.request("POST" if body else "GET", path, json.dumps(body) if body else None,
+                     {"authorization": "Bearer t", "content-type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+
+    try:
+        async with gateway:
+            port = int(port_file.read_text())
+            deadline = time.monotonic() + 5
+            while (await asyncio.to_thread(https, "/health"))[0] != 200:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            status, raw = await asyncio.to_thread(https, "/v1/completions", BODY)
+            assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
+            with pytest.raises((http.client.HTTPException, OSError)):  # plaintext: refused
+                await _call(port, "/health", method="GET")
+    finally:
+        await server.stop(0)
