@@ -11,8 +11,9 @@ PORT=${DEMO_PORT:-50051}
 bash scripts/setup.sh
 SS=.venv/bin/specserve
 mkdir -p "$DEMO_DIR"
+DEMO_DIR=$(cd "$DEMO_DIR" && pwd)  # absolute: the services run from the repository root too
 rm -rf "$DEMO_DIR/traces"
-export SPECSERVE_TRACE_DIR="$PWD/$DEMO_DIR/traces" OTEL_BSP_SCHEDULE_DELAY=500
+export SPECSERVE_TRACE_DIR="$DEMO_DIR/traces" OTEL_BSP_SCHEDULE_DELAY=500
 export SPECSERVE_GATEWAY_METRICS_PORT=0 SPECSERVE_VERIFIER_METRICS_PORT=0 \
   SPECSERVE_DRAFTER_METRICS_PORT=0
 
