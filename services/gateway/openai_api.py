@@ -107,9 +107,10 @@ def _typed(body: dict, name: str, kind, default):
     value = body.get(name, default)
     if value is None:
         return default
-    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-    if kind is float:
+    if kind is float:  # an int is a float here; a bool is never a number
         ok = isinstance(value, int | float) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
     if not ok:
         raise ApiError(400, f"{name} must be {kind.__name__}, got {str(value)[:60]!r}",
                        param=name)

@@ -86,7 +86,7 @@ class _RequestState:
         if not self.ttft_s:
             self.ttft_s = time.perf_counter() - self.t0
         if self.completion_tokens:  # the first event is prefill's sampled token, not a step
-            _record(self.stats, step)
+            self.stats.record(step)  # the verifier's own stats replace these when it finishes
         self.completion_tokens += len(step.token_ids)
         return self._stop(self.detok.push(step.token_ids))
 
@@ -109,19 +109,6 @@ class _RequestState:
         self.final_ = GatewayFinal(reason, prompt, completion, stats, max(0.0, wall - phases),
                                    self.req.request_id, self.ttft_s, wall)
         return self.final_
-
-
-def _record(stats: RequestSpecStats, step: Step) -> None:
-    """Accumulate a step (the verifier's own stats replace these when it finishes the request)."""
-    stats.steps += 1
-    stats.draft_tokens += step.tree_size
-    stats.accepted_tokens += step.accepted_depth
-    stats.committed_tokens += step.commit_len
-    stats.commit_len_hist[step.commit_len] += 1
-    for depth in range(1, step.accepted_depth + 1):
-        stats.accepted_per_position[depth] += 1
-    if step.fallback:
-        stats.fallbacks[step.fallback] += 1
 
 
 class Pipeline:

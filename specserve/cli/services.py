@@ -76,26 +76,20 @@ def _up_plan(args) -> list[tuple[str, str, list[str]]]:
     flags["verifier"] += draft + device + ([] if args.no_drafter else
                                            ["--drafter", addr["drafter"]])
     flags["gateway"] += ["--verifier", addr["verifier"], "--http-port", str(args.http_port)]
-    if str(args.http_port).lower() != "off":
-        flags["gateway"] += ["--http-port-file", _http_port_file()]
+    args.http_port_file = _http_port_file(str(args.http_port))
+    if args.http_port_file:
+        flags["gateway"] += ["--http-port-file", args.http_port_file]
     names = [n for n in SERVICES if not (n == "drafter" and args.no_drafter)]
     return [(n, addr[n], flags[n]) for n in names]
 
 
-def _http_port_file() -> str:
+def _http_port_file(http_port: str) -> str | None:
+    """Where the gateway writes its HTTP API's port (None: the API is off)."""
+    if http_port.lower() == "off":
+        return None
     import tempfile
 
     return os.path.join(tempfile.mkdtemp(prefix="specserve-up-"), "http.port")
-
-
-def _http_address(plan, host: str) -> str | None:
-    """The OpenAI API's base URL once the gateway wrote its HTTP port (None: not served)."""
-    flags = next(f for n, _a, f in plan if n == "gateway")
-    if "--http-port-file" not in flags:
-        return None
-    path = flags[flags.index("--http-port-file") + 1]
-    with open(path) as f:
-        return f"http://{host}:{int(f.read())}/v1"
 
 
 async def _pump(name: str, stream) -> None:
@@ -164,10 +158,12 @@ async def _up_run(args) -> int:
         for name, addr, flags in plan:
             await _start(name, addr, flags, args.startup_timeout_s, procs, pumps)
             print(f"specserve up: {name} SERVING on {addr} (pid {procs[name].pid})", flush=True)
-        gateway = next(a for n, a, _f in plan if n == "gateway")
-        http = _http_address(plan, gateway.rsplit(":", 1)[0])
-        print("specserve up: ready — " + ", ".join(f"{n} {a}" for n, a, _ in plan)
-              + (f", OpenAI API {http}" if http else ""), flush=True)
+        ready = ", ".join(f"{n} {a}" for n, a, _ in plan)
+        if args.http_port_file:
+            with open(args.http_port_file) as f:
+                host = next(a for n, a, _f in plan if n == "gateway").rsplit(":", 1)[0]
+                ready += f", OpenAI API http://{host}:{int(f.read())}/v1"
+        print(f"specserve up: ready — {ready}", flush=True)
         waits = {asyncio.ensure_future(p.wait()): n for n, p in procs.items()}
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         name = waits[next(iter(done))]

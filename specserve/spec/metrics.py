@@ -75,6 +75,7 @@ class RequestSpecStats:
     device: str = ""  # where the target ran, e.g. "cuda (NVIDIA H200)" or "cpu"
 
     def record(self, step: StepRecord) -> None:
+        """Count one step (a StepRecord, or the gateway's Step: the same four fields)."""
         self.steps += 1
         self.draft_tokens += step.tree_size
         self.accepted_tokens += step.accepted_depth
