@@ -42,6 +42,9 @@ class EngineConfig:
     # drafting overlapped with verification: two groups of speculating requests take turns
     # (engine/overlap.py; needs a drafter that can `submit` ahead, the drafter service's client)
     overlap: bool = False
+    # adaptive speculation (engine/adaptive.py): each step's tree (or none) chosen by measured
+    # cost and the drafter's probabilities, the request's budget its bound; off = as asked
+    adaptive: bool = False
     max_waiting: int | None = None  # queued requests past which add_request refuses (None: ∞)
 
     def __post_init__(self) -> None:

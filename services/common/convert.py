@@ -147,7 +147,7 @@ def spec_stats_to_pb(s: RequestSpecStats, other_s: float = 0.0) -> pb.SpecStats:
         committed_tokens=s.committed_tokens, mean_commit_len=s.mean_commit_len,
         commit_len_hist=dict(s.commit_len_hist),
         accepted_per_position=dict(s.accepted_per_position),
-        fallbacks=dict(s.fallbacks),
+        fallbacks=dict(s.fallbacks), shapes=dict(s.shapes),
         phases=pb.PhaseTimes(prefill_s=s.prefill_s, draft_s=s.draft_s, verify_s=s.verify_s,
                              commit_s=s.commit_s, other_s=other_s),
         device=s.device,

@@ -68,6 +68,12 @@ class VerifierMetrics:
                              registry=r)
         self.fallbacks = Counter("specserve_drafter_fallbacks", "Steps verified as a root-only "
                                  "tree, by reason", ["reason"], registry=r)
+        self.shapes = Counter("specserve_adaptive_choices", "Steps by adaptive speculation's "
+                              "choice (tree, chain, off = plain decoding)", ["shape"], registry=r)
+        self.chosen_nodes = Histogram("specserve_adaptive_nodes", "Draft nodes adaptive "
+                                      "speculation chose per step",
+                                      buckets=(0, 1, 3, 7, 15, 31, 63, 127, 255, 1023),
+                                      registry=r)
 
     def record_step(self, step) -> None:
         """One request's StepRecord."""
@@ -78,6 +84,9 @@ class VerifierMetrics:
         self.commit_len.observe(step.commit_len)
         for depth in range(1, step.accepted_depth + 1):
             self.accepted_per_position.labels(position=str(depth)).inc()
+        if step.shape:
+            self.shapes.labels(shape=step.shape).inc()
+            self.chosen_nodes.observe(step.tree_size)
 
     def record_engine_step(self, times, decoded: bool) -> None:
         """One engine step's phases (StepTimes); draft/verify/commit only if it decoded."""

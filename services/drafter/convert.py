@@ -84,7 +84,8 @@ def tree_to_pb(request_id: str, result: Result) -> pb.Tree:
     if isinstance(result, str):
         return pb.Tree(request_id=request_id, error=result or "drafting failed")
     return pb.Tree(request_id=request_id, token_ids=result.token_ids.tolist(),
-                   parents=result.parents.tolist(), depths=result.depths.tolist())
+                   parents=result.parents.tolist(), depths=result.depths.tolist(),
+                   scores=[] if result.scores is None else result.scores.tolist())
 
 
 def tree_batch_to_pb(batch: pb.DraftBatch, results: Sequence[Result],

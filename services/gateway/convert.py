@@ -49,6 +49,7 @@ class Step:
     tree_size: int = 0
     budget: int = 0
     fallback: str = ""
+    shape: str = ""  # adaptive speculation's choice ("" = not adaptive)
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def event_from_pb(ev: verifier_pb2.VerifyEvent) -> tuple[Step | None, VerifierFi
     step = None
     if ev.token_ids or ev.commit_len:
         step = Step(tuple(ev.token_ids), ev.commit_len, ev.accepted_depth, ev.tree_size,
-                    ev.budget, ev.fallback)
+                    ev.budget, ev.fallback, ev.shape)
     final = None
     if ev.HasField("final"):
         f = ev.final
@@ -143,9 +144,9 @@ def spec_stats_from_pb(msg: common_pb2.SpecStats) -> tuple[RequestSpecStats, flo
         steps=msg.steps, draft_tokens=msg.draft_tokens, accepted_tokens=msg.accepted_tokens,
         committed_tokens=msg.committed_tokens, commit_len_hist=Counter(msg.commit_len_hist),
         accepted_per_position=Counter(msg.accepted_per_position),
-        fallbacks=Counter(msg.fallbacks), prefill_s=msg.phases.prefill_s,
-        draft_s=msg.phases.draft_s, verify_s=msg.phases.verify_s, commit_s=msg.phases.commit_s,
-        device=msg.device)
+        fallbacks=Counter(msg.fallbacks), shapes=Counter(msg.shapes),
+        prefill_s=msg.phases.prefill_s, draft_s=msg.phases.draft_s,
+        verify_s=msg.phases.verify_s, commit_s=msg.phases.commit_s, device=msg.device)
     return stats, msg.phases.other_s
 
 

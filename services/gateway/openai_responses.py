@@ -33,7 +33,7 @@ def speculative_decoding(final: GatewayFinal) -> dict:
         "acceptance_length_histogram": {str(k): v for k, v in sorted(s.commit_len_hist.items())},
         "accepted_per_position": {str(k): v
                                   for k, v in sorted(s.accepted_per_position.items())},
-        "fallbacks": dict(s.fallbacks),
+        "fallbacks": dict(s.fallbacks), "shapes": dict(s.shapes),
         "ttft_s": final.ttft_s, "wall_s": final.wall_s,
         "phases_s": {"prefill": s.prefill_s, "draft": s.draft_s, "verify": s.verify_s,
                      "commit": s.commit_s, "other": final.other_s},

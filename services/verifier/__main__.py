@@ -68,6 +68,11 @@ FLAGS = [
          "on: speculating requests form two groups that take turns, the drafter drafting one "
          "while the target verifies the other (lossless; pays when drafting does not slow the "
          "verify, BENCHMARKS.md) | off"),
+    Flag("--adaptive", "SPECSERVE_ADAPTIVE", "off", str,
+         "on: each step's draft tree chosen by expected tokens per second from measured step "
+         "costs and the drafter's probabilities — DDTree of a rows bucket, the chain, or no "
+         "drafting when plain decoding is faster; a request's budget is its bound | off: every "
+         "step drafts the budget asked"),
     Flag("--trace-steps", "SPECSERVE_TRACE_STEPS", 1, int,
          "a span for every Nth step of a request (1 = all, 0 = none)"),
 ]
@@ -99,7 +104,8 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         trace_steps=args.trace_steps, metrics_port=args.metrics_port, warmup=args.warmup,
         cuda_graphs=args.cuda_graphs, drafter_transport=args.drafter_transport,
         context_ring_rows=args.context_ring_rows, keep_context=args.keep_context,
-        overlap=args.overlap, max_waiting=args.max_waiting, security=Security.from_args(args))
+        overlap=args.overlap, adaptive=args.adaptive, max_waiting=args.max_waiting,
+        security=Security.from_args(args))
 
 
 

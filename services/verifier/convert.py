@@ -79,6 +79,8 @@ def step_event_to_pb(token_ids, step) -> verifier_pb2.VerifyEvent:
         event.tree_size = step.tree_size
         event.budget = step.budget
         event.fallback = step.fallback or ""
+        event.shape = step.shape or ""
+        event.why = step.why or ""
     return event
 
 
@@ -145,9 +147,10 @@ def trees_from_pb(reply: drafter_pb2.TreeBatch) -> dict[str, DraftTree | str]:
             out[tree.request_id] = tree.error
             continue
         try:
+            scores = np.asarray(tree.scores, dtype=np.float32) if tree.scores else None
             out[tree.request_id] = DraftTree(np.asarray(tree.token_ids, dtype=np.int64),
                                              np.asarray(tree.parents, dtype=np.int32),
-                                             np.asarray(tree.depths, dtype=np.int32))
+                                             np.asarray(tree.depths, dtype=np.int32), scores)
         except ValueError as e:
             out[tree.request_id] = f"malformed tree: {e}"
     return out

@@ -70,6 +70,8 @@ class VerifierConfig:
     # wire, not the ring's) | on | off
     keep_context: str = "auto"
     overlap: str = "off"  # on: two groups of requests take turns, drafting beside verifying
+    # on: each step's tree (or none) chosen by measured cost, the request's budget its bound
+    adaptive: str = "off"
 
     def __post_init__(self) -> None:
         check_switch("cuda_graphs", self.cuda_graphs)
@@ -100,8 +102,9 @@ class VerifierConfig:
         if self.drafter_transport not in ("auto", "grpc"):
             raise ValueError(f"drafter_transport must be auto or grpc, got "
                              f"{self.drafter_transport!r}")
-        if self.overlap not in ("on", "off"):
-            raise ValueError(f"overlap must be on or off, got {self.overlap!r}")
+        for name in ("overlap", "adaptive"):
+            if getattr(self, name) not in ("on", "off"):
+                raise ValueError(f"{name} must be on or off, got {getattr(self, name)!r}")
         if self.keep_context not in ("auto", "on", "off"):
             raise ValueError(f"keep_context must be auto, on or off, got {self.keep_context!r}")
         if self.context_ring_rows is not None and self.context_ring_rows <= 0:
@@ -127,7 +130,8 @@ class VerifierConfig:
             kv_memory_bytes=max(1, int(gb * (1 << 30))), max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_draft_tokens=self.max_draft_tokens, cuda_graphs=self.cuda_graphs,
-            overlap=self.overlap == "on", max_waiting=self.max_waiting)
+            overlap=self.overlap == "on", adaptive=self.adaptive == "on",
+            max_waiting=self.max_waiting)
 
     def target_layer_ids(self) -> tuple[int, ...]:
         """Target layers whose outputs feed the drafter ((): no context, n-gram only)."""

@@ -170,6 +170,8 @@ class StepTracer:
                      "commit_len": step.commit_len, "cut": step.cut}
             if step.fallback:
                 attrs["fallback"] = step.fallback
+            if step.shape:  # adaptive speculation: what it chose and why
+                attrs["adaptive.shape"], attrs["adaptive.why"] = step.shape, step.why or ""
             step_span.set_attributes(attrs)
         draft.end(end_time=times.draft_end_ns)
         ctx = trace.set_span_in_context(step_span)

@@ -20,6 +20,8 @@ import torch
 from specserve.config import EngineConfig
 from specserve.drafters.base import Drafter
 from specserve.engine import isolation, overlap, speculative
+from specserve.engine.adaptive import Adaptive
+from specserve.engine.cost import CostModel, observe_step
 from specserve.engine.runner import ModelRunner
 from specserve.engine.sampling import make_generator, sample_rows
 from specserve.engine.scheduler import Scheduler
@@ -43,6 +45,8 @@ class Engine:
         self.on_step = None  # optional callback(request_id, StepRecord) — tests check invariants
         self.last_step: StepTimes | None = None  # wall-clock marks of the latest step (traces)
         self.runner = ModelRunner(config, model)
+        self.cost = CostModel()  # measured on every decode step (the warm-up's first)
+        self.adaptive = Adaptive(self.cost, self._pad_rows) if config.adaptive else None
         self.set_drafter(drafter)
         self.model_config = self.runner.model.config
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -52,6 +56,7 @@ class Engine:
             scratch=config.max_draft_tokens + 1 if config.max_draft_tokens else 0,
             max_waiting=config.max_waiting)
         self.requests: dict[str, Sequence] = {}
+        self._draft_rows = 0  # context rows the step's drafts carried (adaptive cost model)
         self._arrivals = itertools.count()
 
     def set_drafter(self, drafter: Drafter | None) -> None:
@@ -146,6 +151,8 @@ class Engine:
         return True
 
     def _release(self, request_id: str) -> None:
+        if self.adaptive is not None:
+            self.adaptive.release(request_id)
         if self.drafter is not None:
             self.drafter.release(request_id)
 
@@ -181,17 +188,42 @@ class Engine:
         outputs += self._end_chunks(batch, verify_s)
         self.last_step = StepTimes(t_start, t_draft, t_verify, time.time_ns(), tuple(
             (w.seq.request_id, w.start, w.num_tokens) for w in batch.chunks))
+        self._observe_cost(batch, draft_s, span)
         for out in outputs:
             if "step" in out.stats:
                 out.stats["times"] = self.last_step
         return outputs
 
     def _plan(self, decoding: list[Sequence]) -> tuple[list[speculative.Planned], float]:
-        """The step's trees: drafted now, or with `overlap` one group's, drafted last step."""
-        args = (decoding, self.drafter, self.max_model_len, self.model_config.vocab_size)
+        """The step's trees: drafted now, or with `overlap` one group's, drafted last step;
+        with adaptive speculation, cut to (or skipped for) the step's choice."""
+        args = (self.drafter, self.max_model_len, self.model_config.vocab_size)
         if self.config.overlap and hasattr(self.drafter, "submit"):
-            return self._alternation.plan(*args)[:2]
-        return speculative.plan(*args)
+            plans, draft_s = self._alternation.plan(decoding, *args)[:2]
+        elif self.adaptive is not None and self.drafter is not None:
+            _, skip = self.adaptive.to_draft([s for s in decoding if s.budget])
+            out = {s.request_id for s in skip}
+            now = [s for s in decoding if s.request_id not in out]
+            self._draft_rows = sum(x.shape[0] for s in now for x in s.pending_context)
+            plans, draft_s = speculative.plan(now, *args, self.adaptive.draft_budgets(now))
+            plans += [self.adaptive.skipped(s) for s in skip]
+        else:
+            return speculative.plan(decoding, *args)
+        if self.adaptive is not None:
+            self.adaptive.shape(plans)
+        return plans, draft_s
+
+    def _pad_rows(self, rows: int) -> int:
+        return self.runner.step_rows([rows]) or rows
+
+    def _observe_cost(self, batch, draft_s: float, span: int) -> None:
+        """Book a decode-only step's times in the cost model (a prefill chunk's would not say
+        what a tree costs)."""
+        if batch.chunks or not batch.plans or self.last_step is None:
+            return
+        t = self.last_step
+        observe_step(self.cost, batch.plans, span, (t.end_ns - t.draft_end_ns) / 1e9,
+                     None if self.config.overlap else draft_s, self._draft_rows)
 
     def _commit_trees(self, batch, draft_s, verify_s) -> list[RequestOutput]:
         """Accept, compact KV and commit every tree of the step."""
@@ -206,12 +238,14 @@ class Engine:
             else:
                 if not out.finished:  # a finished request's pages are already free
                     src, dst = src + s, dst + d
-                done.append((p, acc, out, len(out.new_token_ids) < len(acc.token_ids)))
+                done.append((p, acc, out, len(out.new_token_ids) < len(acc.token_ids), row0))
                 outputs.append(out)
             row0 += n
         self.runner.kv.copy_slots(src, dst)  # host lists: one transfer, no sync
         commit_s = time.perf_counter() - t0
-        for p, acc, out, cut in done:
+        for p, acc, out, cut, row in done:
+            if self.adaptive is not None:
+                self.adaptive.observe(p, acc.rows, batch.logits[row])
             if p.seq.request_id in self.blocks:
                 self.blocks.truncate(p.seq.request_id, p.seq.num_computed)
             step = speculative.record(p, acc, out, cut, (draft_s, verify_s, commit_s))

@@ -21,6 +21,7 @@ from specserve.engine.runner import ForwardInput
 from specserve.engine.sequence import Sequence
 from specserve.spec.accept import Acceptance
 from specserve.spec.metrics import StepRecord
+from specserve.spec.shapes import Choice
 from specserve.spec.tree import DraftTree, VerifyLayout, verify_layout
 from specserve.types import RequestOutput
 
@@ -34,8 +35,10 @@ class Planned:
     seq: Sequence
     tree: DraftTree
     layout: VerifyLayout
-    budget: int
+    budget: int  # nodes the drafter was asked for (adaptive: at most the request's budget)
     fallback: str | None = None
+    drafted: bool = True  # False: adaptive speculation skipped the drafter for it this step
+    choice: Choice | None = None  # adaptive speculation's shape (None: the budget as asked)
 
     @property
     def start(self) -> int:
@@ -46,13 +49,16 @@ class Planned:
                             ctx_len=self.start, tree_mask=self.layout.mask)
 
 
-def draft_requests(seqs: Seq[Sequence], max_len: int) -> list[DraftRequest]:
+def draft_requests(seqs: Seq[Sequence], max_len: int,
+                   budgets: dict[str, int] | None = None) -> list[DraftRequest]:
+    """The drafter's requests for `seqs`: each its own budget, or `budgets`' (adaptive)."""
     out = []
     for seq in seqs:
         start = seq.num_computed
         room = min(seq.params.max_tokens - len(seq.output_ids), max_len - 1 - start)
         ctx = torch.cat(seq.pending_context) if seq.pending_context else None
-        out.append(DraftRequest(seq.request_id, seq.last_token, start, seq.budget,
+        budget = seq.budget if budgets is None else budgets.get(seq.request_id, seq.budget)
+        out.append(DraftRequest(seq.request_id, seq.last_token, start, budget,
                                 max(room, 0), ctx, seq.ids))
     return out
 
@@ -89,11 +95,12 @@ def _check_tree(tree: DraftTree, req: DraftRequest, vocab: int) -> str | None:
 
 
 def plan(
-    seqs: Seq[Sequence], drafter: Drafter | None, max_len: int, vocab: int
+    seqs: Seq[Sequence], drafter: Drafter | None, max_len: int, vocab: int,
+    budgets: dict[str, int] | None = None,
 ) -> tuple[list[Planned], float]:
     """Draft one tree per decoding request; returns the plans and the drafting time (s)."""
     t0 = time.perf_counter()
-    reqs = draft_requests(seqs, max_len)
+    reqs = draft_requests(seqs, max_len, budgets)
     wanted = [r for r in reqs if r.budget > 0]
     got = None
     if drafter is not None and wanted:
@@ -146,8 +153,9 @@ def record(p: Planned, acc: Acceptance, out: RequestOutput, cut: bool,
            times: tuple[float, float, float]) -> StepRecord:
     """The step's record for `p`: added to the request's stats (with the step's draft, verify
     and commit seconds) and put in `out.stats`."""
-    step = StepRecord(p.budget, p.tree.n, acc.accepted_depth, len(out.new_token_ids), cut,
-                      p.fallback)
+    c = p.choice
+    step = StepRecord(p.seq.budget, p.tree.n, acc.accepted_depth, len(out.new_token_ids), cut,
+                      p.fallback, None if c is None else c.shape, None if c is None else c.why)
     stats = p.seq.spec_stats
     stats.record(step)
     stats.draft_s, stats.verify_s, stats.commit_s = (

@@ -12,6 +12,7 @@ prefill chunks through `attention.prefill`'s cuDNN path: one, plus every regular
 a causal chunk of every rows bucket over a short and over a long prefix, for each window of the
 model's layers: the warm-up prompt's own chunks reach one rows bucket only, and on the H200 the
 demo probe's first 16k prompt spent 1.6 s of its prefill compiling the 128-row variant);
+its decode steps are the cost model's first verify times (engine/cost.py);
 `warm_up_drafter` does the same for a DFlash drafter (a context chunk, then blocks of every depth
 class; with CUDA graphs, of every depth). Both leave no state.
 """
@@ -85,6 +86,7 @@ def warm_up_engine(engine) -> float:
     finally:
         engine.abort(WARMUP_ID)
         engine.set_drafter(previous)
+        engine.cost.draft.clear()  # the stand-in drafter's times say nothing of the real one
     captured = graphs.warm(1, taps) if graphs is not None else 0  # the other context class
     if engine.runner.device.type == "cuda":  # long prefill chunks: cuDNN + the merge kernel
         mc = engine.model_config

@@ -83,24 +83,27 @@ def build_ddtree(
         raise ValueError(f"max_depth must be in [0, {num_depths}], got {max_depth}")
     if budget == 0 or depth_cap == 0 or k == 0:
         return DraftTree.empty()
-    tokens, parents, depths = _best_first(logprobs, token_ids, budget, depth_cap)
+    tokens, parents, depths, scores = _best_first(logprobs, token_ids, budget, depth_cap)
     return DraftTree(
         token_ids=np.asarray(tokens, dtype=np.int64),  # [n] int64
         parents=np.asarray(parents, dtype=np.int32),  # [n] int32
         depths=np.asarray(depths, dtype=np.int32),  # [n] int32
+        scores=np.minimum(np.asarray(scores, dtype=np.float32), 0),  # [n] float32 path lp
     )
 
 
 def _best_first(
     logprobs: np.ndarray, token_ids: np.ndarray, budget: int, depth_cap: int
-) -> tuple[list[int], list[int], list[int]]:
-    """The heap loop of Algorithm 1; returns node tokens, parent rows and depths in pop order."""
+) -> tuple[list[int], list[int], list[int], list[float]]:
+    """The heap loop of Algorithm 1; returns node tokens, parent rows, depths and path
+    log-probs in pop order."""
     k = logprobs.shape[1]
     lp = logprobs.astype(np.float64).tolist()  # [L][K] python floats: the heap loop is scalar
     ids = token_ids.tolist()  # [L][K] python ints
     tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
+    scores: list[float] = []
     # Entry: (-path logprob, push order, parent row, parent path logprob, depth, rank). Scores
     # are recomputed from the parent's path logprob, never by subtracting, so siblings stay exact.
     heap = [(-lp[0][0], 0, 0, 0.0, 1, 0)]
@@ -112,6 +115,7 @@ def _best_first(
         depths.append(depth)
         row = len(tokens)  # verify row of the node just added
         path_lp = parent_lp + lp[depth - 1][rank]
+        scores.append(path_lp)
         if rank + 1 < k:  # next sibling: same parent, next rank at this depth
             sibling_lp = parent_lp + lp[depth - 1][rank + 1]
             heapq.heappush(heap, (-sibling_lp, pushes, parent, parent_lp, depth, rank + 1))
@@ -120,7 +124,7 @@ def _best_first(
             child_lp = path_lp + lp[depth][0]
             heapq.heappush(heap, (-child_lp, pushes, row, path_lp, depth + 1, 0))
             pushes += 1
-    return tokens, parents, depths
+    return tokens, parents, depths, scores
 
 
 def build_ddtree_timed(

@@ -19,6 +19,8 @@ class StepRecord:
     commit_len: int
     cut: bool  # commit_len < accepted_depth + 1 because a stop / max_tokens ended the request
     fallback: str | None = None  # why the step verified a root-only tree, if it did
+    shape: str | None = None  # adaptive choice: "tree" | "chain" | "off" (None: not adaptive)
+    why: str | None = None  # the adaptive choice's reason (expected tokens/s it weighed)
 
     def __post_init__(self) -> None:
         if self.cut:
@@ -68,6 +70,7 @@ class RequestSpecStats:
     commit_len_hist: Counter = field(default_factory=Counter)
     accepted_per_position: Counter = field(default_factory=Counter)  # depth -> times accepted
     fallbacks: Counter = field(default_factory=Counter)
+    shapes: Counter = field(default_factory=Counter)  # adaptive choice -> steps
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -85,6 +88,8 @@ class RequestSpecStats:
             self.accepted_per_position[depth] += 1
         if step.fallback:
             self.fallbacks[step.fallback] += 1
+        if getattr(step, "shape", None):
+            self.shapes[step.shape] += 1
 
     @property
     def mean_commit_len(self) -> float:
@@ -97,7 +102,7 @@ class RequestSpecStats:
             "mean_commit_len": self.mean_commit_len,
             "commit_len_hist": dict(sorted(self.commit_len_hist.items())),
             "accepted_per_position": dict(sorted(self.accepted_per_position.items())),
-            "fallbacks": dict(self.fallbacks),
+            "fallbacks": dict(self.fallbacks), "shapes": dict(self.shapes),
             "phase_s": {"prefill": self.prefill_s, "draft": self.draft_s,
                         "verify": self.verify_s, "commit": self.commit_s},
         }

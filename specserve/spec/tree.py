@@ -46,6 +46,9 @@ class DraftTree:
     token_ids: np.ndarray  # [n] int64 node tokens
     parents: np.ndarray  # [n] int32 verify-row index of each node's parent: 0 = root, j+1 = node j
     depths: np.ndarray  # [n] int32 depth of each node; children of the root have depth 1
+    # [n] float32 the drafter's log-probability of each node's path (None: the drafter has no
+    # probabilities, e.g. n-gram); DDTree emits nodes best first, so these never increase
+    scores: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         _check_array("token_ids", self.token_ids, np.int64)
@@ -57,6 +60,12 @@ class DraftTree:
                 f"token_ids, parents, depths must have equal lengths, got "
                 f"{n}, {self.parents.shape[0]}, {self.depths.shape[0]}"
             )
+        if self.scores is not None:
+            _check_array("scores", self.scores, np.float32)
+            if self.scores.shape[0] != n:
+                raise ValueError(f"scores must have length {n}, got {self.scores.shape[0]}")
+            if n and not (np.all(self.scores <= 0) and np.all(np.isfinite(self.scores))):
+                raise ValueError("scores must be finite log-probabilities (<= 0)")
         if n == 0:
             return
         if np.any(self.token_ids < 0):

@@ -68,7 +68,7 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("steps", "draft_tokens", "accepted_tokens", "committed_tokens", "mean_commit_len", "commit_len_hist", "accepted_per_position", "fallbacks", "phases", "device")
+    __slots__ = ("steps", "draft_tokens", "accepted_tokens", "committed_tokens", "mean_commit_len", "commit_len_hist", "accepted_per_position", "fallbacks", "phases", "device", "shapes")
     class CommitLenHistEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,13 @@ class SpecStats(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ShapesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +107,7 @@ class SpecStats(_message.Message):
     FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SHAPES_FIELD_NUMBER: _ClassVar[int]
     steps: int
     draft_tokens: int
     accepted_tokens: int
@@ -110,7 +118,8 @@ class SpecStats(_message.Message):
     fallbacks: _containers.ScalarMap[str, int]
     phases: PhaseTimes
     device: str
-    def __init__(self, steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., mean_commit_len: _Optional[float] = ..., commit_len_hist: _Optional[_Mapping[int, int]] = ..., accepted_per_position: _Optional[_Mapping[int, int]] = ..., fallbacks: _Optional[_Mapping[str, int]] = ..., phases: _Optional[_Union[PhaseTimes, _Mapping]] = ..., device: _Optional[str] = ...) -> None: ...
+    shapes: _containers.ScalarMap[str, int]
+    def __init__(self, steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., mean_commit_len: _Optional[float] = ..., commit_len_hist: _Optional[_Mapping[int, int]] = ..., accepted_per_position: _Optional[_Mapping[int, int]] = ..., fallbacks: _Optional[_Mapping[str, int]] = ..., phases: _Optional[_Union[PhaseTimes, _Mapping]] = ..., device: _Optional[str] = ..., shapes: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PhaseTimes(_message.Message):
     __slots__ = ("prefill_s", "draft_s", "verify_s", "commit_s", "other_s")

@@ -1,0 +1,235 @@
+"""Adaptive speculation: each step's trees chosen by expected committed tokens per second.
+
+Owns the choice and the per-request state behind it. A step's candidates are its rows per
+request R (under CUDA graphs every tree of a step is padded to one rows bucket, so the step
+shares R): R = 1 is plain decoding (no tree), else each request takes the best of its drafted
+tree's first R − 1 nodes (the DDTree of that budget) and the chain inside it. For every R:
+
+    tokens/s(R) = Σ_requests (1 + ĉ · E[accepted]) / (verify(R) + draft)
+
+with E from the drafter's own path probabilities (spec/shapes.py), ĉ the request's running
+ratio of accepted to expected for that shape (measured on every verified tree, counterfactuals
+included), pulled towards every request's ratio (how calibrated the drafter is), and times from
+the cost model (engine/cost.py). Before drafting, with last step's curves: if plain decoding
+wins by SKIP_MARGIN, nobody is drafted (B = 0, no drafter call; the context rows wait for the
+next draft), except requests without a curve yet and probes (a skipping request is drafted
+again after 2, 4, … 32 steps, or at once when the target's own confidence on its plain steps
+says a chain as sure would pay). After drafting, the choice is made again with the fresh
+curves (the drafting time now counts for plain decoding too: it is spent), and the trees are
+cut to it. The client's budget bounds every choice, and the drafter is asked for one size
+class above the last choice. Trees without probabilities (the n-gram drafter) are kept as
+drafted. Lossless: only which draft tokens are verified changes; the acceptance walk is the
+same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specserve.engine.cost import CostModel
+from specserve.engine.speculative import Planned
+from specserve.engine.warmup import size_classes
+from specserve.spec import shapes
+from specserve.spec.shapes import Choice
+from specserve.spec.tree import DraftTree, verify_layout
+
+PRIOR = 2.0  # pseudo-tokens pulling a shape's calibration towards 1 (trust the drafter)
+DECAY = 0.9
+SHARED_DECAY = 0.99  # the calibration every request shares: a property of the drafter
+MAX_PROBE_GAP = 32
+# skip the drafter only when plain decoding is expected this much faster: a wrong skip also
+# loses the next curve, a wrong draft costs at most the margin
+SKIP_MARGIN = 1.1
+
+
+@dataclass
+class _Ratios:
+    """Accepted over expected by shape key, as decayed sums."""
+
+    decay: float
+    real: dict[tuple, float] = field(default_factory=dict)
+    pred: dict[tuple, float] = field(default_factory=dict)
+
+    def book(self, key: tuple, real: int, expected: float) -> None:
+        self.real[key] = self.decay * self.real.get(key, 0.0) + real
+        self.pred[key] = self.decay * self.pred.get(key, 0.0) + expected
+
+    def ratio(self, key: tuple, prior: float = 1.0) -> float:
+        return (self.real.get(key, 0.0) + PRIOR * prior) / (self.pred.get(key, 0.0) + PRIOR)
+
+
+@dataclass
+class _State:
+    # the drafter's calibration: this request's, pulled towards every request's (`shared`)
+    shared: _Ratios
+    own: _Ratios = field(default_factory=lambda: _Ratios(DECAY))
+    curve: shapes.Curves | None = None  # of the last drafted tree
+    cut: np.ndarray | None = None  # its node indices that were verified, by verify row
+    nodes: int | None = None  # nodes chosen at the last draft (None: not drafted yet)
+    skipped: int = 0  # steps since the last draft
+    gap: int = 2  # skipped steps before the next probe
+    probing: bool = False  # drafted as a probe while plain decoding was winning
+    confidence: float | None = None  # moving mean of the target's top-1 probability, plain steps
+
+    def calibration(self, key: tuple) -> float:
+        return self.own.ratio(key, self.shared.ratio(key))
+
+    def gain(self, k: int, budget: int) -> tuple[float, str]:
+        """Calibrated expected accepted length at `k` nodes (≤ budget) and its shape."""
+        if self.curve is None or k <= 0:
+            return 0.0, shapes.OFF
+        k, cv = min(k, budget), self.curve
+        tree = min(self.calibration((shapes.TREE, k)) * cv.expected(shapes.TREE, k),
+                   cv.depth(shapes.TREE, k))  # never past its depth
+        chain = min(self.calibration((shapes.CHAIN, k)) * cv.expected(shapes.CHAIN, k),
+                    cv.depth(shapes.CHAIN, k))
+        return (chain, shapes.CHAIN) if chain > tree else (tree, shapes.TREE)
+
+    def confident_gain(self, k: int, budget: int) -> tuple[float, str]:
+        """What a chain would accept if the drafter were as sure as the target has been on
+        the plain steps since the last draft: Σ c^d over its depths (0 without those steps)."""
+        c = self.confidence
+        if c is None or self.curve is None or k <= 0:
+            return 0.0, shapes.OFF
+        depth = self.curve.depth(shapes.CHAIN, min(k, budget)) or min(k, budget)
+        return sum(c ** d for d in range(1, depth + 1)), shapes.CHAIN
+
+    def book(self, key: tuple, real: int, expected: float) -> None:
+        self.own.book(key, real, expected)
+        self.shared.book(key, real, expected)
+
+
+class Adaptive:
+    """Per-engine policy state (engine thread only)."""
+
+    def __init__(self, cost: CostModel, pad_rows) -> None:
+        self.cost, self.pad_rows = cost, pad_rows  # pad_rows(rows) → rows a tree occupies
+        self.state: dict[str, _State] = {}
+        self.shared = _Ratios(SHARED_DECAY)
+
+    def release(self, request_id: str) -> None:
+        self.state.pop(request_id, None)
+
+    def to_draft(self, seqs) -> tuple[list, list]:
+        """Split speculating requests into (drafted now, skipping: B = 0 this step)."""
+        states = [self.state.setdefault(s.request_id, _State(self.shared)) for s in seqs]
+        if not seqs or any(st.curve is None for st in states):
+            return list(seqs), []
+        best, _ = self._best(seqs, states, drafted=False, margin=SKIP_MARGIN)
+        if best > 1:
+            for st in states:
+                st.gap, st.probing = 2, False
+            return list(seqs), []
+        for st in states:
+            if st.skipped == 0:  # drafted last step, plain decoding wins again: back off
+                st.gap = min(2 * st.gap, MAX_PROBE_GAP) if st.probing else 2
+        due = [st.skipped + 1 >= st.gap or (st.skipped and self._best(
+            [s], [st], drafted=False, confident=True)[0] > 1)  # probes
+            for s, st in zip(seqs, states, strict=True)]
+        for st, d in zip(states, due, strict=True):
+            st.probing |= d
+        return ([s for s, d in zip(seqs, due, strict=True) if d],
+                [s for s, d in zip(seqs, due, strict=True) if not d])
+
+    def draft_budgets(self, seqs) -> dict[str, int]:
+        """What to ask the drafter for: one size class above the last choice (trees grow a
+        class a step; the heap and top-k of a budget never chosen are not paid for)."""
+        out = {}
+        for s in seqs:
+            st = self.state.get(s.request_id)
+            if st is not None and st.nodes is not None and s.budget:
+                out[s.request_id] = min(s.budget, 2 * st.nodes + 1)
+        return out
+
+    def skipped(self, seq) -> Planned:
+        """A root-only plan for a request that skips drafting (its context rows stay)."""
+        st = self.state[seq.request_id]
+        st.skipped += 1
+        empty = DraftTree.empty()
+        why = f"plain decoding expected faster; probe in {max(st.gap - st.skipped, 0)} steps"
+        return Planned(seq, empty, verify_layout(empty, seq.last_token, seq.num_computed),
+                       seq.budget, drafted=False, choice=Choice(shapes.OFF, 0, why))
+
+    def shape(self, plans: list[Planned]) -> None:
+        """Cut the drafted trees of `plans` to this step's choice (the drafting is spent)."""
+        scored = [p for p in plans if p.tree.n and p.tree.scores is not None and p.choice is None]
+        if not scored:
+            return
+        for p in scored:
+            st = self.state.setdefault(p.seq.request_id, _State(self.shared))
+            st.curve = shapes.curves(p.tree)
+        states = [self.state[p.seq.request_id] for p in scored]
+        best, why = self._best([p.seq for p in scored], states, drafted=True)
+        for p, st in zip(scored, states, strict=True):
+            self._cut(p, st, best - 1, why)
+
+    def _cut(self, p: Planned, st: _State, k: int, why: str) -> None:
+        st.skipped = 0
+        _, kind = st.gain(k, p.budget)
+        st.cut = None
+        if k <= 0 or kind == "off":  # the next draft asks as much as the last choice did
+            p.tree, p.choice = DraftTree.empty(), Choice("off", 0, why)
+        else:
+            st.nodes = k = min(k, p.budget)
+            nodes = (np.arange(min(k, p.tree.n)) if kind == shapes.TREE
+                     else st.curve.chain_nodes[:k])
+            cut = shapes.Shape(kind, nodes, st.curve.expected(kind, k))
+            p.tree, p.choice = shapes.subtree(p.tree, cut), Choice(kind, len(nodes), why)
+            st.cut = nodes
+        if p.choice.shape == shapes.TREE:  # a prefix's rows are the layout's first rows
+            p.layout = shapes.prefix_layout(p.layout, p.tree.n)
+        else:
+            p.layout = verify_layout(p.tree, p.seq.last_token, p.start)
+
+    def _best(self, seqs, states, drafted: bool, confident: bool = False,
+              margin: float = 1.0) -> tuple[int, str]:
+        """The step's rows per request maximising expected tokens per second, and why. Once
+        `drafted`, plain decoding's step carries the drafting time too (it is spent);
+        `confident`: gains from the target's recent confidence instead of the last curve;
+        plain decoding wins only by `margin`."""
+        n = len(seqs)
+        ctx = max(s.num_computed for s in seqs)
+        top = max(s.budget for s in seqs)
+        draft = self.cost.draft_s(n, ctx) or 0.0
+        rated = []
+        for rows in [1] + [k + 1 for k in size_classes(top)]:
+            t = self.cost.verify_s(n, self.pad_rows(rows), ctx)
+            if t is None:
+                return top + 1, "unmeasured: the client's budget"
+            tokens = sum(1 + (st.confident_gain if confident else st.gain)(rows - 1, s.budget)[0]
+                         for s, st in zip(seqs, states, strict=True))
+            rated.append((tokens / (t + (draft if rows > 1 or drafted else 0.0)), rows, tokens,
+                          t))
+        ar = rated[0]
+        rated[0] = (ar[0] / margin, *ar[1:])
+        rate, rows, tokens, t = max(rated)
+        return rows, (f"rows {rows}: {tokens / n:.2f} tok/step in {t * 1e3:.2f} ms "
+                      f"(+{draft * 1e3:.2f} draft) = {rate:.0f} tok/s; plain {ar[0]:.0f} tok/s")
+
+    def observe(self, p: Planned, accepted_rows: list[int], root_logits) -> None:
+        """Book what each candidate shape inside the verified tree would have accepted; after
+        a plain step, how sure the target was of its token (`root_logits`: [V] at the root)."""
+        st = self.state.get(p.seq.request_id)
+        if st is None or p.choice is None:
+            return
+        if p.choice.shape == shapes.OFF:
+            top = float(torch.softmax(root_logits.float(), -1).max())
+            st.confidence = top if st.skipped <= 1 or st.confidence is None else \
+                0.5 * st.confidence + 0.5 * top
+            return
+        if st.cut is None or st.curve is None:
+            return
+        accepted = st.cut[np.asarray(accepted_rows, dtype=np.int64) - 1].tolist()
+        path, n, cv = st.curve.chain_nodes, len(st.cut), st.curve
+        for k in size_classes(p.budget):
+            if p.choice.shape == shapes.TREE and k <= n:
+                st.book((shapes.TREE, k), shapes.realized_prefix(accepted, k),
+                        cv.expected(shapes.TREE, k))
+            on_chain = path[:k]
+            if (k <= n if p.choice.shape == shapes.CHAIN else
+                    not len(on_chain) or int(on_chain.max()) < n):
+                st.book((shapes.CHAIN, k), shapes.realized_chain(accepted, path, k),
+                        cv.expected(shapes.CHAIN, k))

@@ -1,0 +1,148 @@
+"""The verifier's step cost model: measured seconds by shape, kept current while serving.
+
+Owns two tables of exponential moving averages, filled from the engine's own steps (the
+warm-up's steps first: one tree per rows bucket at a short context): the verify part of a
+decode step (batched forward + accept + commit, the time a step costs without drafting) keyed by
+(batch bucket, rows per request, context class), and the drafter call (its forward, trees and,
+for the drafter service, the round trip) keyed by (batch bucket, context class). A context class
+is the context's bit length (…, 1k, 2k, 4k, …). A shape never measured is estimated from the
+nearest ones measured: at a context class already seen, the rows count measured there scaled
+by how another class grew between the two rows counts; else linear in rows, flat when nothing
+larger is known (optimistic: the policy then tries it and measures it). No policy here
+(engine/adaptive.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.engine.graphs import BATCH_BUCKETS, bucket_of
+
+DECAY = 0.8  # weight of the old average per observation
+REFRESH = 64  # verify observations between re-estimates of the shapes not measured
+STEADY_ROWS = 32  # context rows per drafted request past which a draft is not a steady one
+
+
+def context_class(ctx: int) -> int:
+    return max(int(ctx), 1).bit_length()
+
+
+def batch_bucket(n: int) -> int:
+    return bucket_of(n, BATCH_BUCKETS) or n
+
+
+@dataclass
+class Ema:
+    value: float
+    count: int = 1
+
+    def add(self, x: float) -> None:
+        self.value, self.count = DECAY * self.value + (1 - DECAY) * x, self.count + 1
+
+
+@dataclass
+class CostModel:
+    verify: dict[tuple[int, int, int], Ema] = field(default_factory=dict)  # (n, rows, cls)
+    draft: dict[tuple[int, int], Ema] = field(default_factory=dict)  # (n, cls)
+    # estimates of unmeasured shapes, recomputed after a new shape or REFRESH observations
+    _memo: dict[tuple[int, int, int], float | None] = field(default_factory=dict)
+    _seen: int = 0
+
+    def observe_verify(self, n: int, rows: int, ctx: int, seconds: float) -> None:
+        key = (batch_bucket(n), rows, context_class(ctx))
+        self._seen += 1
+        if key not in self.verify or self._seen % REFRESH == 0:
+            self._memo.clear()
+        _add(self.verify, key, seconds)
+
+    def observe_draft(self, n: int, ctx: int, seconds: float) -> None:
+        _add(self.draft, (batch_bucket(n), context_class(ctx)), seconds)
+
+    def verify_s(self, n: int, rows: int, ctx: int) -> float | None:
+        """Seconds of a decode step of `n` requests, `rows` rows each, longest context `ctx`."""
+        key = (batch_bucket(n), rows, context_class(ctx))
+        if (got := self.verify.get(key)) is not None:
+            return got.value
+        if key not in self._memo:
+            self._memo[key] = self._estimate(*key)
+        return self._memo[key]
+
+    def _estimate(self, nb: int, rows: int, cls: int) -> float | None:
+        for key_n in _nearest(nb, {k[0] for k in self.verify}):
+            at = {(r, c): e.value for (m, r, c), e in self.verify.items() if m == key_n}
+            if (est := _by_rows(at, rows, cls)) is not None:
+                return est
+        return None
+
+    def draft_s(self, n: int, ctx: int) -> float | None:
+        """Seconds of one drafter call for `n` requests at longest context `ctx`."""
+        nb, cls = batch_bucket(n), context_class(ctx)
+        for key_n in _nearest(nb, {k[0] for k in self.draft}):
+            classes = {c: e.value for (m, c), e in self.draft.items() if m == key_n}
+            c = min(classes, key=lambda c: (abs(c - cls), -c))
+            return classes[c]
+        return None
+
+    def table(self) -> dict[str, float]:
+        """Every measured entry in ms, for Stats / benchmarks: "verify n=1 rows=16 ctx<=2^11"."""
+        out = {f"verify n={n} rows={r} ctx<=2^{c}": e.value * 1e3
+               for (n, r, c), e in sorted(self.verify.items())}
+        out.update({f"draft n={n} ctx<=2^{c}": e.value * 1e3
+                    for (n, c), e in sorted(self.draft.items())})
+        return out
+
+
+def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: float | None,
+                 draft_rows: int) -> None:
+    """Book one decode-only engine step: its `plans` (engine.speculative.Planned), the rows
+    each tree occupied (0: each its own), the verify + commit seconds, and the drafting
+    seconds (None: not the step's own, as with overlap) with the context rows it carried. A
+    draft that also took a prompt's or a skipped stretch's rows costs more once, not every
+    step: only steady drafts are booked."""
+    ctx = max(p.start for p in plans)
+    cost.observe_verify(len(plans), rows or max(p.layout.num_rows for p in plans), ctx, verify_s)
+    drafted = sum(1 for p in plans if p.budget and p.drafted)
+    if drafted and draft_s is not None and draft_rows <= STEADY_ROWS * drafted:
+        cost.observe_draft(drafted, ctx, draft_s)
+
+
+def _add(table: dict, key, seconds: float) -> None:
+    if seconds <= 0:
+        return
+    if key in table:
+        table[key].add(seconds)
+    else:
+        table[key] = Ema(seconds)
+
+
+def _nearest(n: int, have: set[int]) -> list[int]:
+    return sorted(have, key=lambda m: (abs(m - n), -m))
+
+
+def _by_rows(at: dict[tuple[int, int], float], rows: int, cls: int) -> float | None:
+    """Estimate (rows, cls) from one batch bucket's measured (rows, cls) → seconds: at the
+    same class, the rows measured there nearest to `rows`, scaled by how the nearest other class
+    that measured both rows counts grows between them (no such class: linear between the
+    measured rows, flat past the ends)."""
+    same = {r: v for (r, c), v in at.items() if c == cls}
+    if rows in same:
+        return same[rows]
+    classes = sorted({c for _, c in at}, key=lambda c: (abs(c - cls), -c))
+    if not same:
+        return _interpolate({r: v for (r, c), v in at.items() if c == classes[0]}, rows)
+    r0 = min(same, key=lambda r: (abs(r - rows), -r))
+    for c in classes:
+        if c != cls and (rows, c) in at and (r0, c) in at:
+            return same[r0] * at[(rows, c)] / at[(r0, c)]
+    return _interpolate(same, rows)
+
+
+def _interpolate(by_rows: dict[int, float], rows: int) -> float:
+    """Linear between the measured rows around `rows`; flat past the ends."""
+    known = sorted(by_rows)
+    lo = max((r for r in known if r <= rows), default=None)
+    hi = min((r for r in known if r >= rows), default=None)
+    if lo is None or hi is None or lo == hi:
+        return by_rows[lo if hi is None else hi]
+    t = (rows - lo) / (hi - lo)
+    return by_rows[lo] + t * (by_rows[hi] - by_rows[lo])

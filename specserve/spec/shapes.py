@@ -1,0 +1,161 @@
+"""Sub-trees of a drafted tree, and what each is expected to (and did) accept.
+
+Owns the candidate shapes adaptive speculation chooses among for one request: the tree's first
+k nodes (for a DDTree, whose nodes come best first, that is exactly the DDTree of budget k) and
+the chain inside it (from the root, always the most probable child). Under the drafter's
+factorised model a node's path is accepted with probability exp(score), so a shape's expected
+accepted length is the sum over its nodes. What a shape *did* accept is exact for any shape
+inside the verified tree: the acceptance walk draws the target's token at each node whatever the
+tree holds, so a sub-tree accepts the leading part of the verified path that lies inside it.
+Pure numpy; no timing (engine/cost.py) and no policy (engine/adaptive.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specserve.spec.tree import DraftTree, VerifyLayout, num_mask_words
+
+TREE, CHAIN, OFF = "tree", "chain", "off"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What adaptive speculation verifies for a request this step, and why."""
+
+    shape: str  # TREE | CHAIN | OFF (B = 0: plain decoding)
+    nodes: int  # draft nodes chosen (0 for OFF)
+    why: str
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A prefix-closed subset of a drafted tree: `nodes` are indices into it, parents first."""
+
+    kind: str  # TREE (the first k nodes) | CHAIN (the most probable path)
+    nodes: np.ndarray  # [k] int64 node indices of the drafted tree, ascending
+    expected: float  # expected accepted length under the drafter (sum of exp(score))
+
+
+def prefix(tree: DraftTree, k: int) -> Shape:
+    """The first `k` nodes (any topological order keeps every prefix parent-closed)."""
+    k = max(0, min(k, tree.n))
+    return Shape(TREE, np.arange(k, dtype=np.int64), _expected(tree, np.arange(k)))
+
+
+def chain(tree: DraftTree, k: int) -> Shape:
+    """At most `k` nodes of the path that takes the most probable child at every depth."""
+    if tree.scores is None or tree.n == 0 or k <= 0:
+        return Shape(CHAIN, np.zeros(0, dtype=np.int64), 0.0)
+    best: dict[int, int] = {}  # parent row -> the child node with the highest score
+    scores = tree.scores.tolist()
+    for i, parent in enumerate(tree.parents.tolist()):
+        j = best.get(parent)
+        if j is None or scores[i] > scores[j]:
+            best[parent] = i
+    path, row = [], 0
+    while row in best and len(path) < k:
+        path.append(best[row])
+        row = best[row] + 1
+    nodes = np.asarray(path, dtype=np.int64)
+    return Shape(CHAIN, nodes, _expected(tree, nodes))
+
+
+def _expected(tree: DraftTree, nodes: np.ndarray) -> float:
+    if tree.scores is None or len(nodes) == 0:
+        return 0.0
+    return float(np.exp(tree.scores[nodes].astype(np.float64)).sum())
+
+
+def subtree(tree: DraftTree, shape: Shape) -> DraftTree:
+    """The shape as a DraftTree of its own (parents re-indexed, scores kept)."""
+    nodes = shape.nodes
+    if len(nodes) == tree.n:
+        return tree
+    row_of = np.zeros(tree.n + 1, dtype=np.int64)  # old verify row -> new verify row
+    row_of[nodes + 1] = np.arange(1, len(nodes) + 1)
+    return DraftTree(
+        token_ids=tree.token_ids[nodes],  # [k] int64
+        parents=row_of[tree.parents[nodes]].astype(np.int32),  # [k] int32
+        depths=tree.depths[nodes],  # [k] int32
+        scores=None if tree.scores is None else tree.scores[nodes],  # [k] float32
+    )
+
+
+def prefix_layout(layout: VerifyLayout, k: int) -> VerifyLayout:
+    """The verify layout of a tree's first `k` nodes, cut from the whole tree's (its rows'
+    ancestors are all among them)."""
+    rows = k + 1
+    return VerifyLayout(layout.token_ids[:rows], layout.positions[:rows],
+                        np.ascontiguousarray(layout.mask[:rows, :num_mask_words(rows)]))
+
+
+def realized(accepted_rows: Sequence[int], shape: Shape) -> int:
+    """Accepted length the shape would have had: the verified path's leading nodes inside it
+    (`accepted_rows`: verify rows of the accepted nodes, by depth, as `Acceptance.rows`)."""
+    inside = set(shape.nodes.tolist())
+    depth = 0
+    for row in accepted_rows:
+        if row - 1 not in inside:
+            break
+        depth += 1
+    return depth
+
+
+@dataclass(frozen=True)
+class Curves:
+    """Every candidate shape of one drafted tree at once (numpy, no per-shape walks): for k
+    nodes, the first k nodes' and the best chain's expected length and depth."""
+
+    prefix_expected: np.ndarray  # [n + 1] float64, k = 0 … n
+    prefix_depth: np.ndarray  # [n + 1] int64
+    chain_nodes: np.ndarray  # [L] int64 the best path's node indices, by depth
+    chain_expected: np.ndarray  # [L + 1] float64
+
+    def __post_init__(self) -> None:  # host lists: the policy reads single entries
+        object.__setattr__(self, "_lists", (self.prefix_expected.tolist(),
+                                            self.chain_expected.tolist(),
+                                            self.prefix_depth.tolist()))
+
+    def expected(self, kind: str, k: int) -> float:
+        table = self._lists[0] if kind == TREE else self._lists[1]
+        return table[k if k < len(table) else -1]
+
+    def depth(self, kind: str, k: int) -> int:
+        if kind == TREE:
+            table = self._lists[2]
+            return table[k if k < len(table) else -1]
+        return min(k, len(self.chain_nodes))
+
+
+def curves(tree: DraftTree) -> Curves:
+    """The Curves of a tree with scores (as `prefix` and `chain` give them one by one)."""
+    p = np.exp(tree.scores.astype(np.float64)) if tree.n else np.zeros(0)  # [n] float64
+    path = chain(tree, tree.n).nodes
+    zero = np.zeros(1)
+    return Curves(np.concatenate([zero, np.cumsum(p)]),
+                  np.concatenate([[0], np.maximum.accumulate(tree.depths.astype(np.int64))]),
+                  path, np.concatenate([zero, np.cumsum(p[path])]))
+
+
+def realized_prefix(accepted: Sequence[int], k: int) -> int:
+    """`realized` for the first k nodes; `accepted`: the accepted path's node indices."""
+    depth = 0
+    for node in accepted:
+        if node >= k:
+            break
+        depth += 1
+    return depth
+
+
+def realized_chain(accepted: Sequence[int], path: np.ndarray, k: int) -> int:
+    """`realized` for the chain's first k nodes (`path`: Curves.chain_nodes)."""
+    depth = 0
+    for node, on in zip(accepted, path[:k].tolist(), strict=False):
+        if node != on:
+            break
+        depth += 1
+    return depth

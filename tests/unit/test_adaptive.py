@@ -1,0 +1,228 @@
+"""Adaptive speculation: candidate shapes against brute force and the acceptance walk, the cost
+model's estimates, the policy's choices on fixed costs, and the engine skipping the drafter
+(B = 0) when drafting cannot pay — with the same tokens as plain decoding."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from specserve.engine.adaptive import Adaptive
+from specserve.engine.cost import CostModel, context_class
+from specserve.engine.sequence import Sequence
+from specserve.engine.speculative import Planned
+from specserve.spec import shapes
+from specserve.spec.accept import accept
+from specserve.spec.ddtree import build_ddtree, topk_logprobs
+from specserve.spec.tree import DraftTree, verify_layout
+from specserve.types import SamplingParams
+from tests.fakes import RandomDDTreeDrafter
+from tests.helpers import hf_config, random_prompts
+
+
+def _table(seed: int, depth: int = 3, vocab: int = 5, k: int = 3, scale: float = 1.5):
+    logits = torch.randn(depth, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    return logits, *topk_logprobs(logits, k)
+
+
+def _closed_subsets(lp: np.ndarray, size: int):
+    """Every prefix-closed set of `size` nodes of the full (depth × top-k) tree, by brute force:
+    a node is a tuple of ranks, its path log-prob the sum of its ranks' log-probs."""
+    depth, k = lp.shape
+    nodes = [r for d in range(1, depth + 1) for r in itertools.product(range(k), repeat=d)]
+    for subset in itertools.combinations(nodes, size):
+        s = set(subset)
+        if all(len(n) == 1 or n[:-1] in s for n in subset):
+            yield sum(float(np.exp(sum(lp[i][r] for i, r in enumerate(n)))) for n in subset)
+
+
+@pytest.mark.parametrize("seed", [0, 3, 11])
+def test_a_ddtree_prefix_is_the_optimal_tree_of_its_size(seed):
+    _, lp, ids = _table(seed, k=2)  # 14 nodes in all: every subset can be tried
+    tree = build_ddtree(lp, ids, 13)
+    for k in (1, 2, 4, 7):
+        cut = shapes.prefix(tree, k)
+        best = max(_closed_subsets(lp, k))
+        assert cut.expected == pytest.approx(best, rel=1e-5)
+        small = build_ddtree(lp, ids, k)
+        sub = shapes.subtree(tree, cut)
+        cut_layout = shapes.prefix_layout(verify_layout(tree, 3, 50), k)
+        whole = verify_layout(small, 3, 50)
+        for a, b in [(cut_layout.token_ids, whole.token_ids), (cut_layout.mask, whole.mask),
+                     (cut_layout.positions, whole.positions)]:
+            assert np.array_equal(a, b)
+        assert np.array_equal(sub.token_ids, small.token_ids)
+        assert np.array_equal(sub.parents, small.parents)
+
+
+def test_the_chain_inside_a_tree_is_the_argmax_path():
+    logits, lp, ids = _table(5, depth=4, vocab=7, k=4)
+    tree = build_ddtree(lp, ids, 60)  # every top-4 prefix up to depth 3, and more
+    ch = shapes.chain(tree, 10)
+    sub = shapes.subtree(tree, ch)
+    assert sub.token_ids.tolist() == logits.argmax(-1).tolist()
+    assert sub.parents.tolist() == [0, 1, 2, 3]
+    expected = np.exp(np.cumsum(torch.log_softmax(logits, -1).max(-1).values.numpy())).sum()
+    assert ch.expected == pytest.approx(float(expected), rel=1e-5)
+    assert len(shapes.chain(tree, 2).nodes) == 2
+    assert shapes.chain(DraftTree.empty(), 5).expected == 0.0
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_realized_length_equals_the_walk_on_the_sub_tree(greedy):
+    """What a shape inside the verified tree would have accepted, against accept() run on that
+    shape alone with the same logits and the same generator state."""
+    vocab = 6
+    params = SamplingParams(max_tokens=8, temperature=0.0 if greedy else 1.0, seed=4)
+    for seed in range(12):
+        _, lp, ids = _table(seed, depth=4, vocab=vocab, k=3, scale=0.6)
+        tree = build_ddtree(lp, ids, 20)
+        g = torch.Generator().manual_seed(seed)
+        target = torch.randn(tree.n + 1, vocab, generator=g) * 3  # [n+1, V]
+        # make the target follow the tree for a while: its best token at a node is a child
+        for node in range(tree.n):
+            target[tree.parents[node], tree.token_ids[node]] += 4.0 if node % 3 == 0 else 0.0
+        full = accept(target, tree, params, torch.Generator().manual_seed(9))
+        cv, nodes = shapes.curves(tree), [r - 1 for r in full.rows]
+        for shape in [shapes.prefix(tree, k) for k in (1, 3, 8, 20)] + [shapes.chain(tree, 9)]:
+            sub = shapes.subtree(tree, shape)
+            rows = np.concatenate([[0], shape.nodes + 1])
+            alone = accept(target[rows], sub, params, torch.Generator().manual_seed(9))
+            assert shapes.realized(full.rows, shape) == alone.accepted_depth
+            k = len(shape.nodes)  # the all-at-once curves agree with the shape
+            fast = shapes.realized_prefix(nodes, k) if shape.kind == shapes.TREE else \
+                shapes.realized_chain(nodes, cv.chain_nodes, k)
+            assert fast == alone.accepted_depth
+            assert cv.expected(shape.kind, k) == pytest.approx(shape.expected, rel=1e-6)
+            assert cv.depth(shape.kind, k) == int(tree.depths[shape.nodes].max(initial=0))
+
+
+def test_cost_model_estimates_from_its_nearest_measurements():
+    cost = CostModel()
+    assert cost.verify_s(1, 16, 1000) is None and cost.draft_s(1, 1000) is None
+    for rows, t in [(1, 4.0), (8, 5.0), (32, 9.0)]:
+        cost.observe_verify(1, rows, 1000, t)
+    assert cost.verify_s(1, 8, 1000) == 5.0
+    assert cost.verify_s(1, 16, 1000) == pytest.approx(5.0 + 8 / 24 * 4.0)  # linear
+    assert cost.verify_s(1, 64, 1000) == 9.0  # flat past the largest: optimistic
+    cost.observe_verify(1, 8, 30000, 10.0)  # a long context, one rows count seen there
+    assert cost.verify_s(1, 32, 30000) == pytest.approx(10.0 * 9.0 / 5.0)  # scaled by 1k's
+    assert cost.verify_s(3, 8, 1000) == 5.0  # batch bucket 4: the nearest measured (1)
+    cost.observe_verify(1, 8, 1000, 10.0)
+    assert cost.verify_s(1, 8, 1000) == pytest.approx(0.8 * 5.0 + 0.2 * 10.0)  # a moving mean
+    cost.observe_draft(1, 1000, 2.0)
+    assert cost.draft_s(2, 4000) == 2.0 and context_class(1000) == 10
+    assert "verify n=1 rows=8 ctx<=2^10" in cost.table()
+
+
+def _seq(rid: str, budget: int, start: int = 40) -> Sequence:
+    seq = Sequence(request_id=rid, prompt_ids=list(range(1, start + 1)),
+                   params=SamplingParams(max_tokens=64), stop_ids=frozenset(), max_len=4096,
+                   generator=None, arrival=0, budget=budget)
+    seq.num_computed = start
+    return seq
+
+
+def _plan(seq: Sequence, seed: int, confident: bool) -> Planned:
+    scale = 8.0 if confident else 0.3
+    _, lp, ids = _table(seed, depth=15, vocab=50, k=min(seq.budget, 50), scale=scale)
+    tree = build_ddtree(lp, ids, seq.budget)
+    return Planned(seq, tree, verify_layout(tree, seq.last_token, seq.num_computed),
+                   seq.budget)
+
+
+def _cost(draft_ms: float, verify_ms=(1.0, 1.1, 1.2, 1.4, 1.8, 2.6, 2.7)) -> CostModel:
+    cost = CostModel()
+    for rows, t in zip((1, 2, 4, 8, 16, 32, 64), verify_ms, strict=True):
+        cost.observe_verify(1, rows, 40, t / 1e3)
+    cost.observe_draft(1, 40, draft_ms / 1e3)
+    return cost
+
+
+def test_policy_takes_big_trees_when_they_pay_and_plain_decoding_when_not():
+    seq = _seq("a", budget=63)
+    policy = Adaptive(_cost(draft_ms=0.3), lambda rows: rows)
+    plan = _plan(seq, 1, confident=True)  # the drafter is sure: long accepted paths expected
+    policy.shape([plan])
+    assert plan.choice.shape in ("tree", "chain") and plan.choice.nodes >= 7
+    assert plan.tree.n == plan.choice.nodes and "tok/s" in plan.choice.why
+    assert policy.to_draft([seq]) == ([seq], [])  # keep drafting
+    # the drafter costs ten plain steps and expects little: drafted trees are still verified
+    # (the drafting is spent), then plain decoding
+    slow = Adaptive(_cost(draft_ms=10.0), lambda rows: rows)
+    plan = _plan(seq, 2, confident=False)
+    slow.shape([plan])
+    assert plan.choice.shape in ("tree", "chain")
+    now, skip = slow.to_draft([seq])
+    assert now == [] and skip == [seq]
+    skipped = slow.skipped(seq)
+    assert not skipped.drafted and skipped.tree.n == 0 and skipped.choice.shape == "off"
+    assert slow.to_draft([seq])[0] == [seq]  # the probe after two skipped steps
+    fresh = _seq("b", budget=63)
+    assert slow.to_draft([seq, fresh])[0] == [seq, fresh]  # no curve yet: drafted
+    # verifying any draft token costs five plain steps: even a drafted tree is dropped
+    dear = Adaptive(_cost(draft_ms=0.1, verify_ms=(1.0, 5, 5, 5, 5, 5, 5)), lambda rows: rows)
+    plan = _plan(seq, 2, confident=False)
+    dear.shape([plan])
+    assert plan.choice.shape == "off" and plan.tree.n == 0 and plan.layout.num_rows == 1
+
+
+def test_policy_respects_each_request_budget_and_leaves_unscored_trees():
+    seq = _seq("a", budget=5)
+    policy = Adaptive(_cost(draft_ms=0.01), lambda rows: rows)
+    plan = _plan(seq, 3, confident=True)
+    policy.shape([plan])
+    assert plan.tree.n <= 5
+    tree = DraftTree(plan.tree.token_ids, plan.tree.parents, plan.tree.depths)  # no scores
+    bare = Planned(seq, tree, verify_layout(tree, seq.last_token, seq.num_computed), 5)
+    policy.shape([bare])
+    assert bare.choice is None and bare.tree is tree
+
+
+class _SlowDrafter(RandomDDTreeDrafter):
+    """Random trees (so acceptance is rare) that take 40 ms a call."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__(vocab, depth=4, seed=3)
+        self.calls = 0
+
+    def draft(self, requests):
+        self.calls += 1
+        time.sleep(0.04)
+        return super().draft(requests)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    import transformers
+
+    torch.manual_seed(5)
+    hf = transformers.Qwen3ForCausalLM(hf_config("qwen3-gqa4-yarn", num_hidden_layers=2,
+                                                 initializer_range=0.2)).eval()
+    path = tmp_path_factory.mktemp("adaptive-target")
+    hf.save_pretrained(path)
+    return path, hf.config.vocab_size
+
+
+def test_engine_stops_calling_a_drafter_that_cannot_pay(tiny_target, make_engine):
+    from specserve.engine.warmup import warm_up_engine
+
+    path, vocab = tiny_target
+    prompts = random_prompts(2, vocab, [19, 33], seed=8)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = make_engine(path, max_draft_tokens=15).generate(prompts, params)
+    engine = make_engine(path, max_draft_tokens=15, adaptive=True)
+    warm_up_engine(engine)  # the verify costs, as the services measure them
+    drafter = _SlowDrafter(vocab)
+    engine.set_drafter(drafter)
+    steps = []
+    engine.on_step = lambda rid, s: steps.append(s)
+    assert engine.generate(prompts, params, budget=15) == plain
+    off = [s for s in steps if s.shape == "off"]
+    assert len(off) > len(steps) // 2 and all(s.tree_size == 0 for s in off)
+    assert drafter.calls < len(steps) // 4  # skipped steps make no drafter call
+    assert any("plain decoding" in (s.why or "") for s in off)
