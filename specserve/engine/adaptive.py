@@ -170,8 +170,8 @@ class Adaptive:
         st.skipped = 0
         _, kind = st.gain(k, p.budget)
         st.cut = None
-        if k <= 0 or kind == "off":  # the next draft asks as much as the last choice did
-            p.tree, p.choice = DraftTree.empty(), Choice("off", 0, why)
+        if k <= 0 or kind == shapes.OFF:  # the next draft asks as much as the last choice did
+            p.tree, p.choice = DraftTree.empty(), Choice(shapes.OFF, 0, why)
         else:
             st.nodes = k = min(k, p.budget)
             nodes = (np.arange(min(k, p.tree.n)) if kind == shapes.TREE

@@ -34,10 +34,9 @@ def batch_bucket(n: int) -> int:
 @dataclass
 class Ema:
     value: float
-    count: int = 1
 
     def add(self, x: float) -> None:
-        self.value, self.count = DECAY * self.value + (1 - DECAY) * x, self.count + 1
+        self.value = DECAY * self.value + (1 - DECAY) * x
 
 
 @dataclass

@@ -45,7 +45,7 @@ class Engine:
         self.on_step = None  # optional callback(request_id, StepRecord) — tests check invariants
         self.last_step: StepTimes | None = None  # wall-clock marks of the latest step (traces)
         self.runner = ModelRunner(config, model)
-        self.cost = CostModel()  # measured on every decode step (the warm-up's first)
+        self.cost = CostModel()  # with adaptive: measured on every decode step (warm-up's first)
         self.adaptive = Adaptive(self.cost, self._pad_rows) if config.adaptive else None
         self.set_drafter(drafter)
         self.model_config = self.runner.model.config
@@ -219,7 +219,7 @@ class Engine:
     def _observe_cost(self, batch, draft_s: float, span: int) -> None:
         """Book a decode-only step's times in the cost model (a prefill chunk's would not say
         what a tree costs)."""
-        if batch.chunks or not batch.plans or self.last_step is None:
+        if self.adaptive is None or batch.chunks or not batch.plans or self.last_step is None:
             return
         t = self.last_step
         observe_step(self.cost, batch.plans, span, (t.end_ns - t.draft_end_ns) / 1e9,

@@ -78,7 +78,7 @@ class RequestSpecStats:
     device: str = ""  # where the target ran, e.g. "cuda (NVIDIA H200)" or "cpu"
 
     def record(self, step: StepRecord) -> None:
-        """Count one step (a StepRecord, or the gateway's Step: the same four fields)."""
+        """Count one step (a StepRecord, or the gateway's Step: the same fields)."""
         self.steps += 1
         self.draft_tokens += step.tree_size
         self.accepted_tokens += step.accepted_depth
@@ -88,7 +88,7 @@ class RequestSpecStats:
             self.accepted_per_position[depth] += 1
         if step.fallback:
             self.fallbacks[step.fallback] += 1
-        if getattr(step, "shape", None):
+        if step.shape:
             self.shapes[step.shape] += 1
 
     @property
