@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specserve.engine.cost import CostModel
+from specserve.engine.cost import CostModel, batch_bucket, context_class
 from specserve.engine.speculative import Planned
 from specserve.engine.warmup import size_classes
 from specserve.spec import shapes
@@ -43,6 +43,7 @@ MAX_PROBE_GAP = 32
 # skip the drafter only when plain decoding is expected this much faster: a wrong skip also
 # loses the next curve, a wrong draft costs at most the margin
 SKIP_MARGIN = 1.1
+_EMPTY = DraftTree.empty()
 
 
 @dataclass
@@ -73,6 +74,9 @@ class _State:
     gap: int = 2  # skipped steps before the next probe
     probing: bool = False  # drafted as a probe while plain decoding was winning
     confidence: float | None = None  # moving mean of the target's top-1 probability, plain steps
+    # gain() by (k, budget) until this request books or draws a new curve (the shared part
+    # moves slowly: it is read again at the request's next booking)
+    gains: dict[tuple[int, int], tuple[float, str]] = field(default_factory=dict)
 
     def calibration(self, key: tuple) -> float:
         return self.own.ratio(key, self.shared.ratio(key))
@@ -81,7 +85,13 @@ class _State:
         """Calibrated expected accepted length at `k` nodes (≤ budget) and its shape."""
         if self.curve is None or k <= 0:
             return 0.0, shapes.OFF
-        k, cv = min(k, budget), self.curve
+        got = self.gains.get((k, budget))
+        if got is None:
+            got = self.gains[(k, budget)] = self._gain(min(k, budget))
+        return got
+
+    def _gain(self, k: int) -> tuple[float, str]:
+        cv = self.curve
         tree = min(self.calibration((shapes.TREE, k)) * cv.expected(shapes.TREE, k),
                    cv.depth(shapes.TREE, k))  # never past its depth
         chain = min(self.calibration((shapes.CHAIN, k)) * cv.expected(shapes.CHAIN, k),
@@ -95,11 +105,13 @@ class _State:
         if c is None or self.curve is None or k <= 0:
             return 0.0, shapes.OFF
         depth = self.curve.depth(shapes.CHAIN, min(k, budget)) or min(k, budget)
-        return sum(c ** d for d in range(1, depth + 1)), shapes.CHAIN
+        gain = depth if c >= 1.0 else c * (1.0 - c ** depth) / (1.0 - c)  # Σ_{d ≤ depth} c^d
+        return gain, shapes.CHAIN
 
     def book(self, key: tuple, real: int, expected: float) -> None:
         self.own.book(key, real, expected)
         self.shared.book(key, real, expected)
+        self.gains.clear()
 
 
 class Adaptive:
@@ -109,6 +121,7 @@ class Adaptive:
         self.cost, self.pad_rows = cost, pad_rows  # pad_rows(rows) → rows a tree occupies
         self.state: dict[str, _State] = {}
         self.shared = _Ratios(SHARED_DECAY)
+        self._times: dict[tuple, tuple | None] = {}  # _step_times by shape, this cost epoch
 
     def release(self, request_id: str) -> None:
         self.state.pop(request_id, None)
@@ -148,9 +161,8 @@ class Adaptive:
         """A root-only plan for a request that skips drafting (its context rows stay)."""
         st = self.state[seq.request_id]
         st.skipped += 1
-        empty = DraftTree.empty()
         why = f"plain decoding expected faster; probe in {max(st.gap - st.skipped, 0)} steps"
-        return Planned(seq, empty, verify_layout(empty, seq.last_token, seq.num_computed),
+        return Planned(seq, _EMPTY, verify_layout(_EMPTY, seq.last_token, seq.num_computed),
                        seq.budget, drafted=False, choice=Choice(shapes.OFF, 0, why))
 
     def shape(self, plans: list[Planned]) -> None:
@@ -161,6 +173,7 @@ class Adaptive:
         for p in scored:
             st = self.state.setdefault(p.seq.request_id, _State(self.shared))
             st.curve = shapes.curves(p.tree)
+            st.gains.clear()
         states = [self.state[p.seq.request_id] for p in scored]
         best, why = self._best([p.seq for p in scored], states, drafted=True)
         for p, st in zip(scored, states, strict=True):
@@ -171,7 +184,7 @@ class Adaptive:
         _, kind = st.gain(k, p.budget)
         st.cut = None
         if k <= 0 or kind == shapes.OFF:  # the next draft asks as much as the last choice did
-            p.tree, p.choice = DraftTree.empty(), Choice(shapes.OFF, 0, why)
+            p.tree, p.choice = _EMPTY, Choice(shapes.OFF, 0, why)
         else:
             st.nodes = k = min(k, p.budget)
             nodes = (np.arange(min(k, p.tree.n)) if kind == shapes.TREE
@@ -193,12 +206,12 @@ class Adaptive:
         n = len(seqs)
         ctx = max(s.num_computed for s in seqs)
         top = max(s.budget for s in seqs)
-        draft = self.cost.draft_s(n, ctx) or 0.0
+        times = self._step_times(n, ctx, top)
+        if times is None:
+            return top + 1, "unmeasured: the client's budget"
+        verify, draft = times
         rated = []
-        for rows in [1] + [k + 1 for k in size_classes(top)]:
-            t = self.cost.verify_s(n, self.pad_rows(rows), ctx)
-            if t is None:
-                return top + 1, "unmeasured: the client's budget"
+        for rows, t in verify:
             tokens = sum(1 + (st.confident_gain if confident else st.gain)(rows - 1, s.budget)[0]
                          for s, st in zip(seqs, states, strict=True))
             rated.append((tokens / (t + (draft if rows > 1 or drafted else 0.0)), rows, tokens,
@@ -209,16 +222,45 @@ class Adaptive:
         return rows, (f"rows {rows}: {tokens / n:.2f} tok/step in {t * 1e3:.2f} ms "
                       f"(+{draft * 1e3:.2f} draft) = {rate:.0f} tok/s; plain {ar[0]:.0f} tok/s")
 
-    def observe(self, p: Planned, accepted_rows: list[int], root_logits) -> None:
-        """Book what each candidate shape inside the verified tree would have accepted; after
-        a plain step, how sure the target was of its token (`root_logits`: [V] at the root)."""
-        st = self.state.get(p.seq.request_id)
-        if st is None or p.choice is None:
+    def _step_times(self, n: int, ctx: int, top: int) -> tuple | None:
+        """([(rows, verify seconds)] for plain decoding and each size class, drafting
+        seconds), or None while a shape is unmeasured; cached until the cost model moves."""
+        key = (batch_bucket(n), context_class(ctx), top, self.cost.epoch)
+        if key not in self._times:
+            if len(self._times) > 256:
+                self._times.clear()
+            verify = [(rows, self.cost.verify_s(n, self.pad_rows(rows), ctx))
+                      for rows in [1] + [k + 1 for k in size_classes(top)]]
+            self._times[key] = None if any(t is None for _, t in verify) else \
+                (verify, self.cost.draft_s(n, ctx) or 0.0)
+        return self._times[key]
+
+    def observe_step(self, verified: list[tuple[Planned, list[int], int]], logits) -> None:
+        """Book a step's verified trees: (plan, accepted verify rows, its root row in `logits`
+        [N, V]) each."""
+        plain = [(p, row) for p, _, row in verified if p.choice and p.choice.shape == shapes.OFF]
+        if plain:
+            self._observe_plain([p for p, _ in plain], [row for _, row in plain], logits)
+        for p, rows, _ in verified:
+            self.observe(p, rows)
+
+    def _observe_plain(self, plans: list[Planned], rows: list[int], logits) -> None:
+        """After plain steps, how sure the target was of each token (its top-1 probability):
+        one softmax and one transfer for the whole step."""
+        states = [self.state.get(p.seq.request_id) for p in plans]
+        if not any(states):
             return
-        if p.choice.shape == shapes.OFF:
-            top = float(torch.softmax(root_logits.float(), -1).max())
-            st.confidence = top if st.skipped <= 1 or st.confidence is None else \
-                0.5 * st.confidence + 0.5 * top
+        index = torch.tensor(rows, device=logits.device)
+        tops = torch.softmax(logits.index_select(0, index).float(), -1).amax(-1).tolist()
+        for st, top in zip(states, tops, strict=True):
+            if st is not None:
+                st.confidence = top if st.skipped <= 1 or st.confidence is None else \
+                    0.5 * st.confidence + 0.5 * top
+
+    def observe(self, p: Planned, accepted_rows: list[int]) -> None:
+        """Book what each candidate shape inside the verified tree would have accepted."""
+        st = self.state.get(p.seq.request_id)
+        if st is None or p.choice is None or p.choice.shape == shapes.OFF:
             return
         if st.cut is None or st.curve is None:
             return

@@ -1,11 +1,16 @@
 """The verifier's step cost model: measured seconds by shape, kept current while serving.
 
-Owns two tables of exponential moving averages, filled from the engine's own steps (the
-warm-up's steps first: one tree per rows bucket at a short context): the verify part of a
+Owns two tables of recent samples, filled from the engine's own steps (the warm-up's steps
+first: one tree per rows bucket at a short context): the verify part of a
 decode step (batched forward + accept + commit, the time a step costs without drafting) keyed by
 (batch bucket, rows per request, context class), and the drafter call (its forward, trees and,
 for the drafter service, the round trip) keyed by (batch bucket, context class). A context class
-is the context's bit length (…, 1k, 2k, 4k, …). A shape never measured is estimated from the
+is the context's bit length (…, 1k, 2k, 4k, …). An entry's value is the lower quartile of its
+last WINDOW samples: step times are floored by the work and spiked by what else runs (a first
+launch's compile or graph capture, the host, a neighbour on the GPU), so a low quantile follows
+the cost and ignores the spikes. No shape costs more than a measured one with at least as many
+rows per request at a context class at least as long (the envelope): one spiked entry never
+rules a shape out for good. A shape never measured is estimated from the
 nearest ones measured: at a context class already seen, the rows count measured there scaled
 by how another class grew between the two rows counts; else linear in rows, flat when nothing
 larger is known (optimistic: the policy then tries it and measures it). No policy here
@@ -14,12 +19,13 @@ larger is known (optimistic: the policy then tries it and measures it). No polic
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from specserve.engine.graphs import BATCH_BUCKETS, bucket_of
 
-DECAY = 0.8  # weight of the old average per observation
-REFRESH = 64  # verify observations between re-estimates of the shapes not measured
+WINDOW = 8  # recent samples an entry keeps
+REFRESH = 16  # verify observations between re-estimates (envelope and shapes not measured)
 STEADY_ROWS = 32  # context rows per drafted request past which a draft is not a steady one
 
 
@@ -32,39 +38,58 @@ def batch_bucket(n: int) -> int:
 
 
 @dataclass
-class Ema:
+class Samples:
+    """An entry's last WINDOW seconds; `value` their lower quartile."""
+
     value: float
+    recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+    def __post_init__(self) -> None:
+        self.recent.append(self.value)
 
     def add(self, x: float) -> None:
-        self.value = DECAY * self.value + (1 - DECAY) * x
+        self.recent.append(x)
+        self.value = sorted(self.recent)[(len(self.recent) - 1) // 4]
 
 
 @dataclass
 class CostModel:
-    verify: dict[tuple[int, int, int], Ema] = field(default_factory=dict)  # (n, rows, cls)
-    draft: dict[tuple[int, int], Ema] = field(default_factory=dict)  # (n, cls)
+    verify: dict[tuple[int, int, int], Samples] = field(default_factory=dict)  # (n, rows, cls)
+    draft: dict[tuple[int, int], Samples] = field(default_factory=dict)  # (n, cls)
     # estimates of unmeasured shapes, recomputed after a new shape or REFRESH observations
     _memo: dict[tuple[int, int, int], float | None] = field(default_factory=dict)
     _seen: int = 0
+    epoch: int = 0  # bumped whenever the memo is dropped: callers may cache on it
 
     def observe_verify(self, n: int, rows: int, ctx: int, seconds: float) -> None:
         key = (batch_bucket(n), rows, context_class(ctx))
         self._seen += 1
         if key not in self.verify or self._seen % REFRESH == 0:
             self._memo.clear()
+            self.epoch += 1
         _add(self.verify, key, seconds)
 
     def observe_draft(self, n: int, ctx: int, seconds: float) -> None:
-        _add(self.draft, (batch_bucket(n), context_class(ctx)), seconds)
+        key = (batch_bucket(n), context_class(ctx))
+        if key not in self.draft:
+            self.epoch += 1
+        _add(self.draft, key, seconds)
 
     def verify_s(self, n: int, rows: int, ctx: int) -> float | None:
         """Seconds of a decode step of `n` requests, `rows` rows each, longest context `ctx`."""
         key = (batch_bucket(n), rows, context_class(ctx))
-        if (got := self.verify.get(key)) is not None:
-            return got.value
-        if key not in self._memo:
-            self._memo[key] = self._estimate(*key)
-        return self._memo[key]
+        got = self.verify.get(key)
+        if key not in self._memo:  # the envelope, or the estimate capped by it
+            own = self._envelope(*key) if got is not None else self._estimate(*key)
+            self._memo[key] = own if own is None else min(own, self._envelope(*key))
+        cap = self._memo[key]
+        return cap if got is None else min(got.value, cap)
+
+    def _envelope(self, nb: int, rows: int, cls: int) -> float:
+        """The cheapest other measured entry of this batch bucket that costs at least as much."""
+        return min((e.value for (m, r, c), e in self.verify.items()
+                    if m == nb and r >= rows and c >= cls and (r, c) != (rows, cls)),
+                   default=float("inf"))
 
     def _estimate(self, nb: int, rows: int, cls: int) -> float | None:
         for key_n in _nearest(nb, {k[0] for k in self.verify}):
@@ -111,7 +136,7 @@ def _add(table: dict, key, seconds: float) -> None:
     if key in table:
         table[key].add(seconds)
     else:
-        table[key] = Ema(seconds)
+        table[key] = Samples(seconds)
 
 
 def _nearest(n: int, have: set[int]) -> list[int]:

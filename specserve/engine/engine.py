@@ -243,9 +243,10 @@ class Engine:
             row0 += n
         self.runner.kv.copy_slots(src, dst)  # host lists: one transfer, no sync
         commit_s = time.perf_counter() - t0
-        for p, acc, out, cut, row in done:
-            if self.adaptive is not None:
-                self.adaptive.observe(p, acc.rows, batch.logits[row])
+        if self.adaptive is not None:
+            self.adaptive.observe_step([(p, acc.rows, row) for p, acc, *_, row in done],
+                                       batch.logits)
+        for p, acc, out, cut, _row in done:
             if p.seq.request_id in self.blocks:
                 self.blocks.truncate(p.seq.request_id, p.seq.num_computed)
             step = speculative.record(p, acc, out, cut, (draft_s, verify_s, commit_s))

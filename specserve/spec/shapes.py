@@ -72,16 +72,20 @@ def _expected(tree: DraftTree, nodes: np.ndarray) -> float:
 
 def subtree(tree: DraftTree, shape: Shape) -> DraftTree:
     """The shape as a DraftTree of its own (parents re-indexed, scores kept)."""
-    nodes = shape.nodes
-    if len(nodes) == tree.n:
+    nodes, k = shape.nodes, len(shape.nodes)
+    if k == tree.n:
         return tree
+    scores = tree.scores
+    if shape.kind == TREE:  # a prefix: its parents already point inside it
+        return DraftTree.unchecked(tree.token_ids[:k], tree.parents[:k], tree.depths[:k],
+                                   None if scores is None else scores[:k])
     row_of = np.zeros(tree.n + 1, dtype=np.int64)  # old verify row -> new verify row
-    row_of[nodes + 1] = np.arange(1, len(nodes) + 1)
-    return DraftTree(
-        token_ids=tree.token_ids[nodes],  # [k] int64
-        parents=row_of[tree.parents[nodes]].astype(np.int32),  # [k] int32
-        depths=tree.depths[nodes],  # [k] int32
-        scores=None if tree.scores is None else tree.scores[nodes],  # [k] float32
+    row_of[nodes + 1] = np.arange(1, k + 1)
+    return DraftTree.unchecked(
+        tree.token_ids[nodes],  # [k] int64
+        row_of[tree.parents[nodes]].astype(np.int32),  # [k] int32
+        tree.depths[nodes],  # [k] int32
+        None if scores is None else scores[nodes],  # [k] float32
     )
 
 

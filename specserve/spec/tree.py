@@ -91,6 +91,16 @@ class DraftTree:
             depths=np.zeros(0, dtype=np.int32),
         )
 
+    @classmethod
+    def unchecked(cls, token_ids, parents, depths, scores=None) -> DraftTree:
+        """A tree cut from a checked one (a prefix, a path): its invariants hold by
+        construction, so the per-step policy does not pay for checking them again."""
+        tree = object.__new__(cls)
+        for name, value in (("token_ids", token_ids), ("parents", parents),
+                            ("depths", depths), ("scores", scores)):
+            object.__setattr__(tree, name, value)
+        return tree
+
     @property
     def n(self) -> int:
         """Number of draft nodes (the root excluded)."""
@@ -150,13 +160,19 @@ class VerifyLayout:
 def ancestor_mask(parents: np.ndarray) -> np.ndarray:
     """Packed ancestor-or-self mask [n+1, W] uint32 from node parent rows [n] int32."""
     rows = parents.shape[0] + 1
+    if rows == 1:  # root only: a plain step
+        return np.ones((1, 1), dtype=np.uint32)
     mask = np.zeros((rows, num_mask_words(rows)), dtype=np.uint32)  # [n+1, W] uint32
-    mask[0, 0] = 1
-    for row in range(1, rows):
-        # Each row is a whole-row copy of its parent's (already final) row plus its own bit.
-        mask[row] = mask[parents[row - 1]]
-        mask[row, row // MASK_WORD_BITS] |= np.uint32(1 << (row % MASK_WORD_BITS))
-    return mask
+    r = np.arange(rows)  # [n+1] int64
+    mask[r, r // MASK_WORD_BITS] = np.left_shift(1, r % MASK_WORD_BITS).astype(np.uint32)
+    # pointer jumping: after t rounds each row holds its ancestors up to 2^t - 1 levels up
+    # (log2(depth) whole-array rounds, not one Python step per row)
+    up = np.concatenate([[0], parents.astype(np.int64)])  # [n+1] int64, the root its own
+    while True:
+        mask |= mask[up]
+        if not up.any():
+            return mask
+        up = up[up]
 
 
 def verify_layout(tree: DraftTree, root_token_id: int, start: int) -> VerifyLayout:

@@ -89,7 +89,8 @@ def test_realized_length_equals_the_walk_on_the_sub_tree(greedy):
         full = accept(target, tree, params, torch.Generator().manual_seed(9))
         cv, nodes = shapes.curves(tree), [r - 1 for r in full.rows]
         for shape in [shapes.prefix(tree, k) for k in (1, 3, 8, 20)] + [shapes.chain(tree, 9)]:
-            sub = shapes.subtree(tree, shape)
+            sub = shapes.subtree(tree, shape)  # built unchecked: a checked copy must agree
+            DraftTree(sub.token_ids, sub.parents, sub.depths, sub.scores)
             rows = np.concatenate([[0], shape.nodes + 1])
             alone = accept(target[rows], sub, params, torch.Generator().manual_seed(9))
             assert shapes.realized(full.rows, shape) == alone.accepted_depth
@@ -112,8 +113,18 @@ def test_cost_model_estimates_from_its_nearest_measurements():
     cost.observe_verify(1, 8, 30000, 10.0)  # a long context, one rows count seen there
     assert cost.verify_s(1, 32, 30000) == pytest.approx(10.0 * 9.0 / 5.0)  # scaled by 1k's
     assert cost.verify_s(3, 8, 1000) == 5.0  # batch bucket 4: the nearest measured (1)
-    cost.observe_verify(1, 8, 1000, 10.0)
-    assert cost.verify_s(1, 8, 1000) == pytest.approx(0.8 * 5.0 + 0.2 * 10.0)  # a moving mean
+    for t in (10.0, 6.0, 7.0):  # a spike, then the cost moves up: the lower quartile follows
+        cost.observe_verify(1, 8, 1000, t)
+    assert cost.verify_s(1, 8, 1000) == 5.0
+    for t in (6.5, 6.2, 6.1, 6.3, 6.4, 6.0):
+        cost.observe_verify(1, 8, 1000, t)
+    assert cost.verify_s(1, 8, 1000) == 6.0  # the last 8: 6.0 7.0 6.5 6.2 6.1 6.3 6.4 6.0
+    spiked = CostModel()  # a first launch compiled: one entry's only sample is 8x its cost
+    spiked.observe_verify(1, 4, 3000, 8.0)
+    spiked.observe_verify(1, 64, 30000, 1.5)
+    assert spiked.verify_s(1, 4, 3000) == 1.5  # no dearer than more rows at a longer context
+    spiked.observe_verify(1, 16, 3000, 1.2)
+    assert spiked.verify_s(1, 4, 3000) == 1.2  # nor than more rows at the same one
     cost.observe_draft(1, 1000, 2.0)
     assert cost.draft_s(2, 4000) == 2.0 and context_class(1000) == 10
     assert "verify n=1 rows=8 ctx<=2^10" in cost.table()

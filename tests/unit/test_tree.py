@@ -110,7 +110,7 @@ def test_layout_of_small_hand_tree():
     assert child_rows(tree) == [{101: 1, 202: 2}, {303: 3}, {404: 4}, {505: 5}, {}, {}]
 
 
-@pytest.mark.parametrize("n, seed", [(1, 0), (30, 1), (31, 2), (32, 3), (63, 4), (97, 5)])
+@pytest.mark.parametrize("n, seed", [(1, 0), (30, 1), (31, 2), (32, 3), (63, 4), (97, 5), (300, 6)])
 def test_random_tree_layout_matches_parent_walk(n, seed):
     rng = np.random.default_rng(seed)
     tree = random_tree(rng, n, vocab=1000)
