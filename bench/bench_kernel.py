@@ -18,12 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from dataclasses import astuple
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 D = 128
 POOL_BYTES = 64 << 20  # each K and each V pool is at least this large

@@ -29,11 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
-
-from _served_models import BODY_8B, TAPS_8B, TINY, write_pair  # noqa: E402
-from _served_run import (  # noqa: E402
+from _served_models import BODY_8B, TAPS_8B, TINY, write_pair
+from _served_run import (
     Services,
     build_engine,
     in_process,

@@ -1,6 +1,7 @@
 """Microservice overhead: the same workload in process vs over gRPC (three real processes).
 
-    .venv/bin/python bench/bench_services.py [--tokens 64] [--json out.json]
+    .venv/bin/specserve bench services [--tokens 64] [--json out.json]
+    PYTHONPATH=. .venv/bin/python bench/bench_services.py ...   # the same (tests.helpers)
 
 Workload: a tiny random Qwen3 target (CPU, fp32, one intra-op thread everywhere), n-gram
 speculation (budget 8) on repetitive token-id prompts so steps really accept; 1 and 8 concurrent
@@ -24,7 +25,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 torch.set_num_threads(1)
 VOCAB = 320
 ENV = {**os.environ, "GRPC_VERBOSITY": "ERROR", "OMP_NUM_THREADS": "1",

@@ -1,7 +1,7 @@
 """Tracing overhead: the same workload over the three services with tracing off vs on.
 
-    .venv/bin/python bench/bench_tracing.py [--requests 8] [--tokens 64] [--rounds 10]
-                                            [--json out.json]
+    .venv/bin/specserve bench tracing [--requests 8] [--tokens 64] [--rounds 10] [--json out.json]
+    PYTHONPATH=. .venv/bin/python bench/bench_tracing.py ...   # the same (tests.e2e.otlp_sink)
 
 Workload (as bench/bench_services.py): a tiny random Qwen3 target on CPU (fp32, one intra-op
 thread per process), n-gram speculation with budget 8 on repetitive prompts, `--requests`
@@ -31,12 +31,10 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench_services import ENV, make_model, over_grpc
+from bench_services import start as start_service
 
-from bench.bench_services import ENV, make_model, over_grpc  # noqa: E402
-from bench.bench_services import start as start_service  # noqa: E402
-from tests.e2e.otlp_sink import OtlpSink  # noqa: E402
+from tests.e2e.otlp_sink import OtlpSink
 
 QUIET = {"SPECSERVE_GATEWAY_METRICS_PORT": "0", "SPECSERVE_VERIFIER_METRICS_PORT": "0",
          "SPECSERVE_DRAFTER_METRICS_PORT": "0"}

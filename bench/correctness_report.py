@@ -1,6 +1,7 @@
 """Print the measured correctness figures behind the CPU acceptance tests (not a speed bench).
 
-    .venv/bin/python bench/correctness_report.py [--json out.json]
+    .venv/bin/specserve bench correctness [--json out.json]
+    PYTHONPATH=. .venv/bin/python bench/correctness_report.py ...   # the same (tests.helpers)
 
 Max relative logit error vs transformers per tiny test config (two prefill chunks, then decode
 steps, on shuffled pages) — the figure tests/unit/test_models.py bounds by 1e-5.
@@ -10,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 torch.set_num_threads(1)
 
 

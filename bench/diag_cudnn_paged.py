@@ -23,20 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+import triton
+from bench_kernel import _matmul_rate, _point
+from diag_kernel import _graph_us
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import triton  # noqa: E402
-from bench_kernel import _matmul_rate, _point  # noqa: E402
-from diag_kernel import _graph_us  # noqa: E402
-
-from kernels.tree_attention.kernel import tree_attention_triton  # noqa: E402
+from kernels.tree_attention.kernel import tree_attention_triton
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 

@@ -28,22 +28,18 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
+import torch
+from _e2e_common import BLOCK_SIZE, Bench, p90, prompt_ids, sync
+from _e2e_engine import make_engine
+from bench_e2e import parse_args, setup
 
-import torch  # noqa: E402
-from _e2e_common import BLOCK_SIZE, Bench, p90, prompt_ids, sync  # noqa: E402
-from _e2e_engine import make_engine  # noqa: E402
-from bench_e2e import parse_args, setup  # noqa: E402
-
-from specserve.drafters.dflash import DFlashDrafter  # noqa: E402
-from specserve.engine.warmup import warm_up_drafter  # noqa: E402
-from specserve.kvcache.block_manager import pages_for  # noqa: E402
-from specserve.types import SamplingParams  # noqa: E402
+from specserve.drafters.dflash import DFlashDrafter
+from specserve.engine.warmup import warm_up_drafter
+from specserve.kvcache.block_manager import pages_for
+from specserve.types import SamplingParams
 
 COUNTED = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
            "cudaGraphLaunch", "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize",

@@ -17,20 +17,15 @@ import argparse
 import collections
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
+from _e2e_common import QWEN3_8B, TINY, build_models
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _e2e_common import QWEN3_8B, TINY, build_models  # noqa: E402
-
-from specserve.drafters.base import DraftRequest  # noqa: E402
-from specserve.drafters.dflash import DFlashDrafter  # noqa: E402
-from specserve.drafters.dflash_graphs import DraftGraphs  # noqa: E402
+from specserve.drafters.base import DraftRequest
+from specserve.drafters.dflash import DFlashDrafter
+from specserve.drafters.dflash_graphs import DraftGraphs
 
 DEV, DTYPE = "cuda", torch.bfloat16
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")

@@ -18,19 +18,15 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from _e2e_common import QWEN3_8B, TINY, build_models
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-
-from _e2e_common import QWEN3_8B, TINY, build_models  # noqa: E402
-
-from specserve.drafters.base import DraftRequest  # noqa: E402
-from specserve.drafters.dflash import DFlashDrafter  # noqa: E402
-from specserve.engine.warmup import warm_up_drafter  # noqa: E402
+from specserve.drafters.base import DraftRequest
+from specserve.drafters.dflash import DFlashDrafter
+from specserve.engine.warmup import warm_up_drafter
 
 
 def calls(drafter, a, depths, dev, dtype, steps: int) -> tuple[list[float], list]:

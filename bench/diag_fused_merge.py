@@ -32,16 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kernels.tree_attention.kernel import _attend  # noqa: E402
+from kernels.tree_attention.kernel import _attend
 
 STAMPS: tl.constexpr = tl.constexpr(5)  # per CTA: start, done, merged, smid, resident
 

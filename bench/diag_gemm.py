@@ -18,7 +18,6 @@ import argparse
 import itertools
 import json
 import os
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -26,12 +25,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _e2e_common import ceilings  # noqa: E402
-from diag_kernel import _graph_us  # noqa: E402
+from _e2e_common import ceilings
+from diag_kernel import _graph_us
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288)}  # (N, K) of one Qwen3-8B layer

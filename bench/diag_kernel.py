@@ -17,13 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import triton  # noqa: E402
+import triton
 
 
 def _graph_us(calls, reps, torch) -> float:

@@ -25,23 +25,18 @@ import importlib
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+from _e2e_common import ceilings
+from _e2e_verify import random_tree
+from diag_kernel import _kernel_times
+from diag_step import graph_ms
+from profile_step import build_target, make_runner
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _e2e_common import ceilings  # noqa: E402
-from _e2e_verify import random_tree  # noqa: E402
-from diag_kernel import _kernel_times  # noqa: E402
-from diag_step import graph_ms  # noqa: E402
-from profile_step import build_target, make_runner  # noqa: E402
-
-from specserve.attention.base import AttnBatch  # noqa: E402
-from specserve.spec.tree import verify_layout  # noqa: E402
+from specserve.attention.base import AttnBatch
+from specserve.spec.tree import verify_layout
 
 _LITERAL_NODES = (ast.Expression, ast.Dict, ast.Tuple, ast.List, ast.Set, ast.Constant, ast.Load,
                   ast.UnaryOp, ast.USub)

@@ -22,11 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 VARIANTS = ("[('nhd', {}, None), ('hnd', {}, None), ('nhd', {'combine_rows': 0}, None), "
             "('nhd', {'pdl': False}, None), ('hnd', {}, 16), ('hnd', {}, 64)]")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -29,12 +28,10 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.tree_attention.kernel import tree_attention_triton  # noqa: E402
-from specserve.attention import prefill  # noqa: E402
-from specserve.attention.base import AttnBatch  # noqa: E402
-from specserve.attention.prefill import prefill_attention  # noqa: E402
+from kernels.tree_attention.kernel import tree_attention_triton
+from specserve.attention import prefill
+from specserve.attention.base import AttnBatch
+from specserve.attention.prefill import prefill_attention
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 POINTS = [(0, 8192), (24576, 8192), (57344, 8192), (122880, 8192), (0, 32768), (30720, 2048),

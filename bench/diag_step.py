@@ -25,23 +25,18 @@ import collections
 import json
 import os
 import re
-import sys
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+from _e2e_common import ceilings
+from _e2e_verify import random_tree
+from diag_kernel import _graph_us
+from profile_step import build_target, make_runner
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _e2e_common import ceilings  # noqa: E402
-from _e2e_verify import random_tree  # noqa: E402
-from diag_kernel import _graph_us  # noqa: E402
-from profile_step import build_target, make_runner  # noqa: E402
-
-from specserve.attention.base import AttnBatch  # noqa: E402
-from specserve.spec.tree import DraftTree, verify_layout  # noqa: E402
+from specserve.attention.base import AttnBatch
+from specserve.spec.tree import DraftTree, verify_layout
 
 CLASSES = [("attention", r"tree_attn"), ("combine", r"combine"), ("gemm", r"gemm|sm90_|cutlass|"
            r"nvjet|cublas|xmma|splitK"), ("norm", r"rms_norm|RMSNorm|rsqrt"),

@@ -22,10 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from specserve.demo.evaluate import commit_len, make_engine, novel_ids  # noqa: E402
-from specserve.engine.tokenizer import Tokenizer  # noqa: E402
+from specserve.demo.evaluate import commit_len, make_engine, novel_ids
+from specserve.engine.tokenizer import Tokenizer
 
 
 def main() -> int:

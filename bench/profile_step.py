@@ -43,22 +43,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _e2e_common import QWEN3_8B, TINY, _random_fill, ceilings, target_config
+from _e2e_verify import random_tree
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _e2e_common import QWEN3_8B, TINY, _random_fill, ceilings, target_config  # noqa: E402
-from _e2e_verify import random_tree  # noqa: E402
-
-from specserve.attention import backend_for  # noqa: E402
-from specserve.attention.base import AttnBatch  # noqa: E402
-from specserve.config import EngineConfig  # noqa: E402
-from specserve.engine.runner import ForwardInput, ModelRunner  # noqa: E402
-from specserve.kvcache.block_manager import pages_for  # noqa: E402
-from specserve.models.decoder import DecoderModel  # noqa: E402
-from specserve.models.rope import Rotary  # noqa: E402
-from specserve.spec.tree import DraftTree, verify_layout  # noqa: E402
-from specserve.types import SamplingParams  # noqa: E402
+from specserve.attention import backend_for
+from specserve.attention.base import AttnBatch
+from specserve.config import EngineConfig
+from specserve.engine.runner import ForwardInput, ModelRunner
+from specserve.kvcache.block_manager import pages_for
+from specserve.models.decoder import DecoderModel
+from specserve.models.rope import Rotary
+from specserve.spec.tree import DraftTree, verify_layout
+from specserve.types import SamplingParams
 
 T0 = time.time()
 REPO = str(Path(__file__).resolve().parents[1])

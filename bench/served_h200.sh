@@ -9,8 +9,9 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the repo's packages (not installed there)
 export PYTHONUNBUFFERED=1 GRPC_VERBOSITY=ERROR TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader

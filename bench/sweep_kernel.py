@@ -14,12 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SMALL = [(16, 64, 4, 5), (16, 64, 8, 5), (16, 64, 4, 7), (16, 32, 4, 7), (16, 128, 8, 5)]
 MID = [(64, 64, 4, 5), (64, 64, 8, 5), (64, 64, 4, 7), (64, 32, 4, 7), (64, 32, 4, 5),

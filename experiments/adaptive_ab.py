@@ -2,19 +2,16 @@
 adaptive speculation (bound 63), alternated three times; prints tok/s and, per step, (shape,
 tree size, commit_len, ms).
 
-    PYTHONPATH=. python experiments/adaptive_ab.py
+    PYTHONPATH=.:bench python experiments/adaptive_ab.py   # bench_adaptive from bench/
 """
 
 from __future__ import annotations
 
-import sys
 import time
 
-sys.path.insert(0, "bench")  # bench_adaptive builds the engines and the prompts
+import bench_adaptive  # bench/: it builds the engines and the prompts
 
-import bench_adaptive  # noqa: E402
-
-from specserve.types import SamplingParams  # noqa: E402
+from specserve.types import SamplingParams
 
 
 def run(engine, prompt: list[int], budget: int) -> tuple[float, list[tuple]]:

@@ -1,4 +1,7 @@
 """`specserve bench NAME`: run one of the benchmark scripts in bench/ with this Python.
+
+The script runs with the checkout's root on PYTHONPATH: some of them build their models with the
+test helpers (`tests.helpers`); bench/ itself is on the script's path already (its directory).
 """
 
 from __future__ import annotations
@@ -28,10 +31,14 @@ def add(sub) -> None:
 
 
 def _bench(args) -> int:
+    import os
     import subprocess
 
-    script = Path(__file__).resolve().parents[2] / "bench" / BENCHES[args.name]
+    root = Path(__file__).resolve().parents[2]
+    script = root / "bench" / BENCHES[args.name]
     if not script.exists():
         raise SystemExit(f"specserve bench: {script} not found (benchmarks live in a source "
                          "checkout of specserve)")
-    return subprocess.call([sys.executable, str(script), *args.args])
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.call([sys.executable, str(script), *args.args],
+                           env={**os.environ, "PYTHONPATH": path})
