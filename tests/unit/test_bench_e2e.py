@@ -2,12 +2,15 @@
 
 Checks that every verify / decode row lands in the JSON, that the benchmark-only replay drafter
 reaches its target commit length (±1) through the real engine, that one failing section does not
-lose the others, and that the watchdog writes the JSON and exits instead of hanging.
+lose the others, and that the watchdog writes the JSON and exits instead of hanging. Also the
+CPU-runnable parts of the experiments/ diagnostics built on bench/'s helpers (they run with
+PYTHONPATH=.:bench, as their docstrings say), the served bench and the trace breakdown.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
+EXPERIMENTS = ROOT / "experiments"
+
+
+def experiments_env(env=None) -> dict:
+    """The environment an experiments/ script runs in: the repo root and bench/ on PYTHONPATH."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(BENCH), env.get("PYTHONPATH"))
+                                        if p)
+    return env
 
 
 def run_bench(tmp_path: Path, *extra: str, timeout: int = 120):
@@ -137,22 +149,23 @@ def test_replay_drafter_is_not_a_serving_option():
 
 
 def test_plot_of_the_committed_h200_result(tmp_path):
-    """bench/plot_e2e.py draws BENCHMARKS.md's figure from the committed run-9 JSON."""
+    """experiments/plot_e2e.py draws BENCHMARKS.md's figure from the committed run-9 JSON."""
     png = tmp_path / "e2e.png"
-    proc = subprocess.run([sys.executable, str(BENCH / "plot_e2e.py"),
-                           str(BENCH / "results" / "e2e_h200_run9_final.json"), "--out",
+    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "plot_e2e.py"),
+                           str(EXPERIMENTS / "results" / "e2e_h200_run9_final.json"), "--out",
                            str(png)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
 def test_diag_knobs_parses_variants_and_sets_knobs_back():
-    """bench/diag_knobs.py (GPU-only) evaluates --variants: literals and range() only; a knob
-    that does not exist fails before the run, and set_knobs returns what it replaced."""
-    sys.path.insert(0, str(BENCH))
+    """experiments/diag_knobs.py (GPU-only) evaluates --variants: literals and range() only; a
+    knob that does not exist fails before the run, and set_knobs returns what it replaced."""
+    sys.path[:0] = [str(EXPERIMENTS), str(BENCH)]  # as PYTHONPATH=.:bench gives the script
     try:
         from diag_knobs import _literal, set_knobs
     finally:
+        sys.path.remove(str(EXPERIMENTS))
         sys.path.remove(str(BENCH))
     from specserve.models import fused_layer
 
@@ -172,14 +185,14 @@ def test_diag_knobs_parses_variants_and_sets_knobs_back():
 
 @pytest.mark.parametrize("drafter", ["dflash", "replay"])
 def test_diag_dflash_step_tiny(tmp_path, drafter):
-    """bench/diag_dflash_step.py on the tiny CPU model: every step phase, the timer pass and the
-    profile land in its JSON; the bench setup's JSON goes beside it, not into the cwd."""
+    """experiments/diag_dflash_step.py on the tiny CPU model: every step phase, the timer pass
+    and the profile land in its JSON; the bench setup's JSON goes beside it, not into the cwd."""
     out = tmp_path / "diag.json"
     new = "40" if drafter == "dflash" else "200"
-    proc = subprocess.run([sys.executable, str(BENCH / "diag_dflash_step.py"), "--tiny",
+    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "diag_dflash_step.py"), "--tiny",
                            "--ctxs", "64", "--new", new, "--drafter", drafter, "--out", str(out),
-                           "--replay-budget", "7"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                           "--replay-budget", "7"], cwd=tmp_path, env=experiments_env(),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
     med = row["median_ms"]
@@ -196,12 +209,13 @@ def test_diag_dflash_step_tiny(tmp_path, drafter):
 
 
 def test_diag_draft_batch_tiny(tmp_path):
-    """bench/diag_draft_batch.py on the tiny CPU model: a call mixing block lengths goes through
-    one graph per length (the static path), its logits equal the eager path's."""
+    """experiments/diag_draft_batch.py on the tiny CPU model: a call mixing block lengths goes
+    through one graph per length (the static path), its logits equal the eager path's."""
     out = tmp_path / "batch.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "diag_draft_batch.py"), "--tiny", "--ctx",
-                           "40", "--steps", "3", "--batch", "3", "--out", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "diag_draft_batch.py"), "--tiny",
+                           "--ctx", "40", "--steps", "3", "--batch", "3", "--out", str(out)],
+                          cwd=tmp_path, env=experiments_env(), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {(r["mix"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {(m, g) for m in ("uniform", "mixed") for g in ("graphs", "eager")}
@@ -215,15 +229,14 @@ def test_diag_draft_batch_tiny(tmp_path):
 
 
 def test_diag_fused_merge_keeps_one_wave_on_sm90():
-    """bench/diag_fused_merge.py's grid barrier needs every CTA resident (one wave, 2 per SM):
+    """experiments/diag_fused_merge.py's grid barrier needs every CTA resident (one wave, 2 per SM):
     its kernel, fused or not, cross-compiled for sm_90 (no GPU needed) fits two CTAs per SM and
     does not spill with the merge's largest tiles."""
-    import os
-
     pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(BENCH / "diag_fused_merge.py"), "--compile-check"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = experiments_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "diag_fused_merge.py"),
+                           "--compile-check"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {(r["fuse"], r["merge_rows"]) for r in report} == {(True, 2), (True, 16), (False, 2)}

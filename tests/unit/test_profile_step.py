@@ -1,8 +1,10 @@
-"""bench/profile_step.py --tiny on CPU: every section runs and lands in the JSON and the report."""
+"""experiments/profile_step.py --tiny on CPU: every section runs and lands in the JSON and the
+report (run as its docstring says: PYTHONPATH=.:bench, for bench/'s helpers)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_profile_step_tiny(tmp_path):
     out = tmp_path / "p.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--tiny",
-                           "--layers", "3", "--out", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    path = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "bench"),
+                                       os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "profile_step.py"),
+                           "--tiny", "--layers", "3", "--out", str(out)], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert not res.get("errors"), res.get("errors")

@@ -18,7 +18,8 @@ Three questions, one harness (bench_kernel.py's pools rotated beyond L2, 36-call
 call's first prefix tiles prefetched into L2 before its wait at fdc6540; both removed:
 BENCHMARKS.md, "per-CTA timelines" and "a no-merge bound".)
 
-    python bench/diag_fused_merge.py [--out PATH] [--shapes "[(32768, 16)]"] [--variants "..."]
+    PYTHONPATH=.:bench python experiments/diag_fused_merge.py [--out PATH]
+        [--shapes "[(32768, 16)]"] [--variants "..."]
 
 A variant: (name, fuse, cooperative launch, num_splits or None, config tuple or None[, extras])
 with extras a dict of `last_k`, `early`, `no_merge` and launcher options (plan.OPTIONS, e.g.

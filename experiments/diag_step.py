@@ -12,10 +12,11 @@ measures, on the random Qwen3-8B-shape target (bf16, page 16):
       minus the sum of kernel times (launch gaps the graph does not hide).
   [2] per GEMM shape of the layer: F.linear alone at M = rows over rotated weight copies
       (> L2), replayed from a CUDA graph, as a fraction of the copy rate measured in the same
-      run. (The first run, bench/results/diag_step_h200_run1.json, timed these eagerly: its
+      run. (The first run, experiments/results/diag_step_h200_run1.json, timed these eagerly: its
       "gemms" entries are host-bound — 30-35 µs for every small GEMM — and not valid.)
 
-    python3 bench/diag_step.py [--ctxs 1024,32768] [--rows 1,17,65] [--out $OUT/diag_step.json]
+    PYTHONPATH=.:bench python3 experiments/diag_step.py [--ctxs 1024,32768] [--rows 1,17,65]
+        [--out $OUT/diag_step.json]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ window: host work that grows with the context. This script runs the engine on th
 at each context (one warm-up generation, then a timed one under cProfile) and prints ms per step
 and the functions with the most own time.
 
-    python3 bench/profile_demo.py --device cuda --contexts 1024 131072 [--json out.json]
+    python3 experiments/profile_demo.py --device cuda --contexts 1024 131072 [--json out.json]
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ shape (M = 65 just past 64: other M, as the rows buckets could pad to), the libr
 split-K kernel over a small config grid). Every call is replayed from a CUDA graph over weight
 copies that together exceed L2 (≥ 200 MB), random bf16 values, and checked against F.linear.
 
-    python3 bench/diag_gemm.py [--ms 17,64,65,72,80,128] [--out $OUT/diag_gemm.json]
+    PYTHONPATH=.:bench python3 experiments/diag_gemm.py [--ms 17,64,65,72,80,128]
+        [--out $OUT/diag_gemm.json]
 """
 
 from __future__ import annotations

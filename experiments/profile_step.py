@@ -22,8 +22,8 @@ script measures the same steps (no CUDA graphs) and says why, in one run of < 3 
   [6] syncs        `torch.cuda.set_sync_debug_mode("warn")` over one runner step and one engine
                    step: every synchronising call, counted by the repo line that made it.
 
-GPU:  python3 bench/profile_step.py --out $OUT/profile_step.json
-CPU:  python3 bench/profile_step.py --tiny            (tiny model; CPU profiler table only)
+GPU:  PYTHONPATH=.:bench python3 experiments/profile_step.py --out $OUT/profile_step.json
+CPU:  PYTHONPATH=.:bench python3 experiments/profile_step.py --tiny   (tiny model; CPU profiler)
 """
 
 from __future__ import annotations

@@ -8,12 +8,12 @@ alternated over rounds (shared machines drift); logits are compared bitwise with
 variant's; per-kernel GPU µs come from torch.profiler over graph replays (kernel names matching
 --kernels).
 
-    python3 bench/diag_knobs.py --variants "{'lt': {}, 'default': {
+    PYTHONPATH=.:bench python3 experiments/diag_knobs.py --variants "{'lt': {}, 'default': {
         'specserve.models.fused_layer.LT_DOWN_ROWS': range(0)}}" [--ctxs 1024,32768,131072]
         [--rows 17,65] [--rounds 3] [--kernels REGEX] [--out $OUT/diag_knobs.json]
 
 (Values are Python literals, `range(a, b)` included.) Run 1 (raw
-`bench/results/diag_knobs_h200_run1_fused_pdl.json`) A/B'd a PDL knob of the fused layer
+`experiments/results/diag_knobs_h200_run1_fused_pdl.json`) A/B'd a PDL knob of the fused layer
 kernels that commit 532d230 had and the next one removed.
 """
 

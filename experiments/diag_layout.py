@@ -14,7 +14,8 @@ counts differ by rounding), the error relative to an fp32 reference, and the max
 variant's own first result after the graph replays (must be 0). The launcher's contiguity check
 is bypassed here only (it accepts NHD pools).
 
-    python bench/diag_layout.py [--out PATH] [--shapes "[(32768, 16)]"] [--variants "[...]"]
+    PYTHONPATH=.:bench python experiments/diag_layout.py [--out PATH] [--shapes "[(32768, 16)]"]
+        [--variants "[...]"]
 """
 
 from __future__ import annotations

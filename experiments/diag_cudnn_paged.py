@@ -15,7 +15,8 @@ kernel on the tail alone (ctx 0: what would stay ours), cuDNN's paged prefix (gr
 the q packing copy, the FLOP floor of the prefix part at the matmul rate, and cuDNN's error vs
 an fp32 torch reference over the gathered pages. Needs the `nvidia-cudnn-frontend` wheel.
 
-    python3 bench/diag_cudnn_paged.py [--shapes "[(32768, 65)]"] [--out $OUT/diag_cudnn_paged.json]
+    PYTHONPATH=.:bench python3 experiments/diag_cudnn_paged.py [--shapes "[(32768, 65)]"]
+        [--out $OUT/diag_cudnn_paged.json]
 """
 
 from __future__ import annotations

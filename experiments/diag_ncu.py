@@ -2,8 +2,9 @@
 (H200 diagnostic, issue 5): the per-kernel counters (DRAM throughput, stall reasons, occupancy)
 that graph timings cannot show.
 
-    ncu --clock-control none --kernel-name regex:_tree_attn --launch-skip 3 --launch-count 1 \\
-        --section SpeedOfLight --section WarpStateStats python bench/diag_ncu.py \\
+    PYTHONPATH=.:bench ncu --clock-control none --kernel-name regex:_tree_attn --launch-skip 3 \\
+        --launch-count 1 --section SpeedOfLight --section WarpStateStats \\
+        python experiments/diag_ncu.py \\
         --ctx 32768 --n 16 --variant "({}, 16)"
 """
 

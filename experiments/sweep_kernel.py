@@ -6,7 +6,7 @@ time (CUDA-graph replay over ≥ 3 rotated KV pools, `triton.testing.do_bench` m
 bench_kernel.py). Prints one line per variant and a best-per-shape table; writes JSON (with
 n_regs / n_spills / shared of each compiled kernel) to --out (default $OUT/sweep.json).
 
-    python bench/sweep_kernel.py [--only SHAPE_SUBSTRING] [--out PATH]
+    PYTHONPATH=.:bench python experiments/sweep_kernel.py [--only SHAPE_SUBSTRING] [--out PATH]
 """
 
 from __future__ import annotations

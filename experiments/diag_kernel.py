@@ -9,7 +9,8 @@ combine) — the rest of the per-call time is launch gaps. With programmatic dep
 (the sm_90 default) the combine's time includes its wait for the attention kernel: split the
 two with `--options "{'pdl': False}"`.
 
-    python bench/diag_kernel.py [--out PATH] [--shapes "[(32768, 1), (32768, 16)]"]
+    PYTHONPATH=.:bench python experiments/diag_kernel.py [--out PATH]
+        [--shapes "[(32768, 1), (32768, 16)]"]
 """
 
 from __future__ import annotations

@@ -16,8 +16,10 @@ commit ≈ 1) at 8.3 ms at 1k while the verify it contains is 4.9 ms and the dra
                  copies and syncs;
                  the top CPU ops by self time and the top kernels by GPU time.
 
-    python3 bench/diag_dflash_step.py [--ctxs 1024,32768] [--new 64] [--out $OUT/diag_dflash.json]
-    python3 bench/diag_dflash_step.py --drafter replay --new 256   # the replay drafter's steps
+    PYTHONPATH=.:bench python3 experiments/diag_dflash_step.py [--ctxs 1024,32768] [--new 64]
+        [--out $OUT/diag_dflash.json]
+    PYTHONPATH=.:bench python3 experiments/diag_dflash_step.py --drafter replay --new 256
+        # the replay drafter's steps
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ decode; chains) three ways, side by side: every block full ("uniform"), one requ
 the largest difference between the two paths' logits (equal in fp32 on the CPU, as its test
 checks; on a GPU in bf16 the graphs' fused layer kernels round differently).
 
-    python3 bench/diag_draft_batch.py [--ctx 1024] [--batch 4] [--short-depth 4] [--out F]
+    PYTHONPATH=.:bench python3 experiments/diag_draft_batch.py [--ctx 1024] [--batch 4]
+        [--short-depth 4] [--out F]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Plot one bench_e2e.py result (issue 9): verify steps vs their floors, prefill vs the FLOP floor
 and HF, decode tokens/s of ours vs the peers — one PNG, three panels, every number from the JSON.
 
-    python3 bench/plot_e2e.py bench/results/e2e_h200_run9_final.json [--out PATH.png]
+    python3 experiments/plot_e2e.py experiments/results/e2e_h200_run9_final.json [--out PATH.png]
 """
 
 from __future__ import annotations
