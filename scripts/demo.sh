@@ -38,4 +38,4 @@ echo
 echo "[demo] probe rows: $DEMO_DIR/probe.json (each with its trace_id), plot: $DEMO_DIR/probe.png"
 echo "[demo] traces (one JSON span per line, per service): $DEMO_DIR/traces/*.jsonl"
 echo "       e.g. grep <trace_id> $DEMO_DIR/traces/*.jsonl; with docker compose up they go to"
-echo "       Jaeger instead: http://localhost:16686 (see README, 'Docker Compose')"
+echo "       Jaeger instead: http://localhost:16686 (see docs/deploy.md, 'Docker Compose')"
