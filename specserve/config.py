@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-DEFAULT_KV_BYTES_CPU = 256 << 20
 SWITCH = ("auto", "on", "off")  # a GPU-only feature: auto = on where the work runs on CUDA
 
 

@@ -15,8 +15,9 @@ from specserve.attention.base import AttentionBackend
 
 def backend_for(device: torch.device | str) -> AttentionBackend:
     if torch.device(device).type == "cuda":
-        from specserve.attention.prefill import prefill_attention
+        from specserve.attention.prefill import prefill_attention, use_ragged_plans
 
+        use_ragged_plans()  # before any cuDNN attention call of this process
         return prefill_attention
     from specserve.attention.torch_ref import torch_ref_attention
 

@@ -45,13 +45,13 @@ MIN_FLOP = 1.5e11
 # H200 (bench/diag_sdpa.py --first-calls), i.e. on almost every request of a serving workload.
 # torch's opt-in ragged path keys its plans on the lengths rounded up to powers of two (a few
 # dozen plans for any workload, ≈ 5-10 % slower); torch reads the variable once, at its first
-# cuDNN attention call, and takes that path only when q, k, v and out are all BSHD-contiguous.
+# cuDNN attention call (`use_ragged_plans` sets it before that), and takes that path only when
+# q, k, v and out are all BSHD-contiguous.
 # So a call still gets a plan of its own shape by passing q head-major (one copy of q, ~1 % of
 # the call). We do that for the regular shapes of chunked prefill — a power-of-two chunk of
 # ≥ 2048 rows over a whole number of such chunks — which recur at every long prompt, are few
 # (one per chunk of the longest context) and run 5-10 % faster per shape (diag_sdpa: 28.5 vs
 # 30.3 ms for 8192 rows over 120k); at most DENSE_PLANS_MAX of them, the rest stay ragged.
-os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
 DENSE_PLANS_MAX = 64  # chunk shapes (two plans each: the chunk's causal call, its prefix call)
 _per_shape: set[tuple[int, int]] = set()  # (rows, prefix) of the chunks planned per shape so far
 _DTYPES = {"cuda": (torch.bfloat16, torch.float16), "cpu": (torch.float32, torch.bfloat16)}
@@ -117,10 +117,19 @@ def plan_key(q: torch.Tensor, sliding_window: int | None) -> tuple:
     return ("prefill_plan", q.dtype, q.shape[-1], sliding_window)
 
 
+def use_ragged_plans() -> None:
+    """Opt this process into cuDNN's ragged-path plans (TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1, see
+    above) unless the environment already says otherwise. torch reads the variable at its first
+    cuDNN attention call, so this runs before it: when the CUDA backend is chosen
+    (`attention.backend_for`) and again, for direct callers, before each library call."""
+    os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
+
+
 def _library_attention(q, k, v, causal: bool, scale: float):
     """(out, lse) of q `[1, Hq, n, D]` over k/v `[1, Hkv, L, D]` (strided views): cuDNN on
     CUDA, torch's CPU flash op on the CPU; lse `[1, Hq, n]` in natural log."""
     if q.is_cuda:
+        use_ragged_plans()
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scale)
     else:

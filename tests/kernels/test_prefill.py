@@ -211,3 +211,18 @@ def test_cudnn_chunk_beside_verify_trees_on_gpu():
     assert (2048, 4096) in prefill._per_shape  # a regular chunk: cuDNN's per-shape plans
     want = torch_ref_attention(q.float(), k.float(), v.float(), batch, 128**-0.5)
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-2
+
+
+def test_cuda_backend_opts_into_ragged_plans_unless_told(monkeypatch):
+    """Importing the backend sets nothing; choosing it for CUDA sets
+    TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (before any cuDNN call) and keeps a value already set."""
+    from specserve.attention import backend_for
+
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", raising=False)
+    assert backend_for("cpu") is torch_ref_attention
+    assert "TORCH_CUDNN_SDPA_AVOID_RECOMPILE" not in os.environ
+    assert backend_for("cuda") is prefill_attention
+    assert os.environ["TORCH_CUDNN_SDPA_AVOID_RECOMPILE"] == "1"
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "0")
+    backend_for("cuda")
+    assert os.environ["TORCH_CUDNN_SDPA_AVOID_RECOMPILE"] == "0"
