@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 PREDICTABLE = "The cat sat on the mat. "
+TEXTS = ("predictable", "novel")  # what `--texts` may name
 
 
 HEALTHY = "healthy"
@@ -91,14 +92,19 @@ def followed(generated: list[int], expected: list[int] | None) -> float | None:
 
 
 def parse_contexts(spec: str) -> list[int]:
-    """'1k,16k,64k,128k' → [1024, 16384, 65536, 131072]."""
+    """'1k,16k,64k,128k' → [1024, 16384, 65536, 131072]; ValueError naming a bad part."""
     out = []
     for part in spec.split(","):
         part = part.strip().lower()
         scale = 1024 if part.endswith("k") else 1
-        out.append(int(float(part.rstrip("k")) * scale))
-    if not out or any(c <= 0 for c in out):
-        raise ValueError(f"--contexts must be positive token counts, got {spec!r}")
+        try:
+            out.append(int(float(part.removesuffix("k")) * scale))
+        except (ValueError, OverflowError):  # '1x', '', 'inf'
+            where = f" in {spec!r}" if part != spec.strip().lower() else ""
+            raise ValueError(f"{part!r} is not a token count (e.g. 512, 1k, 16k){where}") \
+                from None
+    if any(c <= 0 for c in out):
+        raise ValueError(f"must be positive token counts, got {spec!r}")
     return out
 
 

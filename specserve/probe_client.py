@@ -1,7 +1,8 @@
 """The commit probe's gateway calls: one probe row from a speculative request, its losslessness
 spot check (the same request, speculation off, must give the same tokens) and the row's verdict.
 
-grpc is imported lazily (this module is part of the grpc-free core's namespace).
+grpc is imported lazily (this module is part of the grpc-free core's namespace); the messages are
+built and read by `specserve.cli.wire` (no torch).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Generation:
 
     ids: list[int] = field(default_factory=list)
     text: str = ""
-    steps: list = field(default_factory=list)
+    steps: list = field(default_factory=list)  # the wire.Chunks that carried tokens
     arrivals: list[float] = field(default_factory=list)  # client clock, one per chunk
     final: object = None
     trace_id: str | None = None
@@ -53,29 +54,29 @@ class Generation:
 
 def generate(stub, ids: list[int], new_tokens: int, drafter: str | None, budget: int | None,
              timeout_s: float, metadata=(), label: str = "") -> Generation:
-    from services.gateway import convert
+    from specserve.cli import wire
     from specserve.types import SamplingParams
 
-    req = convert.generate_request_to_pb(ids, SamplingParams(max_tokens=new_tokens,
-                                                             ignore_eos=True), drafter, budget)
+    req = wire.generate_request(ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True),
+                                drafter, budget)
     out, waiting = Generation(), _Waiting(label) if label else None
     call = stub.Generate(req, timeout=timeout_s, metadata=metadata)
     try:
         for msg in call:
-            event = convert.response_from_pb(msg)
+            event = wire.event(msg)
             if waiting is not None:
                 waiting.stop()
-            if isinstance(event, convert.GatewayFinal):
+            if isinstance(event, wire.Final):
                 out.final = event
-            elif event[1].token_ids:
-                out.text += event[0]
-                out.ids += event[1].token_ids
-                out.steps.append(event[1])
+            elif event.token_ids:
+                out.text += event.text
+                out.ids += event.token_ids
+                out.steps.append(event)
                 out.arrivals.append(time.perf_counter())
     finally:
         if waiting is not None:
             waiting.stop()
-    out.trace_id = convert.trace_id_from_metadata(call.initial_metadata())
+    out.trace_id = wire.trace_id(call.initial_metadata())
     return out
 
 

@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from specserve.cli import usage
+
 BENCHES = {
     "kernel": "bench_kernel.py",  # tree-verify kernel vs baselines and the floor (GPU)
     "e2e": "bench_e2e.py",  # issue-9 end-to-end: verify, prefill, decode vs floors/peers (GPU)
@@ -23,9 +25,11 @@ BENCHES = {
 
 def add(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark script (from a source checkout)",
+                       formatter_class=usage.HelpFormatter,
                        description="Run one of the benchmarks in bench/ with this Python; "
                                    "arguments after the name go to the script (e.g. --out).")
-    p.add_argument("name", choices=sorted(BENCHES))
+    p.add_argument("name", choices=sorted(BENCHES), help="which script of bench/: " + ", ".join(
+        f"{n} = {BENCHES[n]}" for n in sorted(BENCHES)))
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
     p.set_defaults(func=_bench)
 

@@ -1,5 +1,8 @@
 """`specserve generate`: stream a generation from the gateway, or (`--in-process`) from an engine
 built in this process.
+
+The gateway client imports no torch (its wire conversions are `wire`'s): its first byte comes in
+well under a second. torch and the engine load only for `--in-process`.
 """
 
 from __future__ import annotations
@@ -8,48 +11,65 @@ import json
 import sys
 import time
 
+from specserve.cli import usage
 from specserve.cli.client import add_gateway_flags, gateway_channel
 
 
 def add(sub) -> None:
     p = sub.add_parser("generate", help="stream a generation from the gateway",
+                       formatter_class=usage.HelpFormatter,
                        description="Stream text from the gateway (gRPC); the stats line goes "
                                    "to stderr. --in-process runs an engine here instead.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt text from this file ('-': stdin)")
-    src.add_argument("--token-ids", help="prompt token ids, comma-separated")
+    src.add_argument("--token-ids", type=usage.token_ids,
+                     help="prompt token ids, comma-separated (each must be in the model's "
+                          "vocabulary)")
     add_gateway_flags(p)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=None,
-                   help="0 = greedy (default: the model's generation_config.json, else greedy)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None, help="(default: the model's, else 1)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--stop-token-id", type=int, action="append", default=[])
-    p.add_argument("--ignore-eos", action="store_true")
+    _add_sampling(p)
     p.add_argument("--drafter", choices=["dflash", "ngram", "none"], default=None,
-                   help="drafter for this request (default: the verifier's)")
-    p.add_argument("--budget", type=int, default=None, help="draft nodes per step")
-    p.add_argument("--request-id", default="")
+                   help="drafter for this request (default: the verifier's; gateway only)")
+    p.add_argument("--budget", type=usage.budget, default=None,
+                   help=f"draft nodes per step, 0..{usage.MAX_BUDGET} (the verifier caps it at "
+                        "its --max-draft-tokens; default: the verifier's; gateway only)")
+    p.add_argument("--request-id", default="", help="the request's id (default: one the "
+                                                    "gateway makes up)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of the call")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    p.add_argument("--in-process", action="store_true", help="run an engine in this process")
+    p.add_argument("--in-process", action="store_true",
+                   help="run an engine in this process (no drafter: plain decoding)")
     p.add_argument("--model", help="HF checkpoint directory (--in-process)")
-    p.add_argument("--device", default="cpu", help="(--in-process)")
+    p.add_argument("--device", default="cpu", type=usage.device(),
+                   help="cpu, cuda or cuda:N (--in-process)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="(--in-process)")
     p.set_defaults(func=_generate)
 
 
+def _add_sampling(p) -> None:
+    p.add_argument("--max-tokens", type=usage.positive_int, default=64,
+                   help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the model's generation_config.json, else greedy)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample from the k likeliest tokens (default: the model's, else no cut)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus mass "
+                                                             "(default: the model's, else 1)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: none, not reproducible)")
+    p.add_argument("--stop", action="append", default=[], type=usage.unescape,
+                   help=r"stop string (repeatable); \n, \t, \r and \\ are unescaped, so "
+                        r"--stop '\n\n' stops at a blank line")
+    p.add_argument("--stop-token-id", type=int, action="append", default=[],
+                   help="stop token id (repeatable; besides the model's EOS)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past EOS (until --max-tokens or a stop)")
+
+
 def _prompt(args) -> str | list[int]:
     if args.token_ids is not None:
-        try:
-            return [int(t) for t in args.token_ids.replace(",", " ").split()]
-        except ValueError:
-            raise SystemExit(f"specserve: --token-ids must be integers: {args.token_ids!r}") \
-                from None
+        return args.token_ids
     if args.prompt_file is not None:
         if args.prompt_file == "-":
             return sys.stdin.read()
@@ -62,9 +82,10 @@ def _generate(args) -> int:
     from specserve.models.config import GenerationDefaults, load_generation_defaults
     from specserve.types import SamplingParams
 
+    if args.in_process and not args.model:
+        raise usage.UsageError("--in-process needs --model DIR")
     # remote: the server fills what is not given (the fields are cleared on the wire)
-    d = load_generation_defaults(args.model) if args.in_process and args.model else \
-        GenerationDefaults()
+    d = load_generation_defaults(args.model) if args.in_process else GenerationDefaults()
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=d.temperature if args.temperature is None else args.temperature,
@@ -79,11 +100,11 @@ def _generate(args) -> int:
 def _generate_remote(args, params) -> int:
     import grpc
 
-    from services.gateway import convert
+    from specserve.cli import wire
     from specserve.v1 import gateway_pb2_grpc
 
-    req = convert.generate_request_to_pb(_prompt(args), params, args.drafter, args.budget,
-                                         args.request_id)
+    req = wire.generate_request(_prompt(args), params, args.drafter, args.budget,
+                                args.request_id)
     for name in ("temperature", "top_k", "top_p"):  # not given: the model's defaults apply
         if getattr(args, name) is None:
             req.sampling.ClearField(name)
@@ -94,27 +115,27 @@ def _generate_remote(args, params) -> int:
                                                         metadata=metadata)
         try:
             for msg in call:
-                event = convert.response_from_pb(msg)
-                if isinstance(event, convert.GatewayFinal):
+                event = wire.event(msg)
+                if isinstance(event, wire.Final):
                     final = event
                     continue
-                text.append(event[0])
-                ids += event[1].token_ids
+                text.append(event.text)
+                ids += event.token_ids
                 if not args.json:
-                    print(event[0], end="", flush=True)
+                    print(event.text, end="", flush=True)
         except KeyboardInterrupt:
             call.cancel()
             return 130
         except grpc.RpcError as e:
             sep = "\n" if text and not args.json else ""
-            print(f"{sep}specserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            print(f"{sep}specserve generate: error: {e.code().name}: {e.details()}",
+                  file=sys.stderr)
             return 2
     if final is None:
-        print("\nspecserve: error: the gateway stream ended without a final message",
+        print("\nspecserve generate: error: the gateway stream ended without a final message",
               file=sys.stderr)
         return 2
-    _report("".join(text), ids, final, args.json,
-            convert.trace_id_from_metadata(call.initial_metadata()))
+    _report("".join(text), ids, final, args.json, wire.trace_id(call.initial_metadata()))
     return 0
 
 
@@ -141,8 +162,6 @@ def _generate_in_process(args, params) -> int:
     from specserve.config import EngineConfig
     from specserve.engine.engine import Engine
 
-    if not args.model:
-        raise SystemExit("specserve generate: --in-process needs --model DIR")
     engine = Engine(EngineConfig(args.model, dtype=args.dtype, device=args.device))
     engine.add_request("cli", _prompt(args), params)
     t0, text, ids, reason = time.perf_counter(), [], [], None

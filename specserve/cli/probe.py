@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
+from specserve import probe
+from specserve.cli import usage
 from specserve.cli.client import add_gateway_flags, gateway_channel
 
 
 def add(sub) -> None:
     p = sub.add_parser("probe", help="the commit probe: predictable vs novel text by context",
+                       formatter_class=usage.HelpFormatter,
                        description="Send predictable text ('The cat sat on the mat.' repeated) "
                                    "and novel text at several context lengths through the "
                                    "gateway; print commit_len, depth, drafts, timings and a "
@@ -21,12 +25,19 @@ def add(sub) -> None:
     p.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL"),
                    help="target checkpoint dir (its tokenizer.json sizes the prompts) "
                         "[env SPECSERVE_MODEL; default: the demo target in checkpoints/]")
-    p.add_argument("--contexts", default="1k,16k,64k,128k", help="prompt lengths in tokens")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--drafter", choices=["dflash", "ngram", "none"], default=None)
-    p.add_argument("--budget", type=int, default=15, help="DDTree budget (draft nodes)")
-    p.add_argument("--texts", default="predictable,novel", help="which texts to probe")
-    p.add_argument("--text-file", help="novel text to use instead of the built-in one")
+    p.add_argument("--contexts", type=_contexts, default="1k,16k,64k,128k",
+                   help="prompt lengths in tokens, comma-separated (k = 1024)")
+    p.add_argument("--new-tokens", type=usage.positive_int, default=64,
+                   help="tokens generated per row")
+    p.add_argument("--drafter", choices=["dflash", "ngram", "none"], default=None,
+                   help="drafter for the requests (default: the verifier's)")
+    p.add_argument("--budget", type=usage.budget, default=15,
+                   help=f"DDTree budget (draft nodes), 0..{usage.MAX_BUDGET}; the verifier caps "
+                        "it at its --max-draft-tokens")
+    p.add_argument("--texts", type=usage.names(probe.TEXTS), default=",".join(probe.TEXTS),
+                   help=f"which texts to probe, comma-separated: {', '.join(probe.TEXTS)}")
+    p.add_argument("--text-file", help="novel text to use instead of the built-in one "
+                                       "(default: stdlib docstrings)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="deadline per request")
     p.add_argument("--lossless-check", choices=["on", "off"], default="on",
                    help="per row, the same request without speculation must give the same "
@@ -36,10 +47,17 @@ def add(sub) -> None:
     p.set_defaults(func=_probe)
 
 
+def _contexts(value: str) -> list[int]:
+    try:
+        return probe.parse_contexts(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _probe(args) -> int:
     import grpc
 
-    from specserve import probe, probe_client, probe_plot
+    from specserve import probe_client, probe_plot
     from specserve.engine.tokenizer import Tokenizer
     from specserve.v1 import gateway_pb2_grpc
 
@@ -48,13 +66,10 @@ def _probe(args) -> int:
 
         args.model = default_pair()[0]
     if not args.model:
-        raise SystemExit("specserve probe: --model (or SPECSERVE_MODEL) is required "
-                         "(no demo pair under checkpoints/)")
-    contexts, texts = probe.parse_contexts(args.contexts), args.texts.split(",")
+        raise usage.UsageError("--model (or SPECSERVE_MODEL) is required (no demo pair under "
+                               "checkpoints/)")
+    contexts, texts, source = args.contexts, args.texts, _sources(args.text_file)
     tok = Tokenizer.from_dir(args.model)
-    source = {"predictable": lambda n: probe.PREDICTABLE * (n // 4 + 8),
-              "novel": (lambda n: Path(args.text_file).read_text(encoding="utf-8"))
-              if args.text_file else (lambda n: probe.novel_corpus(6 * n))}
     rows = []
     ch, metadata = gateway_channel(args)
     with ch:
@@ -74,12 +89,7 @@ def _probe(args) -> int:
                           file=sys.stderr)
                     return 2
                 rows.append(row)
-                print(f"  {text} @ {n:,}: commit_len {row.commit_len:.2f}, "
-                      f"steps {row.first_step_ms:.1f} ms then {row.steady_step_ms:.1f} ms, "
-                      f"wall {row.wall_s:.1f} s: {row.verdict}", file=sys.stderr)
-                if row.lossless is False:
-                    print(f"specserve probe: {text} @ {n:,}: speculation changed the tokens "
-                          "(the same request without it differs)", file=sys.stderr)
+                _print_row(row)
     print(probe.table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(probe.rows_as_json(rows), indent=2))
@@ -87,3 +97,19 @@ def _probe(args) -> int:
         probe_plot.plot(rows, args.plot, args.budget, Path(args.model).name)
         print(f"plot: {args.plot}", file=sys.stderr)
     return 3 if any(r.lossless is False for r in rows) else 0
+
+
+def _sources(text_file: str | None) -> dict:
+    """text name → (context length → the corpus to cut prompts from)."""
+    novel = (lambda n: Path(text_file).read_text(encoding="utf-8")) if text_file else \
+        (lambda n: probe.novel_corpus(6 * n))
+    return {"predictable": lambda n: probe.PREDICTABLE * (n // 4 + 8), "novel": novel}
+
+
+def _print_row(row) -> None:
+    print(f"  {row.text} @ {row.context:,}: commit_len {row.commit_len:.2f}, "
+          f"steps {row.first_step_ms:.1f} ms then {row.steady_step_ms:.1f} ms, "
+          f"wall {row.wall_s:.1f} s: {row.verdict}", file=sys.stderr)
+    if row.lossless is False:
+        print(f"specserve probe: {row.text} @ {row.context:,}: speculation changed the tokens "
+              "(the same request without it differs)", file=sys.stderr)

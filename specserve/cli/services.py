@@ -1,5 +1,6 @@
 """`specserve serve NAME` (one service in this process) and `specserve up` (all three as
-subprocesses, health-checked, logs prefixed, stopped together).
+subprocesses, health-checked, logs prefixed, stopped together; their gRPC and metrics ports
+both follow `--ports`).
 """
 
 from __future__ import annotations
@@ -8,14 +9,18 @@ import argparse
 import os
 import sys
 
+from specserve.cli import usage
+
 SERVICES = ("drafter", "verifier", "gateway")  # the start order of `up`
+OFFSET = {"gateway": 0, "verifier": 1, "drafter": 2}  # ports from a base: --ports, --metrics-ports
 
 
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="run one service (gateway, verifier or drafter)",
+                       formatter_class=usage.HelpFormatter,
                        description="Run one service; the remaining arguments are its own flags "
                                    "(see `specserve serve gateway --help`).")
-    p.add_argument("service", choices=SERVICES)
+    p.add_argument("service", choices=SERVICES, help="which service")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the service's flags")
     p.set_defaults(func=lambda args: _serve(args.service, args.args))
 
@@ -28,6 +33,7 @@ def _serve(service: str, argv: list[str]) -> int:
 
 def add_up(sub) -> None:
     p = sub.add_parser("up", help="run drafter, verifier and gateway locally",
+                       formatter_class=usage.HelpFormatter,
                        description="Start drafter, verifier and gateway as subprocesses, wait "
                                    "until each is SERVING, stream their logs; Ctrl-C stops all.")
     p.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL"),
@@ -35,19 +41,64 @@ def add_up(sub) -> None:
                         "pair in checkpoints/, target and drafter]")
     p.add_argument("--draft-model", default=os.environ.get("SPECSERVE_DRAFT_MODEL"),
                    help="DFlash drafter directory [env SPECSERVE_DRAFT_MODEL]")
-    p.add_argument("--device", default=None, help="torch device of verifier and drafter")
+    p.add_argument("--device", default=None, type=usage.device(("auto", "cpu", "cuda")),
+                   help="torch device of verifier and drafter: auto, cpu, cuda or cuda:N "
+                        "(default: the services' own, auto)")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
-    p.add_argument("--ports", type=int, default=50051,
+    p.add_argument("--ports", type=_base_port, default=50051,
                    help="base port: gateway BASE, verifier BASE+1, drafter BASE+2")
     for name in SERVICES:
-        p.add_argument(f"--{name}-port", type=int, default=None, help=f"{name} port override")
-    p.add_argument("--http-port", default=os.environ.get("SPECSERVE_GATEWAY_HTTP_PORT", "8000"),
+        p.add_argument(f"--{name}-port", type=usage.port, default=None,
+                       help=f"{name} port override")
+    p.add_argument("--metrics-ports", type=int, default=None, metavar="BASE",
+                   help="Prometheus ports: gateway BASE, verifier BASE+1, drafter BASE+2; 0 = "
+                        "none (default: each service's SPECSERVE_*_METRICS_PORT, else 9101.. "
+                        "moved by as much as --ports is from 50051)")
+    p.add_argument("--http-port", type=_http_port,
+                   default=os.environ.get("SPECSERVE_GATEWAY_HTTP_PORT", "8000"),
                    help="the gateway's OpenAI HTTP API port (0 = any free, off = none) "
-                        "[env SPECSERVE_GATEWAY_HTTP_PORT, default 8000]")
+                        "[env SPECSERVE_GATEWAY_HTTP_PORT]")
     p.add_argument("--no-drafter", action="store_true",
                    help="no drafter service (the verifier decodes without the DFlash drafter)")
-    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--startup-timeout-s", type=float, default=600.0,
+                   help="how long each service may take to report SERVING")
     p.set_defaults(func=_up)
+
+
+def _base_port(value: str) -> int:
+    n = usage.port(value)
+    if n > 65533:
+        raise argparse.ArgumentTypeError(f"must leave room for BASE+2 (at most 65533), got {n}")
+    return n
+
+
+def _http_port(value: str) -> str:
+    http = str(value).strip().lower()
+    if http != "off" and not (http.isdigit() and int(http) <= 65535):
+        raise argparse.ArgumentTypeError(f"must be a port number or off, got {value!r}")
+    return http
+
+
+def _metrics_ports(args) -> dict[str, int]:
+    """Each service's Prometheus port (0 = none): --metrics-ports, else the service's
+    SPECSERVE_*_METRICS_PORT, else its default moved with --ports (so two `up`s with different
+    --ports do not share one)."""
+    from services.common.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
+
+    base = args.metrics_ports
+    if base is not None and base != 0 and not 1 <= base <= 65533:
+        raise usage.UsageError(f"--metrics-ports must be 0 or in [1, 65533], got {base}")
+    env = {n: os.environ.get(f"SPECSERVE_{n.upper()}_METRICS_PORT") for n in SERVICES}
+    if base is None:
+        base = GATEWAY_METRICS_PORT + args.ports - GATEWAY_PORT
+        if not 1 <= base <= 65533 and None in env.values():
+            raise usage.UsageError(f"--ports {args.ports} moves the metrics ports ({base}.."
+                                   f"{base + 2}) out of range; give --metrics-ports BASE (0 = "
+                                   "none)")
+        if not all(v is None or v.strip().isdigit() for v in env.values()):
+            raise usage.UsageError(f"SPECSERVE_*_METRICS_PORT must be port numbers, got {env}")
+        return {n: int(env[n]) if env[n] is not None else base + OFFSET[n] for n in SERVICES}
+    return {n: base and base + OFFSET[n] for n in SERVICES}
 
 
 def _up_plan(args) -> list[tuple[str, str, list[str]]]:
@@ -58,18 +109,14 @@ def _up_plan(args) -> list[tuple[str, str, list[str]]]:
         args.model, demo_drafter = default_pair()
         args.draft_model = args.draft_model or demo_drafter
     if not args.model:
-        raise SystemExit("specserve up: --model (or SPECSERVE_MODEL) is required "
-                         "(no demo pair under checkpoints/)")
-    http = str(args.http_port).lower()
-    if http != "off" and not (http.isdigit() and int(http) <= 65535):
-        raise SystemExit(f"specserve up: --http-port must be a port number or off, "
-                         f"got {args.http_port!r}")
-    base = {"gateway": 0, "verifier": 1, "drafter": 2}
-    port = {n: getattr(args, f"{n}_port") or args.ports + base[n] for n in SERVICES}
+        raise usage.UsageError("--model (or SPECSERVE_MODEL) is required (no demo pair under "
+                               "checkpoints/)")
+    metrics = _metrics_ports(args)
+    port = {n: getattr(args, f"{n}_port") or args.ports + OFFSET[n] for n in SERVICES}
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     addr = {n: f"{local}:{port[n]}" for n in SERVICES}
-    flags = {n: ["--host", args.host, "--port", str(port[n]), "--model", args.model]
-             for n in SERVICES}
+    flags = {n: ["--host", args.host, "--port", str(port[n]), "--model", args.model,
+                 "--metrics-port", str(metrics[n])] for n in SERVICES}
     device = ["--device", args.device] if args.device else []
     draft = ["--draft-model", args.draft_model] if args.draft_model else []
     flags["drafter"] += draft + device

@@ -6,20 +6,27 @@ The recipe, data and determinism live in `specserve.demo.train`; this only parse
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from specserve.cli import usage
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="checkpoints", help="directory for demo-target/, "
-                   "demo-drafter/ and training.json (default: checkpoints)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+                   "demo-drafter/ and training.json; refused if it is not empty (--force)")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite what --out already holds (the committed pair, say)")
+    p.add_argument("--seed", type=int, default=0, help="seed of data, init and training")
+    p.add_argument("--device", default="auto", type=usage.device(("auto", "cpu", "cuda")),
+                   help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--target-steps", type=int, default=None, help="override the recipe's")
     p.add_argument("--drafter-steps", type=int, default=None, help="override the recipe's")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice)")
     p.add_argument("--recipe", choices=["cpu", "full"], default="cpu",
                    help="cpu: the committed checkpoints' recipe, on any device (31 min on 2 "
                         "CPU cores, 191 s on an H200); full: longer sequences, not validated "
-                        "yet (default: cpu)")
+                        "yet")
     p.add_argument("--target-from", metavar="DIR", default=None,
                    help="reuse the target of an earlier train-demo output (same seed and "
                         "target recipe) and train only the drafter")
@@ -34,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add(sub) -> None:
     p = sub.add_parser(
         "train-demo", help="train the demo target + DFlash drafter (HF-format checkpoints)",
+        formatter_class=usage.HelpFormatter,
         description="Train a BPE tokenizer and a tiny Qwen3 target on the Python standard "
                     "library's sources, then a DFlash drafter for it (frozen target embedding "
                     "and LM head, taps, random anchors, position-weighted loss). Deterministic "
@@ -43,6 +51,10 @@ def add(sub) -> None:
 
 
 def _train(args) -> int:
+    out = Path(args.out)
+    if out.exists() and not args.force and (not out.is_dir() or any(out.iterdir())):
+        raise usage.UsageError(f"--out {args.out} already exists and is not empty; pass --force "
+                               "to overwrite it or --out a new directory")
     from specserve.demo.train import run_from_args
 
     return run_from_args(args)

@@ -1,0 +1,122 @@
+"""What the CLI's flags accept: the `type=` parsers that turn a bad value into a one-line usage
+error (`Parser`, exit 2), the help formatter of every subcommand (defaults shown) and
+`UsageError`, for the checks that can only run after parsing (`main` reports it the same way).
+
+Nothing heavy is imported at module level: torch only to check a CUDA device that was asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+MAX_BUDGET = 1024  # = specserve.spec.tree.MAX_BUDGET (a test keeps them equal; tree.py is numpy)
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+class UsageError(Exception):
+    """A flag value found wrong after parsing: printed with the subcommand's usage, exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors on one line (the usage itself is a `--help` away), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless it is None / False / empty or the help names one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        none = action.default is None or action.default is False or action.default in ("", [])
+        if none or action.default == argparse.SUPPRESS or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def unescape(value: str) -> str:
+    r"""C-style escapes \n, \t, \r and \\ in a flag value (the shell passes them literally)."""
+    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], value)
+
+
+def token_ids(value: str) -> list[int]:
+    """'1,2 3' → [1, 2, 3] (comma- or space-separated, non-negative)."""
+    try:
+        ids = [int(t) for t in value.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be integers separated by commas, got {value!r}") \
+            from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"must be non-negative token ids, got {value!r}")
+    return ids
+
+
+def budget(value: str) -> int:
+    """Draft nodes per step, in [0, MAX_BUDGET] (what every tree builder accepts)."""
+    n = _int(value)
+    if not 0 <= n <= MAX_BUDGET:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_BUDGET}], got {n}")
+    return n
+
+
+def positive_int(value: str) -> int:
+    n = _int(value)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
+def port(value: str) -> int:
+    """A TCP port, 1..65535."""
+    n = _int(value)
+    if not 1 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {n}")
+    return n
+
+
+def _int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}") from None
+
+
+def device(allowed: tuple[str, ...] = ("cpu", "cuda")):
+    """A `type=` for a torch device among `allowed` (plus cuda:N); a CUDA one must exist here."""
+
+    def parse(value: str) -> str:
+        m = re.fullmatch(r"cuda(?::(\d+))?", value)
+        if value not in allowed and not (m and "cuda" in allowed):
+            raise argparse.ArgumentTypeError(f"must be {' | '.join(allowed)} or cuda:N, "
+                                             f"got {value!r}")
+        if m:
+            count, index = cuda_devices(), int(m.group(1) or 0)
+            if index >= count:
+                have = f"{count} CUDA device(s)" if count else "no CUDA device"
+                raise argparse.ArgumentTypeError(f"{value!r}: this machine has {have}")
+        return value
+
+    return parse
+
+
+def cuda_devices() -> int:
+    """How many CUDA devices torch sees here (imports torch)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def names(allowed: tuple[str, ...]):
+    """A `type=` for a comma-separated list of names from `allowed`: 'a,b' → ['a', 'b']."""
+
+    def parse(value: str) -> list[str]:
+        got = [v.strip() for v in value.split(",") if v.strip()]
+        bad = [v for v in got if v not in allowed]
+        if bad or not got:
+            raise argparse.ArgumentTypeError(f"must be a comma-separated list of "
+                                             f"{', '.join(allowed)}; got {value!r}")
+        return got
+
+    return parse

@@ -1,0 +1,130 @@
+"""The console script's flags (issue 28, item 8): every option has help and shows its default; bad
+values are one-line usage errors with exit 2, found at parse time where they can be; --stop
+unescapes, --gateway HOST means port 50051, `up` moves its metrics ports with --ports."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from specserve.cli import build_parser, main, usage
+from specserve.cli.client import gateway_address
+from specserve.cli.services import _up_plan
+
+
+@pytest.fixture(autouse=True)
+def _no_metrics_env(monkeypatch):
+    for name in ("GATEWAY", "VERIFIER", "DRAFTER"):
+        monkeypatch.delenv(f"SPECSERVE_{name}_METRICS_PORT", raising=False)
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return build_parser()[0].parse_args(list(argv))
+
+
+def test_every_option_of_every_subcommand_has_help_and_shows_its_default():
+    commands = build_parser()[1]
+    assert set(commands) == {"serve", "up", "generate", "probe", "bench", "train-demo"}
+    missing = [f"{name} {a.option_strings or a.dest}" for name, p in commands.items()
+               for a in p._actions
+               if not isinstance(a, argparse._HelpAction) and not (a.help or "").strip()]
+    assert missing == []  # options and positionals alike
+    for name, p in commands.items():
+        assert p.formatter_class is usage.HelpFormatter, name
+    text = " ".join(commands["generate"].format_help().split())
+    assert "(default: 64)" in text and "(default: 127.0.0.1:50051)" in text
+    assert "(default: None)" not in text and "(default: [])" not in text
+    assert "(default: 50051)" in " ".join(commands["up"].format_help().split())
+
+
+def test_stop_strings_are_unescaped():
+    args = _parse("generate", "--prompt", "x", "--stop", r"\n\n", "--stop", r"a\tb\\n\x")
+    assert args.stop == ["\n\n", "a\tb\\n\\x"]
+    assert usage.unescape(r"\r\n") == "\r\n" and usage.unescape("trailing\\") == "trailing\\"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["probe", "--texts", "bogus"], "argument --texts: must be a comma-separated list of "
+                                    "predictable, novel"),
+    (["probe", "--contexts", "1x"], "argument --contexts: '1x' is not a token count"),
+    (["probe", "--contexts", "1k,-2"], "must be positive token counts"),
+    (["probe", "--budget", "5000"], "argument --budget: must be in [0, 1024], got 5000"),
+    (["generate", "--prompt", "x", "--budget", "5000"], "must be in [0, 1024], got 5000"),
+    (["generate", "--token-ids", "9707,..."], "argument --token-ids: must be integers"),
+    (["generate", "--token-ids", "1,-3"], "must be non-negative token ids"),
+    (["generate", "--prompt", "x", "--gateway", "host:abc"], "argument --gateway: must be "
+                                                             "HOST[:PORT]"),
+    (["generate", "--prompt", "x", "--in-process"], "--in-process needs --model DIR"),
+    (["generate", "--prompt", "x", "--device", "tpu"], "argument --device: must be cpu | cuda"),
+    (["up", "--ports", "70000"], "argument --ports: must be a port in [1, 65535]"),
+    (["up", "--http-port", "nope"], "argument --http-port: must be a port number or off"),
+    (["up", "--model", "m", "--ports", "2000", "--http-port", "off"],
+     "--ports 2000 moves the metrics ports (-38950..-38948) out of range; give "
+     "--metrics-ports BASE"),
+])
+def test_usage_errors_are_one_line_and_exit_2(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.count("\n") == 1 and err.startswith(f"specserve {argv[0]}: error: "), err
+    assert says in err and "Traceback" not in err
+
+
+def test_a_cuda_device_must_exist_here(monkeypatch, capsys):
+    monkeypatch.setattr(usage, "cuda_devices", lambda: 0)
+    with pytest.raises(SystemExit) as e:
+        main(["up", "--device", "cuda"])
+    assert e.value.code == 2
+    assert "argument --device: 'cuda': this machine has no CUDA device" in capsys.readouterr().err
+    monkeypatch.setattr(usage, "cuda_devices", lambda: 1)
+    parse = usage.device(("auto", "cpu", "cuda"))
+    assert parse("cuda:0") == "cuda:0" and parse("auto") == "auto" and parse("cpu") == "cpu"
+    with pytest.raises(argparse.ArgumentTypeError, match="has 1 CUDA device"):
+        parse("cuda:1")
+
+
+def test_the_budget_bound_is_the_tree_builders():
+    from specserve.spec.tree import MAX_BUDGET
+
+    assert usage.MAX_BUDGET == MAX_BUDGET
+    assert _parse("probe", "--budget", str(MAX_BUDGET)).budget == MAX_BUDGET
+
+
+@pytest.mark.parametrize("given, address", [
+    ("myhost", "myhost:50051"), ("myhost:1234", "myhost:1234"), ("[::1]", "[::1]:50051"),
+    ("[::1]:7", "[::1]:7"), ("::1", "[::1]:50051"), ("dns:///h:9", "dns:///h:9"),
+    ("unix:/tmp/gw.sock", "unix:/tmp/gw.sock"),
+])
+def test_a_gateway_without_a_port_is_on_50051(given, address):
+    assert gateway_address(given) == address
+    assert _parse("generate", "--prompt", "x", "--gateway", given).gateway == address
+
+
+@pytest.mark.parametrize("bad", ["", "host:", "host:0", "host:99999", ":80", "[::1]x"])
+def test_a_bad_gateway_address_is_refused(bad):
+    with pytest.raises(argparse.ArgumentTypeError):
+        gateway_address(bad)
+
+
+def _ports(*argv: str) -> dict[str, tuple[int, int]]:
+    """service → (gRPC port, metrics port) of an `up` plan."""
+    plan = _up_plan(_parse("up", "--model", "m", "--http-port", "off", *argv))
+    return {n: (int(a.rsplit(":", 1)[1]), int(f[f.index("--metrics-port") + 1]))
+            for n, a, f in plan}
+
+
+def test_up_moves_the_metrics_ports_with_ports(monkeypatch):
+    assert _ports() == {"gateway": (50051, 9101), "verifier": (50052, 9102),
+                        "drafter": (50053, 9103)}
+    moved = _ports("--ports", "60051")
+    assert moved == {"gateway": (60051, 19101), "verifier": (60052, 19102),
+                     "drafter": (60053, 19103)}
+    every = [p for ports in (_ports(), moved) for pair in ports.values() for p in pair]
+    assert len(set(every)) == len(every)  # two `up`s with different --ports share no port
+    assert {m for _, m in _ports("--metrics-ports", "0").values()} == {0}
+    assert _ports("--ports", "2000", "--metrics-ports", "3000")["drafter"] == (2002, 3002)
+    monkeypatch.setenv("SPECSERVE_VERIFIER_METRICS_PORT", "0")  # a service's own setting wins
+    assert _ports("--ports", "60051")["verifier"] == (60052, 0)
+    assert _ports("--ports", "60051", "--metrics-ports", "7000")["verifier"] == (60052, 7001)
