@@ -1,6 +1,7 @@
 """Tree-verify attention benchmark (H200 / any CUDA GPU) and the sm_120 cross-compile check.
 
-Owns the kernels.md §7 measurement in one run: copy bandwidth (D2D, bytes read + written) and
+Owns the kernel's headline measurement (BENCHMARKS.md, the "Tree-verify attention kernel"
+sections) in one run: copy bandwidth (D2D, bytes read + written) and
 bf16 matmul rate, then per point (ctx L, tree rows N, (Hq, Hkv), page size, page order) the
 µs of: ours (auto splits), ours with S=1, the naive Triton baseline (naive.py), gather + SDPA
 with a bool mask, SDPA over pre-gathered contiguous KV, and the KV-read floor (bytes / copy BW).

@@ -9,7 +9,8 @@ kernels check nothing. Not here: the layer wiring (`specserve.models.fused_layer
 
 Exact rounding: every launch turns FMA contraction off (`enable_fp_fusion=False`): torch rounds
 x·cos and roll(x)·sin each before their sum, and a fused multiply-add would skip one of those
-roundings (on the H200 that alone put 20% of the RoPE outputs 1 ulp or more off). Divisions and
+roundings (on the H200 that alone put RoPE outputs 1 ulp or more off: BENCHMARKS.md,
+"Figures formerly in source comments"). Divisions and
 square roots are the round-to-nearest forms (div_rn, sqrt_rn, as torch's CPU kernels compute
 them); exp on CUDA is libdevice's (not the ex2.approx of tl.exp).
 Under the CPU interpreter a float32 → bfloat16 cast truncates, so `_round` rounds to nearest even

@@ -3,7 +3,7 @@
 Owns the input contract (`check_inputs`: ValueError on misuse; the kernels check nothing), the
 CPU interpreter fix both kernels need (`fix_interpreter_index`) and the
 dispatch between the Triton kernel (kernel.py: split-KV prefix with GQA packing + tree
-tail/combine, kernels.md §6) and the torch reference (ref.py). Semantics are those of
+tail/combine) and the torch reference (ref.py). Semantics are those of
 `specserve.attention.torch_ref` (AttnBatch: ragged new tokens over a paged prefix, ancestor
 bitmask or causal among the new tokens, optional sliding window on absolute positions).
 """

@@ -3,14 +3,14 @@
 Three kernels, one result; `configs.combine_shot_rows` and `configs.combine_rows_block` pick one
 per plan. `_combine_shot_kernel` (the measured long-context 64-row plans): BLOCK_R rows a
 program, every part's LSE and O in one round — a grid small and light enough to sit, launched
-early, beside a one-CTA-per-SM attention kernel (H200, 32k, 16 nodes: 44.1 → 41.1 µs a call with
-that plan; BENCHMARKS.md, "a resident combine").
+early, beside a one-CTA-per-SM attention kernel (BENCHMARKS.md, "a resident combine").
 `_combine_rows_kernel` (few parts, ≤ configs.COMBINE_ROWS_MAX_PARTS): each program takes BLOCK_R
 consecutive (token, q head) rows of the contiguous partials `[parts, T·Hq, D]` and merges the
 parts online, one [BLOCK_R, D] tile per part; the loads of different parts do not depend on
 each other (an empty part's O is loaded and discarded), and a handful of programs per SM
-replaces one per (token, head) — at 1k context for a 65-node tree (2080 rows, 5 parts) the merge
-was 10.1 µs as 2080 one-row programs and is 2.7 µs as 520 four-row ones on the H200.
+replaces one per (token, head) — at 1k context for a 65-node tree (2080 rows, 5 parts) 520
+four-row programs instead of 2080 one-row ones (BENCHMARKS.md, "Short-context verify: the combine
+by row blocks").
 `_combine_kernel` (many parts: 32k-128k contexts split 16-64 ways), grid (token, q head): one
 program per row, ONE_SHOT (S + 1 ≤ BLOCK_S, the common case): every part's LSE and partial O
 in one round of loads. Otherwise all LSEs in one load, then the partials in chunks of BLOCK_S

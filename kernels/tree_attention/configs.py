@@ -5,8 +5,9 @@ where rows = max new tokens × GQA group (the packed query rows of one KV head).
 227 KB shared memory, wgmma for BLOCK_M ≥ 64) and sm_120 (RTX PRO 6000 / RTX 50xx: mma.sync only,
 101,376 B of shared memory per block — every entry must fit, `bench/bench_kernel.py --sm120-check`
 cross-compiles them all). Under TRITON_INTERPRET=1 (CPU) small tiles keep the interpreter quick.
-The sm_90 D = 128 entries and the split heuristic are tuned on an H200 (bench/sweep_kernel.py);
-the rest follow kernels.md §6 and fit the cross-compile checks.
+The sm_90 D = 128 entries and the split heuristic are tuned on an H200 (experiments/
+sweep_kernel.py; BENCHMARKS.md, the "Tree-verify attention kernel" sections); the rest fit the
+cross-compile checks.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ SM120_SMEM_LIMIT = 101_376  # bytes of shared memory per block on sm_120 / sm_12
 ROW_BUCKETS = (16, 32, 64, 128)  # packed query rows per KV head, rounded up (last = "more")
 # Plans for contexts ≤ this are latency-bound: > 64 rows use the 64-row bucket's config (2 CTAs
 # per SM) instead of the 128-row one and may split into chunks as short as a quarter of the
-# context. H200, bench/sweep_kernel.py --grid run7, 1k context: 65 nodes 27.1 µs (64 rows,
-# S = 4) vs 30.0 (128 rows, S = 4), 35.7 (S = 1); 17 nodes 15.1 vs 16.5, 28.8. The engine's CUDA
-# graphs plan a class of short steps for it (specserve/engine/graphs.py).
+# context (H200, 1k context, sweep run 7: BENCHMARKS.md, "Tree-verify kernel — row-block and
+# engine-tree sweeps"). The engine's CUDA graphs plan a class of short steps for it
+# (specserve/engine/graphs.py).
 SHORT_CONTEXT = 4096
 
 
@@ -40,9 +41,10 @@ class Config:
 _SM90 = {
     64: {16: Config(16, 64, 4, 5), 32: Config(32, 64, 4, 5), 64: Config(64, 64, 4, 5),
          128: Config(128, 64, 8, 5)},
-    # measured (bench/sweep_kernel.py, H200): 64 rows (64, 64, 4, 5) at S = 32 — 49.5 µs at 32k,
-    # 139 µs at 128k; 256/1024 rows (128, 128, 8, 5) 4-7% ahead of (128, 64, 8, 5) (230 KB shared,
-    # 1 CTA/SM, 2 B of spill)
+    # tuned on the H200 (experiments/sweep_kernel.py): 64 rows (64, 64, 4, 5) at S = 32; 256/1024
+    # rows (128, 128, 8, 5) ahead of (128, 64, 8, 5) (230 KB shared, 1 CTA/SM, 2 B of spill).
+    # BENCHMARKS.md, "Tree-verify attention kernel — second H200 run" and "Figures formerly in
+    # source comments"
     128: {16: Config(16, 64, 4, 5), 32: Config(32, 64, 4, 5), 64: Config(64, 64, 4, 5),
           128: Config(128, 128, 8, 5)},
     256: {16: Config(16, 32, 8, 5), 32: Config(32, 32, 8, 5), 64: Config(32, 32, 8, 5),
@@ -109,10 +111,9 @@ def combine_block_s(parts: int, head_dim: int, fixed: bool = True) -> tuple[int,
 
 
 # The row-block combine (combine.py `_combine_rows_kernel`) for plans of ≤ this many parts, 4
-# (token, head) rows a program. H200 (bench/diag_layout.py, runs 5-6), µs a call, per-row →
-# row-block combine: 5 parts (1k-4k contexts, S = 4) 20.9 → 15.7 at 65 nodes, 14.2 → 10.7 at
-# 17, 37.0 → 31.7 at 4k; 9 parts (32k, 64 nodes) 95.0 → 92.5; 12 parts (128k, 65 nodes) 481.5
-# → 480.1; 33 parts (32k, S = 32) 44.6 → 61.3 — its loop over the parts is serial.
+# (token, head) rows a program: faster than the per-row combine up to 12 parts, slower at 33 (its
+# loop over the parts is serial). H200, experiments/diag_layout.py runs 5-6: BENCHMARKS.md,
+# "Short-context verify: the combine by row blocks" and "Figures formerly in source comments".
 COMBINE_ROWS_MAX_PARTS = 12
 COMBINE_BLOCK_R = 4
 
@@ -130,10 +131,9 @@ def combine_rows_block(parts: int, override: int | None = None) -> int | None:
 # inputs, a launch of ≤ SMs / 16 programs: one request's 8 KV heads): a 7-stage pipeline, 16
 # splits, and the one-round combine (combine.py `_combine_shot_kernel`, 4 rows a program) launched
 # early, waiting beside the attention CTAs, and letting the next kernel launch before its own
-# wait. H200 (bench/diag_layout.py run 15, 16 tree nodes, µs a call in a 36-call graph), table
-# plan → this one: 16k 31.6 → 25.4, 32k 44.1 → 41.1, 48k 59.3 → 57.1, 64k 75.1 → 73.4; 9 and 12
-# nodes at 32k 42.2 / 43.2 → 40.7 / 40.7; beyond 64k it loses (96k 105.3 → 107.2, 128k 135.6 →
-# 141.2). The same one-CTA kernel with the old combine: 32k 42.4-42.6 (diag_fused_merge run 6).
+# wait. It beats the table's plan from 16k to 64k and loses beyond (H200, experiments/
+# diag_layout.py run 15 and diag_fused_merge run 6: BENCHMARKS.md, "Kept: one CTA per SM with the
+# one-round combine resident beside it").
 ONE_CTA_CONFIG = Config(64, 64, 4, 7)
 ONE_CTA_CONTEXTS = (16384, 65536)
 ONE_CTA_SHOT_ROWS = 4
@@ -249,10 +249,12 @@ def default_num_splits(max_ctx_len: int, rows: int, programs: int, sm_count: int
     1 CTA per SM (128-row blocks, compute-bound): the smallest S ≤ 64 that keeps ≥ 95% of the
     SMs busy over its waves (S·programs / (waves · SMs)); if none does, the S that keeps the
     most busy, the smallest on a tie within 1%: 256 rows → S = 8 (128 CTAs), 1024 rows → S = 2,
-    68 rows (a 17-node tree) → S = 16 (not the two full waves of S = 33: at 128k 184.9 µs for
-    S = 16 vs 191.4 for S = 32, at 32k 51.8 vs 60.4; sweep run 7), and 260 rows (a 65-node tree:
-    3 row blocks) → S = 11 at 128k (264 CTAs: two full waves) where a one-wave power of two left
-    36 of 132 SMs idle (S = 4: 651 µs vs S = 16: 496 µs on the H200).
+    68 rows (a 17-node tree) → S = 16 (not the two full waves of S = 33: S = 16 is faster than
+    S = 32 at 32k and 128k; BENCHMARKS.md, "Tree-verify kernel — row-block and engine-tree
+    sweeps", run 7), and 260 rows (a 65-node tree: 3 row blocks) → S = 11 at 128k (264 CTAs: two
+    full waves) where a one-wave power of two left 36 of 132 SMs idle and was slower
+    (BENCHMARKS.md, "Tree-verify attention kernel — third H200 run", and "Figures formerly in
+    source comments").
     """
     min_chunk = max(256, 16 * rows)
     if max_ctx_len <= SHORT_CONTEXT:  # latency-bound: up to 4 splits whatever the rows

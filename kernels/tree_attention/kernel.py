@@ -1,12 +1,12 @@
 """Triton tree-verify attention over a paged KV pool: split-KV prefix + tree tail, then combine.
 
-Owns the attention kernel and the launcher (kernels.md §6); the merge is `combine.py`, the
+Owns the attention kernel and the launcher; the merge is `combine.py`, the
 per-batch launch plan (config, splits, grid, scratch) `plan.py`, the tile helpers `tiles.py`.
 Kernel A (`_tree_attn_kernel`), grid (row-block r, request b · kv head h, part s) with r
 fastest, so the R row blocks of one KV chunk run side by side and share it through L2, and
 parts outermost, so the short tree-tail programs are scheduled after every prefix split
 (interleaved with them, a tail could hold an SM that a prefix split of a one-wave grid then
-waits for: 113 → 98 µs at 32k for 64-node trees on the H200). Rows are GQA-packed (new
+waits for: BENCHMARKS.md, "Tree-verify attention kernel — third H200 run"). Rows are GQA-packed (new
 token, q head in group), head fastest, so each prefix K/V tile is read once per kv head for all
 rows of a block. Parts s < S are prefix splits: the split range is computed on device from
 ctx_lens (chunk = round_up(cdiv(span, S), BLOCK_N)); full prefix tiles carry no mask ops; empty
@@ -23,8 +23,9 @@ Scores live in the log2 domain (q pre-scaled by scale·log2 e), accumulation is 
 
 Pipelining: K/V addresses come from a block-table load, and Triton's pipeliner splits num_stages
 over that indirection — each load gets (num_stages − 1) // 2 iterations of latency. At 3 stages
-the hot loop waits for every tile it just issued (no overlap: ~30% of copy bandwidth on the
-H200); the tables use 5 (two K/V tiles in flight). Check `async_wait {num = …}` in the TTGIR.
+the hot loop waits for every tile it just issued (no overlap: a fraction of copy bandwidth;
+BENCHMARKS.md, "Figures formerly in source comments"); the tables use 5 (two K/V tiles in
+flight). Check `async_wait {num = …}` in the TTGIR.
 """
 
 from __future__ import annotations
@@ -170,9 +171,10 @@ def _tree_tail(q, m_i, l_i, acc, K, V, BlockTable, TreeMask, Positions, bt_row, 
                BLOCK_M: tl.constexpr, TAIL_N: tl.constexpr, SLIDING: tl.constexpr,
                HAS_TREE: tl.constexpr, DOT_PREC: tl.constexpr, ROW_WORDS: tl.constexpr):
     """The new tokens as keys (they sit at ctx + j in the pool) under the ancestor bitmask, or
-    causal without one. ROW_WORDS: the tile's mask as one word per row, shifted per key (H200,
-    1k context, 65 nodes: 26.1 → 20.6 µs a call; the tail alone 28.5 → 17.0), else a word per
-    (row, key) loaded in the scores' layout (sm_120: the broadcast spills)."""
+    causal without one. ROW_WORDS: the tile's mask as one word per row, shifted per key
+    (faster at short context: BENCHMARKS.md, "Tree tail: one mask word per row", and "Figures
+    formerly in source comments"), else a word per (row, key) loaded in the scores' layout
+    (sm_120: the broadcast spills)."""
     if HAS_TREE:  # noqa: SIM108 — constexpr branches
         n_keys = q_len
     else:  # causal: no key beyond the block's last token

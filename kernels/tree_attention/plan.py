@@ -124,8 +124,8 @@ def _choose(shape, heads, sms, config, num_splits, opts, arch) -> tuple[Config, 
 def scratch(batch, parts, t, hq, d, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's fp32 partial O `[parts, T, Hq, D]` and LSE `[parts, T, Hq]` (grown on demand;
     plans with fewer parts use a leading slice — same strides, same base). Partials in the input
-    dtype were measured slower on the H200 (the store's conversion: 32k / 16 nodes 44.7 → 46.9
-    µs) and made ptxas spill on sm_120."""
+    dtype were measured slower on the H200 (the store's conversion; BENCHMARKS.md, "Tree-verify
+    attention kernel — third H200 run") and made ptxas spill on sm_120."""
     key = ("scratch", t, hq, d, device)
     got = batch.memo.get(key)
     if got is None or got[0].shape[0] < parts:

@@ -2,7 +2,7 @@
 
 Each running service owns one instance (with its own `CollectorRegistry`, so several services
 in one test process never collide); `telemetry.start_metrics_server` serves its registry.
-Vocabulary as in ARCHITECTURE.md: a *step* is one draft → verify → commit round for one
+Vocabulary: a *step* is one draft → verify → commit round for one
 request; an *engine step* is one batched round over all running requests.
 """
 

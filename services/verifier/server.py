@@ -173,8 +173,8 @@ class VerifierServer:
 async def _build(config: VerifierConfig, metrics: VerifierMetrics
                  ) -> tuple[StepLoop, RemoteDrafter | None]:
     engine = await asyncio.to_thread(Engine, config.engine_config())
-    # step spans cost ~0.25 ms a step on the H200 (bench/bench_served.py, run 2): made only when
-    # they go somewhere
+    # step spans cost time on every step (BENCHMARKS.md, "The served path at real model scale",
+    # run 3, and "Figures formerly in source comments"): made only when they go somewhere
     tracer = StepTracer(config.trace_steps if telemetry.exporting() else 0)
     drafter = None
     if config.drafter:

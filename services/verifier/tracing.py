@@ -10,7 +10,7 @@ its `step` and `draft` spans and returns the `draft` span's W3C context for the 
 step, `end_step` ends them with the engine's timestamps; requests that did not draft (budget 0,
 no drafter) get all their spans created there, after the fact.
 
-A step is draft → verify → commit → stream (ARCHITECTURE.md), so a `step` span (and `prefill`)
+A step is draft → verify → commit → stream, so a `step` span (and `prefill`)
 ends when the loop starts its next step — or, for a request's last one, once its outputs are
 handed over: the time after `commit` (streaming the tokens, the loop's bookkeeping, waiting for
 the GIL held by the event loop) is the step span's self time. A request's prefill and steps thus

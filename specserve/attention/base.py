@@ -50,7 +50,8 @@ def packed_offsets(sizes) -> tuple[list[int], int]:
     """Byte offsets of arrays of `sizes` bytes packed into one buffer, and its size. Slots are
     16-byte aligned: Triton specialises pointer arguments on 16-byte divisibility, so views at
     8-byte offsets that vary from step to step made it compile new kernel variants in the middle
-    of requests (the H200 probe's first steps at each new context: 150–440 ms)."""
+    of requests (the H200 probe's first steps at each new context; BENCHMARKS.md,
+    "Figures formerly in source comments")."""
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)

@@ -7,10 +7,11 @@ causal mask, and the chunk over its prefix with no mask. Their K/V are the reque
 gathered into one contiguous buffer per pool and layer (one `index_select`: (P + C)·Hkv·D
 elements, ~1 % of the attention's time at 128k), passed as strided views — no transposes. On
 CUDA the calls are cuDNN's fused attention (torch's `_scaled_dot_product_cudnn_attention`, the op
-behind SDPA's cuDNN backend, which also returns the LSE; grouped-query heads natively). H200,
-one 8192-token chunk, 32/8 heads, D = 128 (`bench/diag_sdpa.py`): 512–584 TFLOP/s against our
-kernel's 155–431 — the tree kernel runs a causal chunk's tail in 32-key bitmask tiles and its
-prefix at ~50 % of the matmul rate (Triton 3.6: no wgmma / softmax overlap). On the CPU the
+behind SDPA's cuDNN backend, which also returns the LSE; grouped-query heads natively), well
+ahead of our kernel on a long chunk (`bench/diag_sdpa.py`; BENCHMARKS.md, "Prefill attention
+through cuDNN, DFlash drafter CUDA graphs") — the tree kernel runs a causal chunk's tail in
+32-key bitmask tiles and its prefix below the matmul rate (Triton 3.6: no wgmma / softmax
+overlap). On the CPU the
 same plan runs on torch's CPU flash op (tests: against the torch reference).
 
 Which requests: causal ones (the whole batch when tree_mask is None, else those `batch.causal`
@@ -36,13 +37,13 @@ import torch
 from specserve.attention.base import AttnBatch, to_device
 
 # A chunk goes to cuDNN when its attention is ≥ this many FLOPs (4·Hq·D·C·(C/2 + P)): below it
-# the call's fixed cost (≈ 0.3-0.4 ms with the ragged path, below) loses to the tree kernel.
-# H200, 32/8 heads, D = 128 (bench/diag_sdpa.py): 512 rows over 1.5k / 3.5k prefix 0.46 / 0.39
-# ms vs 0.13 / 0.17; 1024 over 3k 0.86 vs 0.33; over 7k (0.13 TFLOP) 0.47 vs 0.48; over 31k
-# 1.12 vs 1.38; 2048 over 30k 2.08 vs 2.70; 8192 over 0 1.0 vs 3.2.
+# the call's fixed cost (with the ragged path, below) loses to the tree kernel (H200,
+# bench/diag_sdpa.py: BENCHMARKS.md, "Prefill attention through cuDNN, DFlash drafter CUDA
+# graphs", and "Figures formerly in source comments").
 MIN_FLOP = 1.5e11
-# cuDNN builds an execution plan per shape: 70-550 ms at each new (chunk, prefix) length on the
-# H200 (bench/diag_sdpa.py --first-calls), i.e. on almost every request of a serving workload.
+# cuDNN builds an execution plan per shape, slowly, at each new (chunk, prefix) length
+# (bench/diag_sdpa.py --first-calls: BENCHMARKS.md, "cuDNN plans per shape" in the section
+# above), i.e. on almost every request of a serving workload.
 # torch's opt-in ragged path keys its plans on the lengths rounded up to powers of two (a few
 # dozen plans for any workload, ≈ 5-10 % slower); torch reads the variable once, at its first
 # cuDNN attention call (`use_ragged_plans` sets it before that), and takes that path only when
@@ -50,8 +51,9 @@ MIN_FLOP = 1.5e11
 # So a call still gets a plan of its own shape by passing q head-major (one copy of q, ~1 % of
 # the call). We do that for the regular shapes of chunked prefill — a power-of-two chunk of
 # ≥ 2048 rows over a whole number of such chunks — which recur at every long prompt, are few
-# (one per chunk of the longest context) and run 5-10 % faster per shape (diag_sdpa: 28.5 vs
-# 30.3 ms for 8192 rows over 120k); at most DENSE_PLANS_MAX of them, the rest stay ragged.
+# (one per chunk of the longest context) and run 5-10 % faster per shape (BENCHMARKS.md,
+# "Prefill: per-shape cuDNN plans for the regular chunks"); at most DENSE_PLANS_MAX of them, the
+# rest stay ragged.
 DENSE_PLANS_MAX = 64  # chunk shapes (two plans each: the chunk's causal call, its prefix call)
 _per_shape: set[tuple[int, int]] = set()  # (rows, prefix) of the chunks planned per shape so far
 _DTYPES = {"cuda": (torch.bfloat16, torch.float16), "cpu": (torch.float32, torch.bfloat16)}
@@ -222,9 +224,10 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
             device: torch.device | str, page_size: int = 16, chunk: int | None = None,
             max_len: int | None = None) -> bool:
     """Chunks on random K/V (not the model's pool): compiles the merge kernel and initialises
-    cuDNN's attention (≈ 1.7–2.8 s on the H200's first call, else paid by the first long
-    prompt). With `chunk` and `max_len` (the engine's prefill chunk and longest context) also
-    every regular chunk of a max_len prompt, so their per-shape plans (`per_shape_plan`) are
+    cuDNN's attention (seconds on the H200's first call, else paid by the first long prompt;
+    BENCHMARKS.md, "Figures formerly in source comments"). With `chunk` and `max_len` (the
+    engine's prefill chunk and longest context) also every regular chunk of a max_len prompt,
+    so their per-shape plans (`per_shape_plan`) are
     built here rather than by the first long prompt. False when the backend never takes a
     chunk of this model (dtype / head_dim)."""
 

@@ -63,7 +63,8 @@ class _Pages:
     """One group's pages of one request; leading pages out of the window are placeholders.
     `live` changes only through `_Group` (allocate / free_below / release), which calls
     `changed()`: the arrays below are built once per change, not per call (a long context's
-    table is thousands of pages; converting it per call cost ~0.1 ms per 2k pages)."""
+    table is thousands of pages; BENCHMARKS.md, "Page tables as arrays on the graph paths" and
+    "Figures formerly in source comments")."""
 
     dead: int = 0  # leading page-table entries freed or never allocated
     live: list[int] = field(default_factory=list)  # page ids of the entries after them

@@ -4,8 +4,9 @@ Owns the padded, static form of a draft call — the context K/V write of the ca
 rows (up to `context_rows` = block size per request: a decode step's accepted tokens), then the
 block forward: embeddings of `[bonus, mask × (n−1)]`, every layer's block K/V write and block
 attention over the paged context, the final norm and the logits of the mask slots — so a draft
-step replays one graph instead of launching ~40 kernels per layer from Python (on the H200 a
-draft step was ~8 ms of host work around 1.2 ms of GPU work, BENCHMARKS.md). Calls with more new
+step replays one graph instead of launching ~40 kernels per layer from Python (eager, a draft
+step was mostly host work around its GPU work: BENCHMARKS.md, "DFlash draft step on the H200 — a
+fused drafter path, tried and reverted"). Calls with more new
 rows (prefill chunks) write their context eagerly first; the graph's context rows then all go
 to the trash page. A call whose requests have different block lengths (one near its max_tokens
 has a shorter block) replays one graph per length (`DFlashDrafter._replay`).

@@ -8,10 +8,10 @@ seen by nobody; missing requests are dummies on the trash page (the pool's extra
 handed out). The attention plan is made for the longest context a graph replays at (a fixed
 split count, device-side ranges): one graph per bucket for steps whose contexts are all ≤
 SHORT_CONTEXT and one for the rest (planned for `max_model_len`) — at short contexts the kernel
-is latency-bound and wants its own split count and row blocks (BENCHMARKS.md, run 7: 1k, a
-65-node tree, 38 µs per layer when planned for 128k vs 27 µs). A step's metadata goes to the
-device in one copy of a pinned staging buffer into the graph's static buffer, then the graph
-replays: no per-layer Python, no launches.
+is latency-bound and wants its own split count and row blocks (BENCHMARKS.md, "Tree-verify
+kernel — row-block and engine-tree sweeps", run 7, and "Figures formerly in source comments").
+A step's metadata goes to the device in one copy of a pinned staging buffer into the graph's
+static buffer, then the graph replays: no per-layer Python, no launches.
 
 `capture=False` runs the same padded static path eagerly — the CPU twin the tests compare with
 the unpadded forward.

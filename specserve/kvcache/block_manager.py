@@ -146,7 +146,8 @@ class BlockManager:
 
     def page_array(self, request_id: str) -> np.ndarray:  # [pages] int32
         """`page_table` as a read-only array view, no copy (a long context's table is thousands
-        of pages: converting the list per step cost ~0.1-0.2 ms per 2k pages on the host);
+        of pages: converting the list per step cost the host; BENCHMARKS.md, "Page tables as
+        arrays on the graph paths");
         valid until the request's pages next change."""
         entry = self._entries[request_id]
         view = entry.array[: len(entry.pages)]

@@ -98,10 +98,10 @@ def layer_fused(ops: FusedOps, layer, f: _Fused, x, res, cos, sin, batch: AttnBa
     return mlp_out, x
 
 
-# Rows for which the down projection goes through cuBLASLt: on the H200 (bench/diag_gemm.py,
-# Qwen3-8B shape, K = 12288, N = 4096) it takes 33.5-34.4 µs there at 64-80 rows vs 36.5-37.9
-# through torch's default choice (a split-K kernel + its reduce); at 17 rows 35.3 vs 34.8, at
-# 128 the same; q|k|v, o and gate|up are the same either way.
+# Rows for which the down projection goes through cuBLASLt: on the H200 (experiments/diag_gemm.py,
+# Qwen3-8B shape, K = 12288, N = 4096) it is faster there than torch's default choice (a split-K
+# kernel + its reduce), not at 17 or 128 rows; q|k|v, o and gate|up are the same either way
+# (BENCHMARKS.md, "Skinny GEMMs", and "Figures formerly in source comments").
 LT_DOWN_ROWS = range(64, 97)
 
 
