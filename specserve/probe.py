@@ -1,4 +1,5 @@
-"""The commit probe (SEED_CASE.md): predictable vs novel text across context lengths.
+"""The commit probe (docs/observability.md, "The commit probe"): predictable vs novel text across
+context lengths.
 
 A gRPC client of the gateway. For each text ("predictable": "The cat sat on the mat." repeated;
 "novel": non-repetitive prose) and each context length it sends exactly that many prompt tokens,
