@@ -89,8 +89,8 @@ def finish_from_pb(value: int) -> FinishReason | None:
 
 def tensor_to_pb(t: torch.Tensor, into: pb.Tensor | None = None) -> pb.Tensor:
     """`t` as a Tensor message, written into `into` (a field of a message being built) when
-    given: protobuf copies a submessage on CopyFrom or in a constructor, ~1 s per 336 MB on the
-    development VM (bench/diag_feed.py), so large tensors are filled in place."""
+    given: protobuf copies a submessage on CopyFrom or in a constructor, slowly (BENCHMARKS.md,
+    "Context features on the drafter wire"), so large tensors are filled in place."""
     t = t.detach().contiguous().cpu()
     dtype = next(k for k, v in _DTYPES.items() if v == t.dtype)
     raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t

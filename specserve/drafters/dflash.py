@@ -48,13 +48,15 @@ class DFlashDrafter:
                                         sliding_num_pages=sliding_num_pages, dtype=weight.dtype,
                                         device=weight.device, poison=poison)
         # graphs: block forwards through static buffers (drafters/dflash_graphs.py), captured
-        # as CUDA graphs on CUDA (capture None); None = on for CUDA. H200, 8B-shape drafter,
-        # 1k context (bench/diag_draft.py --graphs): a DDTree step 11.9 → 6.1 ms wall
+        # as CUDA graphs on CUDA (capture None); None = on for CUDA: a DDTree step about twice
+        # as fast (bench/diag_draft.py --graphs; BENCHMARKS.md, "Prefill attention through
+        # cuDNN, DFlash drafter CUDA graphs")
         if graphs is None:
             graphs = weight.device.type == "cuda"
         # fused_layers: the graphs' block forward through the target's fused layer kernels
-        # (DraftGraphs `fused`). H200, 8B-shape drafter (BENCHMARKS.md): the graph's forward
-        # 1.77 → 1.52 ms at 1k, 2.2 → 1.85 at 32k; the decode step's median lower in 9 of 10 runs
+        # (DraftGraphs `fused`): a faster graph forward and decode step (BENCHMARKS.md, "DFlash
+        # decode: the steps before max_tokens, and the fused-layer drafter", and "Figures
+        # formerly in source comments")
         self.graphs = DraftGraphs(self.model, self.cache, capture, fused_layers) if graphs else None
         self.last_stats: DraftStats | None = None
 
@@ -179,9 +181,9 @@ class DFlashDrafter:
 
     def _write_context(self, step: CacheStep, requests: list[DraftRequest]) -> None:
         """Context K/V of every layer for the new rows of `requests` (one fc for all raw rows;
-        rows sent fused skip it; per layer group one stacked k|v GEMM and one scatter: on the
-        H200 the eager context write was ~100 of a draft step's 115 kernel launches with its
-        block forward graphed)."""
+        rows sent fused skip it; per layer group one stacked k|v GEMM and one scatter: the eager
+        context write was most of a draft step's kernel launches with its block forward graphed;
+        BENCHMARKS.md, "DFlash context write batched per layer group")."""
         if not requests:
             return
         weight = self.model.fc.weight

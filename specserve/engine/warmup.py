@@ -1,20 +1,21 @@
 """Compile-ahead: run the shape classes a server will meet before it takes requests.
 
 Triton compiles a kernel variant the first time a shape class reaches it (a rows bucket of the
-launch-config table, causal or tree, windowed or not: ≈ 0.3–1 s each on the H200). Without a
-warm-up the first requests pay that inside their steps: on the H200 the commit probe's first
-request ran 684 ms steps and hit the drafter deadline 5 times. `warm_up_engine` runs one
+launch-config table, causal or tree, windowed or not: most of a second each; BENCHMARKS.md,
+"Figures formerly in source comments"). Without a warm-up the first requests pay that inside their
+steps: on the H200 the commit probe's first request ran slow steps and hit the drafter deadline
+(BENCHMARKS.md, "Commit probe on the H200 with the committed demo pair"). `warm_up_engine` runs one
 throw-away request on the target (a prefill of a full chunk plus a remainder, verify steps with
-chains of every size class up to `max_draft_tokens` — of every rows bucket, capturing their
-CUDA graphs for one request, when the engine uses them — and an AR step; on CUDA also long
-prefill chunks through `attention.prefill`'s cuDNN path: one, plus every regular chunk of a
-`max_model_len` prompt, whose per-shape plans it builds — and, through `warm_up_causal_chunks`,
-a causal chunk of every rows bucket over a short and over a long prefix, for each window of the
-model's layers: the warm-up prompt's own chunks reach one rows bucket only, and on the H200 the
-demo probe's first 16k prompt spent 1.6 s of its prefill compiling the 128-row variant);
-its decode steps are the cost model's first verify times (engine/cost.py);
-`warm_up_drafter` does the same for a DFlash drafter (a context chunk, then blocks of every depth
-class; with CUDA graphs, of every depth). Both leave no state.
+chains of every size class up to `max_draft_tokens` — of every rows bucket, capturing their CUDA
+graphs for one request, when the engine uses them — and an AR step; on CUDA also long prefill
+chunks through `attention.prefill`'s cuDNN path: one, plus every regular chunk of a `max_model_len`
+prompt, whose per-shape plans it builds — and, through `warm_up_causal_chunks`, a causal chunk of
+every rows bucket over a short and over a long prefix, for each window of the model's layers: the
+warm-up prompt's own chunks reach one rows bucket only, and on the H200 the demo probe's first 16k
+prompt spent part of its prefill compiling the 128-row variant, the same section); its decode steps
+are the cost model's first verify times (engine/cost.py); `warm_up_drafter` does the same for a
+DFlash drafter (a context chunk, then blocks of every depth class; with CUDA graphs, of every
+depth). Both leave no state.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def warm_up_drafter(drafter, context_rows: int = 300) -> float:
     """Warm a DFlash drafter (`DFlashDrafter`): a context chunk, then a draft per depth class
     — with its CUDA graphs, per depth 1 … block size − 1: every block length has its own graph,
     and a request's last steps before max_tokens shrink its block a token a step (captured
-    lazily, each was a 15-64 ms step on the H200, BENCHMARKS.md)."""
+    lazily, each was a slow step on the H200: BENCHMARKS.md, "DFlash decode: the steps before
+    max_tokens, and the fused-layer drafter")."""
     t0, cfg = time.perf_counter(), drafter.model.config
     weight = drafter.model.fc.weight
     gen = torch.Generator().manual_seed(0)
