@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specserve.drafters.base import DraftRequest
+from specserve.drafters.base import Drafter, DraftRequest
 from specserve.spec.tree import DraftTree, chain_tree
 
 GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # 0.618…: additive-recurrence step of the u sequence
@@ -47,7 +47,7 @@ def solve_p(commit_len: float, budget: int) -> float:
     return (lo + hi) / 2
 
 
-class ReplayDrafter:
+class ReplayDrafter(Drafter):
     """`Drafter` proposing the target's own (pre-computed) greedy continuation, corrupted."""
 
     needs_context = False  # no target features: it replays tokens

@@ -49,6 +49,7 @@ from _e2e_verify import random_tree
 from specserve.attention import backend_for
 from specserve.attention.base import AttnBatch
 from specserve.config import EngineConfig
+from specserve.drafters.base import Drafter
 from specserve.engine.runner import ForwardInput, ModelRunner
 from specserve.kvcache.block_manager import pages_for
 from specserve.models.decoder import DecoderModel
@@ -168,7 +169,7 @@ def make_runner(a, model, dtype_name, tokens: int, max_draft: int = 0) -> ModelR
     return ModelRunner(cfg, model)  # fuses q/k/v and gate/up (idempotent)
 
 
-class RandomTreeDrafter:
+class RandomTreeDrafter(Drafter):
     """Benchmark-only: a bushy random tree of the request's budget (never right on random
     weights: ≈ one committed token per step — this measures the cost of a verify step)."""
 
@@ -183,9 +184,6 @@ class RandomTreeDrafter:
             n = min(r.budget, r.max_depth)
             out.append(random_tree(n, self.vocab, self.rng) if n > 0 else DraftTree.empty())
         return out
-
-    def release(self, request_id: str) -> None:
-        pass
 
 
 # ---- sections -----------------------------------------------------------------------------

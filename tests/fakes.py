@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specserve.drafters.base import Drafter
 from specserve.spec.ddtree import build_ddtree, topk_logprobs
 from specserve.spec.tree import DraftTree
 
 
-class RandomTreeDrafter:
+class RandomTreeDrafter(Drafter):
     """Random trees: random parents, random tokens (distinct among siblings), random size."""
 
     needs_context = False
@@ -44,7 +45,7 @@ class RandomTreeDrafter:
         self.released.append(request_id)
 
 
-class RandomDDTreeDrafter:
+class RandomDDTreeDrafter(Drafter):
     """DDTree over random per-position distributions (a stand-in for a real drafter)."""
 
     needs_context = False
@@ -69,7 +70,7 @@ class RandomDDTreeDrafter:
         pass
 
 
-class FailingDrafter:
+class FailingDrafter(Drafter):
     needs_context = False
 
     def draft(self, requests):

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from specserve.drafters.registry import DFLASH, NGRAM, NONE
 from specserve.errors import InvalidRequest
 from specserve.spec.metrics import RequestSpecStats
 from specserve.types import FinishReason, SamplingParams
@@ -25,8 +26,8 @@ _FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
-DRAFTER_NAMES = {pb.DRAFTER_KIND_DFLASH: "dflash", pb.DRAFTER_KIND_NGRAM: "ngram",
-                 pb.DRAFTER_KIND_NONE: "none", pb.DRAFTER_KIND_UNSPECIFIED: None}
+DRAFTER_NAMES = {pb.DRAFTER_KIND_DFLASH: DFLASH, pb.DRAFTER_KIND_NGRAM: NGRAM,
+                 pb.DRAFTER_KIND_NONE: NONE, pb.DRAFTER_KIND_UNSPECIFIED: None}
 # a request's stop list: strings, UTF-8 bytes in all (the verifier's bounds, the gateway's default)
 MAX_STOP_STRINGS, MAX_STOP_BYTES = 16, 4096
 

@@ -22,15 +22,14 @@ from pathlib import Path
 
 import torch
 
+from specserve.drafters import registry
 from specserve.drafters.base import Drafter, DraftRequest
 from specserve.drafters.dflash import DFlashDrafter
-from specserve.drafters.ngram import NgramDrafter
-from specserve.models.dflash import load_dflash
+from specserve.drafters.registry import DFLASH, NGRAM, NONE, DrafterSpec
 from specserve.spec.tree import DraftTree, check_budget
 
 log = logging.getLogger(__name__)
 
-DFLASH, NGRAM, NONE = "dflash", "ngram", "none"
 Result = DraftTree | str  # a tree, or why this entry got none
 
 
@@ -87,12 +86,13 @@ class DrafterCore:
     """The drafters of one drafter server and the per-request state they need."""
 
     def __init__(self, dflash: DFlashDrafter | None = None,
-                 ngram: NgramDrafter | None = None, max_share: float = 1.0) -> None:
+                 ngram: Drafter | None = None, max_share: float = 1.0) -> None:
         if not 0 < max_share <= 1:
             raise ValueError(f"max_share must be in (0, 1], got {max_share}")
         self.dflash, self.max_share = dflash, max_share
         self._owner: dict[str, object] = {}  # request id → the connection that drafts it
-        self.drafters: dict[str, Drafter] = {NGRAM: ngram or NgramDrafter()}
+        self.drafters: dict[str, Drafter] = {
+            NGRAM: ngram or registry.build(NGRAM, DrafterSpec())}
         if dflash is not None:
             self.drafters[DFLASH] = dflash
         self._history: dict[str, list[int]] = {}
@@ -109,9 +109,8 @@ class DrafterCore:
             return cls(max_share=max_share)
         if target_dir is None:
             raise ValueError("the DFlash drafter needs the target checkpoint (embedding, LM head)")
-        model = load_dflash(draft_dir, target_dir, dtype, device)
-        return cls(DFlashDrafter(model, num_pages=num_pages, page_size=page_size, graphs=graphs),
-                   max_share=max_share)
+        spec = DrafterSpec(draft_dir, target_dir, dtype, device, num_pages, page_size, graphs)
+        return cls(registry.build(DFLASH, spec), max_share=max_share)
 
     @property
     def default_kind(self) -> str:

@@ -39,11 +39,11 @@ from services.common import lane
 from services.common.ring import ContextRing
 from services.common.security import NONE, Security
 from services.verifier import convert
-from services.verifier.context_rows import RequestRows
 from services.verifier.drafter_entries import DraftEntries
 from services.verifier.drafter_link import GrpcLink, LaneLink
 from services.verifier.drafter_stream import DrafterStream, DrafterTimeout, DrafterUnavailable
-from specserve.drafters.base import DraftRequest
+from specserve.drafters.base import Drafter, DraftRequest
+from specserve.drafters.registry import NGRAM
 from specserve.spec.tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ DRAFT_EVENTS = ("drafter.call", "batch.built", "batch.written", "reply.received"
 __all__ = ["DRAFT_EVENTS", "DrafterTimeout", "DrafterUnavailable", "RemoteDrafter"]
 
 
-class RemoteDrafter:
+class RemoteDrafter(Drafter):
     """`Drafter` over the drafter service at `address`; `start()` it on the asyncio loop.
 
     `ring`: the same-host context ring (None: rows on the wire); `projection`: the drafter's
@@ -73,8 +73,8 @@ class RemoteDrafter:
             raise ValueError(f"timeout_s and reconnect_s must be positive, got "
                              f"{timeout_s}, {reconnect_s}")
         self.address, self.timeout_s = address, timeout_s
-        self.target_layer_ids = tuple(int(t) for t in target_layer_ids)
-        self.needs_context = bool(self.target_layer_ids)  # else only n-gram drafting works
+        self._taps = tuple(int(t) for t in target_layer_ids)
+        self.needs_context = bool(self._taps)  # else only n-gram drafting works
         self.ring = ring
         self.entries = DraftEntries(self.needs_context, projection, keep_context, timeout_s)
         self.stream = DrafterStream(address, timeout_s, reconnect_s,
@@ -126,10 +126,6 @@ class RemoteDrafter:
             self.ring.close()
 
     # ---- engine thread -----------------------------------------------------------------------
-    def set_kind(self, request_id: str, kind: str | None) -> None:
-        """Which drafter serves `request_id` (before its first draft)."""
-        self.entries.states[request_id] = RequestRows(kind)
-
     def take_entry_errors(self) -> dict[str, str]:
         """request id → why its last draft was empty (a per-entry drafter error); then cleared."""
         errors, self.entries.errors = self.entries.errors, {}
@@ -211,10 +207,21 @@ class RemoteDrafter:
             if st is not None:
                 st.resend = True
 
-    def feed(self, requests: Sequence[DraftRequest]) -> None:
+    asynchronous = True  # submit() sends now and waits later
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self._taps
+
+    def feed(self, requests: Sequence[DraftRequest]) -> bool:
         """Send prefill context rows now, as budget-0 entries whose reply is not waited for: the
         drafter builds its context cache while the target prefills, and the first draft carries
-        no prompt rows. A feed that fails marks its requests for a full resend."""
+        no prompt rows. A feed that fails marks its requests for a full resend (the rows are
+        taken either way)."""
+        self._feed(requests)
+        return True
+
+    def _feed(self, requests: Sequence[DraftRequest]) -> None:
         rows = [r for r in requests if r.context is not None and r.context.shape[0]]
         if not rows:
             return
@@ -229,7 +236,7 @@ class RemoteDrafter:
         new = self.entries.absorb_all(rows, link)
         for req in rows:
             st = self.entries.states[req.request_id]
-            if st.kind == "ngram" or not self.entries.entry(req, st, epoch, release, batch, link,
+            if st.kind == NGRAM or not self.entries.entry(req, st, epoch, release, batch, link,
                                                             new.get(req.request_id),
                                                             traced=False):
                 continue

@@ -18,6 +18,7 @@ import torch
 from services.verifier import convert
 from services.verifier.context_rows import New, RequestRows, project
 from specserve.drafters.base import DraftRequest
+from specserve.drafters.registry import NGRAM
 from specserve.spec.tree import DraftTree
 
 CONTEXT_LOST = "drafter_context_lost"
@@ -46,9 +47,11 @@ class DraftEntries:
         wants it (the drafter's own grouping: its fc runs over the same rows)."""
         new: dict[str, torch.Tensor] = {}
         for req in requests:
-            st = self.states.setdefault(req.request_id, RequestRows(None))
+            st = self.states.get(req.request_id)
+            if st is None:  # its first entry names its drafter for good
+                st = self.states[req.request_id] = RequestRows(req.kind)
             ctx = req.context
-            if ctx is None or not self.needs_context or st.kind == "ngram" or not ctx.shape[0]:
+            if ctx is None or not self.needs_context or st.kind == NGRAM or not ctx.shape[0]:
                 continue
             first = req.start - ctx.shape[0]  # the rows cover positions [first, start)
             if first > st.num_rows:
@@ -95,7 +98,7 @@ class DraftEntries:
         held_before = st.num_rows - (new.raw.shape[0] if new is not None else 0)
         if st.rows_sent < held_before and not st.keep:
             st.lost = True  # the drafter lost rows nobody kept
-        if st.lost and st.kind != "ngram":
+        if st.lost and st.kind != NGRAM:
             self.errors[req.request_id] = f"{CONTEXT_LOST}: its rows were not kept"
             return False
         rows, fused, ref = None, False, None

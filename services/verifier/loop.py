@@ -156,13 +156,10 @@ class StepLoop:
         if not done.set_running_or_notify_cancel():
             return  # the caller went away first
         try:
-            self.engine.add_request(request_id, prompt_ids, params, budget)
+            self.engine.add_request(request_id, prompt_ids, params, budget, drafter_kind=kind)
         except Exception as e:  # InvalidRequest / CapacityExhausted → the caller
             done.set_exception(e)
             return
-        set_kind = getattr(self.engine.drafter, "set_kind", None)
-        if set_kind is not None and budget:
-            set_kind(request_id, kind)
         self._requests[request_id] = _Request(q, self.engine.requests[request_id].spec_stats)
         if self.tracer is not None:
             self.tracer.add(request_id, trace_context)
@@ -192,8 +189,8 @@ class StepLoop:
             for request_id in list(self._requests):
                 self._fail(request_id, e)
             return
-        take = getattr(self.engine.drafter, "take_entry_errors", None)
-        entry_errors = take() if take is not None else {}
+        drafter = self.engine.drafter
+        entry_errors = drafter.take_entry_errors() if drafter is not None else {}
         with self._lock:
             self._steps += 1
         for out in outputs:

@@ -13,6 +13,7 @@ import time
 
 from specserve.cli import usage
 from specserve.cli.client import add_gateway_flags, gateway_channel
+from specserve.drafters import registry
 
 
 def add(sub) -> None:
@@ -28,7 +29,7 @@ def add(sub) -> None:
                           "vocabulary)")
     add_gateway_flags(p)
     _add_sampling(p)
-    p.add_argument("--drafter", choices=["dflash", "ngram", "none"], default=None,
+    p.add_argument("--drafter", choices=registry.CHOICES, default=None,
                    help="drafter for this request (default: the verifier's; gateway only)")
     p.add_argument("--budget", type=usage.budget, default=None,
                    help=f"draft nodes per step, 0..{usage.MAX_BUDGET} (the verifier caps it at "

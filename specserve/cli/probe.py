@@ -12,6 +12,7 @@ from pathlib import Path
 from specserve import probe
 from specserve.cli import usage
 from specserve.cli.client import add_gateway_flags, gateway_channel
+from specserve.drafters import registry
 
 
 def add(sub) -> None:
@@ -29,7 +30,7 @@ def add(sub) -> None:
                    help="prompt lengths in tokens, comma-separated (k = 1024)")
     p.add_argument("--new-tokens", type=usage.positive_int, default=64,
                    help="tokens generated per row")
-    p.add_argument("--drafter", choices=["dflash", "ngram", "none"], default=None,
+    p.add_argument("--drafter", choices=registry.CHOICES, default=None,
                    help="drafter for the requests (default: the verifier's)")
     p.add_argument("--budget", type=usage.budget, default=15,
                    help=f"DDTree budget (draft nodes), 0..{usage.MAX_BUDGET}; the verifier caps "

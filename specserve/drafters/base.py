@@ -1,20 +1,25 @@
-"""The drafter interface: one batched call per step proposes a draft tree per request.
+"""The drafter contract: one batched call per step proposes a draft tree per request.
 
 A drafter is whatever turns a request's state into a `DraftTree` below its bonus token: the
 DFlash block drafter (fed with the target's context features), the n-gram prompt-lookup drafter
-(fed with the token history), or nothing. Returning an empty tree is always allowed and means a
-plain autoregressive step — never an error.
+(fed with the token history), the verifier's client of a drafter service, or nothing. Returning
+an empty tree is always allowed and means a plain autoregressive step — never an error. The
+`Drafter` base class declares everything the engine, the warm-up and the services call; a
+drafter overrides what it has (the defaults say "none of that"). Which drafter serves a request
+travels in its `DraftRequest.kind` (drafters/registry.py names them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the contract imports no torch: clients name drafters without it
+    import torch
 
-from specserve.spec.tree import DraftTree
+    from specserve.spec.tree import DraftTree
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,16 +35,40 @@ class DraftRequest:
     # `context` is already the drafter's fused rows [n_new, hidden] (`hidden_norm(fc(x))`,
     # computed by the sender: what crosses hosts instead of the taps)
     context_fused: bool = False
+    kind: str | None = None  # which drafter (registry name); None: the drafter's default
 
 
-class Drafter(Protocol):
+class Drafter(ABC):
+    """What callers use of a drafter; the defaults are those of a drafter that reads only the
+    token history, keeps no state and has no CUDA graphs."""
+
+    needs_context = False  # True: requests carry the target's tap-layer features
+    graphs = None  # the drafter's CUDA-graph runner (warm-up captures it), or None
+    asynchronous = False  # True: `submit` drafts while the caller verifies (engine/overlap.py)
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        """Target layers whose outputs are the context features (() without context)."""
+        return ()
+
+    @abstractmethod
     def draft(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         """One tree per request, in order; an empty tree for a request it cannot serve."""
-        ...
+
+    def submit(self, requests: Sequence[DraftRequest]) -> Callable[[], list[DraftTree]]:
+        """Start drafting now; the returned call waits for the trees (`asynchronous` only)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts synchronously")
+
+    def feed(self, requests: Sequence[DraftRequest]) -> bool:
+        """Take prefill context rows ahead of the first draft (budget-0 requests, nothing
+        returned). False: not taken, they go with the first draft instead."""
+        return False
 
     def release(self, request_id: str) -> None:
         """Forget a request's state (finished or cancelled). Unknown ids are a no-op."""
-        ...
+        return None
 
-    # Optional: `feed(requests)` takes context rows of prefill chunks ahead of the first draft
-    # (budget-0 requests, nothing returned); drafters without it get them with the first draft.
+    def take_entry_errors(self) -> dict[str, str]:
+        """request id → why its last draft came back empty for a drafter-side reason (shown
+        in the request's step stats); cleared by reading."""
+        return {}

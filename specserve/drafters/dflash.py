@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specserve.drafters.base import DraftRequest
+from specserve.drafters.base import Drafter, DraftRequest
 from specserve.drafters.dflash_cache import CacheStep, DFlashContextCache, StepItem
 from specserve.drafters.dflash_graphs import DraftGraphs
 from specserve.models.dflash import DFlashDraftModel
@@ -35,7 +35,7 @@ class DraftStats:
     tree_s: float  # top-k + tree build
 
 
-class DFlashDrafter:
+class DFlashDrafter(Drafter):
     """`Drafter` over a `DFlashDraftModel`; `tree=False` proposes the argmax chain instead."""
 
     def __init__(self, model: DFlashDraftModel, num_pages: int, page_size: int = 16, *,
@@ -87,9 +87,10 @@ class DFlashDrafter:
             forward_s=t1 - t0, tree_s=self._now() - t1)
         return trees
 
-    def feed(self, requests: Sequence[DraftRequest]) -> None:
+    def feed(self, requests: Sequence[DraftRequest]) -> bool:
         """Take context rows ahead of the first draft (prefill chunks): budget-0 drafts."""
         self.draft([replace(r, budget=0) for r in requests])
+        return True
 
     def draft_logits(self, requests: Sequence[DraftRequest]) -> list[torch.Tensor]:
         """Raw draft logits `[n − 1, V]` float32 per request (block slots 1..n−1; any budget);

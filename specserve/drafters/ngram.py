@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specserve.drafters.base import DraftRequest
+from specserve.drafters.base import Drafter, DraftRequest
 from specserve.spec.tree import DraftTree, check_budget
 
 
@@ -130,7 +130,7 @@ def _tree_from_chains(chains: list[list[int]]) -> DraftTree:
 
 
 @dataclass(frozen=True)
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt-lookup drafter settings; `propose` turns a token history into a DraftTree."""
 
     max_ngram: int = 4  # longest suffix n-gram tried
@@ -146,9 +146,7 @@ class NgramDrafter:
         """Draft tree of at most `budget` nodes for the next step after `history`."""
         return ngram_tree(history, budget, self.max_ngram, self.min_ngram, self.max_depth)
 
-    # -- the Drafter protocol (specserve.drafters.base) --
-    needs_context = False  # works from token history alone
-
+    # -- the Drafter contract (specserve.drafters.base): works from token history alone --
     def draft(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         """One prompt-lookup tree per request, within its budget and max_depth."""
         out = []
@@ -158,6 +156,3 @@ class NgramDrafter:
             out.append(ngram_tree(r.history, r.budget, self.max_ngram, self.min_ngram, depth)
                        if ok else DraftTree.empty())
         return out
-
-    def release(self, request_id: str) -> None:
-        """Stateless: nothing to forget."""

@@ -62,10 +62,13 @@ class Engine:
     def set_drafter(self, drafter: Drafter | None) -> None:
         """Use `drafter` from the next step on. A drafter that wants context features names the
         target layers to tap (`target_layer_ids`); the runner then returns their outputs."""
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise TypeError(f"a drafter subclasses specserve.drafters.base.Drafter, got "
+                            f"{type(drafter).__name__}")
         self.drafter = drafter
         self._alternation = overlap.Alternation()  # a new drafter: nothing in flight
-        self._needs_context = bool(getattr(drafter, "needs_context", False))
-        taps = tuple(getattr(drafter, "target_layer_ids", ())) if self._needs_context else ()
+        self._needs_context = drafter is not None and drafter.needs_context
+        taps = tuple(drafter.target_layer_ids) if self._needs_context else ()
         self.runner.set_taps(taps or self.config.tap_layers)
 
     @property
@@ -79,8 +82,10 @@ class Engine:
         prompt: str | Seq[int],
         params: SamplingParams | None = None,
         budget: int = 0,
+        drafter_kind: str | None = None,
     ) -> None:
-        """Validate and queue a request; `budget` draft nodes per step (0 = no speculation).
+        """Validate and queue a request; `budget` draft nodes per step (0 = no speculation),
+        by the drafter named `drafter_kind` where the drafter serves several (None: its default).
 
         Raises InvalidRequest / CapacityExhausted; on error nothing is queued and other requests
         are unaffected."""
@@ -100,6 +105,7 @@ class Engine:
             generator=make_generator(params, self.runner.device),
             arrival=next(self._arrivals),
             budget=budget,
+            drafter_kind=drafter_kind,
             spec_stats=RequestSpecStats(device=self.runner.device_name),
         )
         if self.tokenizer is not None:
@@ -198,7 +204,7 @@ class Engine:
         """The step's trees: drafted now, or with `overlap` one group's, drafted last step;
         with adaptive speculation, cut to (or skipped for) the step's choice."""
         args = (self.drafter, self.max_model_len, self.model_config.vocab_size)
-        if self.config.overlap and hasattr(self.drafter, "submit"):
+        if self.config.overlap and self.drafter is not None and self.drafter.asynchronous:
             plans, draft_s = self._alternation.plan(decoding, *args)[:2]
         elif self.adaptive is not None and self.drafter is not None:
             _, skip = self.adaptive.to_draft([s for s in decoding if s.budget])

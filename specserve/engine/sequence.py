@@ -65,6 +65,7 @@ class Sequence:
     stopper: object | None = None  # StopStringMatcher when stop strings were given
     arrival: int = 0
     budget: int = 0  # draft nodes per step (0 = plain autoregressive decoding)
+    drafter_kind: str | None = None  # which drafter (drafters/registry.py); None: the default
     pending_context: list = field(default_factory=list)  # tapped features not yet drafted on
     recompute_to: int = 0  # after a preemption: prefill again up to here (its tokens then)
     spec_stats: object | None = None  # RequestSpecStats

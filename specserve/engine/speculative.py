@@ -59,7 +59,7 @@ def draft_requests(seqs: Seq[Sequence], max_len: int,
         ctx = torch.cat(seq.pending_context) if seq.pending_context else None
         budget = seq.budget if budgets is None else budgets.get(seq.request_id, seq.budget)
         out.append(DraftRequest(seq.request_id, seq.last_token, start, budget,
-                                max(room, 0), ctx, seq.ids))
+                                max(room, 0), ctx, seq.ids, kind=seq.drafter_kind))
     return out
 
 
@@ -67,16 +67,17 @@ def feed(drafter: Drafter | None, seqs: Seq[Sequence]) -> None:
     """Hand the context features of this step's prefill chunks to a drafter that takes them
     early (its optional `feed`: budget-0 requests, no tree wanted), so the drafter builds its
     context while the target prefills and the first draft does not carry the whole prompt's
-    features (ARCHITECTURE: prefill sends them in chunks). Without `feed`, or if it raises,
+    features (prefill sends them in chunks). If the drafter does not take them, or raises,
     they stay pending and go with the first draft."""
-    take = getattr(drafter, "feed", None)
     seqs = [s for s in seqs if s.budget > 0 and s.pending_context]
-    if take is None or not seqs:
+    if drafter is None or not seqs:
         return
     reqs = [DraftRequest(s.request_id, s.ids[s.num_computed - 1], s.num_computed, 0, 0,
-                         torch.cat(s.pending_context)) for s in seqs]  # no history: no root yet
+                         torch.cat(s.pending_context), kind=s.drafter_kind)
+            for s in seqs]  # no history: no root yet
     try:
-        take(reqs)
+        if not drafter.feed(reqs):
+            return
     except Exception:  # the first draft sends them instead
         log.exception("feeding context to the drafter failed for %s", [r.request_id for r in reqs])
         return

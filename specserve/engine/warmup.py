@@ -26,7 +26,7 @@ import time
 import torch
 
 from specserve.attention import prefill
-from specserve.drafters.base import DraftRequest
+from specserve.drafters.base import Drafter, DraftRequest
 from specserve.spec.tree import DraftTree, chain_tree
 from specserve.types import SamplingParams
 
@@ -43,22 +43,23 @@ def size_classes(largest: int) -> list[int]:
     return sizes + [largest] if largest > 0 else []
 
 
-class _ChainDrafter:
+class _ChainDrafter(Drafter):
     """Proposes a chain of the next planned size per step (then none: AR steps). It asks for the
     same tap layers as the drafter it stands in for, so the forwards (and their CUDA graphs)
     are the ones serving will run."""
 
     def __init__(self, sizes: list[int], vocab: int, taps: tuple[int, ...] = ()) -> None:
-        self.sizes, self.vocab = list(sizes), vocab
-        self.needs_context, self.target_layer_ids = bool(taps), taps
+        self.sizes, self.vocab, self.taps = list(sizes), vocab, taps
+        self.needs_context = bool(taps)
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.taps
 
     def draft(self, requests):
         n = self.sizes.pop(0) if self.sizes else 0
         return [chain_tree([(7 * i + 1) % self.vocab for i in range(min(n, r.max_depth))])
                 if n else DraftTree.empty() for r in requests]
-
-    def release(self, request_id: str) -> None:
-        pass
 
 
 def warm_up_engine(engine) -> float:
@@ -76,7 +77,8 @@ def warm_up_engine(engine) -> float:
     vocab = engine.model_config.vocab_size
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0))
     previous = engine.drafter
-    taps = tuple(previous.target_layer_ids) if getattr(previous, "needs_context", False) else ()
+    taps = tuple(previous.target_layer_ids) if previous is not None and previous.needs_context \
+        else ()
     engine.set_drafter(_ChainDrafter(sizes, vocab, taps))
     try:
         engine.add_request(WARMUP_ID, prompt.tolist(),
@@ -139,7 +141,7 @@ def warm_up_drafter(drafter, context_rows: int = 300) -> float:
     context = torch.randn(context_rows, width, generator=gen).to(weight.device, weight.dtype)
     start = context_rows
     try:
-        graphed = getattr(drafter, "graphs", None) is not None
+        graphed = drafter.graphs is not None
         for depth in range(1, cfg.block_size) if graphed else size_classes(cfg.block_size - 1):
             drafter.draft([DraftRequest(WARMUP_ID, 1, start, 16, depth, context)])
             context = None

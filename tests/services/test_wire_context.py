@@ -78,14 +78,15 @@ def test_kept_rows_merge_the_newer_half_only():
     """A prompt's big chunks stay the very tensors kept (no copy per MAX_CHUNKS decode steps);
     every row is still there, in order; a single pending chunk goes out without a copy."""
     client = RemoteDrafter("127.0.0.1:1", target_layer_ids=(1,))  # not started: no stream
-    client.set_kind("r", "dflash")
-    st = client.entries.states["r"]
     gen = torch.Generator().manual_seed(0)
     prompt = [torch.randn(50, 8, generator=gen) for _ in range(3)]
     start = 0
-    for chunk in prompt:
+    for chunk in prompt:  # the first entry names the drafter for good
         start += chunk.shape[0]
-        assert "r" in client.entries.absorb_all([DraftRequest("r", 1, start, 0, 0, chunk)], None)
+        req = DraftRequest("r", 1, start, 0, 0, chunk, kind="dflash" if start == 50 else None)
+        assert "r" in client.entries.absorb_all([req], None)
+    st = client.entries.states["r"]
+    assert st.kind == "dflash"
     assert st.rows_since(100).data_ptr() == prompt[2].data_ptr()  # the last chunk, as is
     decode = [torch.randn(1, 8, generator=gen) for _ in range(3 * MAX_CHUNKS)]
     for row in decode:

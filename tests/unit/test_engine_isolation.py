@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import specserve.engine.engine as engine_module
+from specserve.drafters.base import Drafter
 from specserve.spec.tree import DraftTree
 from specserve.types import FinishReason, SamplingParams
 from tests.fakes import RandomTreeDrafter
@@ -22,7 +23,7 @@ class Injected(RuntimeError):
     pass
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Trees of a wrong depth-1 token, then the target's true continuation (`answers`: request
     id -> its tokens) as a chain beside it: accepted paths sit off rows 1..k, so every accepted
     tree needs KV copies."""

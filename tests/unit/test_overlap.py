@@ -20,6 +20,8 @@ class AheadDrafter(NgramDrafter):
     """The n-gram drafter (trees from the history alone) that can also draft ahead: `submit`
     drafts at once and hands the trees back when collected; it logs what each call held."""
 
+    asynchronous = True
+
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, tuple[str, ...]]] = []

@@ -95,7 +95,7 @@ class _Recording(DFlashDrafter):
 
     def feed(self, requests):
         self.calls += [("feed", r.start, r.context.shape[0]) for r in requests]
-        super().feed(requests)
+        return super().feed(requests)
 
     def draft(self, requests):
         self.calls += [("draft", r.start, 0 if r.context is None else r.context.shape[0])
