@@ -3,14 +3,12 @@
 Checks that every verify / decode row lands in the JSON, that the benchmark-only replay drafter
 reaches its target commit length (±1) through the real engine, that one failing section does not
 lose the others, and that the watchdog writes the JSON and exits instead of hanging. Also the
-CPU-runnable parts of the experiments/ diagnostics built on bench/'s helpers (they run with
-PYTHONPATH=.:bench, as their docstrings say), the served bench and the trace breakdown.
+served bench and the trace breakdown (experiments/ scripts: test_experiments.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,15 +18,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
-EXPERIMENTS = ROOT / "experiments"
-
-
-def experiments_env(env=None) -> dict:
-    """The environment an experiments/ script runs in: the repo root and bench/ on PYTHONPATH."""
-    env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(BENCH), env.get("PYTHONPATH"))
-                                        if p)
-    return env
 
 
 def run_bench(tmp_path: Path, *extra: str, timeout: int = 120):
@@ -146,103 +135,6 @@ def test_replay_drafter_unit():
 def test_replay_drafter_is_not_a_serving_option():
     for path in (ROOT / "specserve").rglob("*.py"):
         assert "replay_drafter" not in path.read_text(), path
-
-
-def test_plot_of_the_committed_h200_result(tmp_path):
-    """experiments/plot_e2e.py draws BENCHMARKS.md's figure from the committed run-9 JSON."""
-    png = tmp_path / "e2e.png"
-    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "plot_e2e.py"),
-                           str(EXPERIMENTS / "results" / "e2e_h200_run9_final.json"), "--out",
-                           str(png)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
-
-
-def test_diag_knobs_parses_variants_and_sets_knobs_back():
-    """experiments/diag_knobs.py (GPU-only) evaluates --variants: literals and range() only; a
-    knob that does not exist fails before the run, and set_knobs returns what it replaced."""
-    sys.path[:0] = [str(EXPERIMENTS), str(BENCH)]  # as PYTHONPATH=.:bench gives the script
-    try:
-        from diag_knobs import _literal, set_knobs
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
-        sys.path.remove(str(BENCH))
-    from specserve.models import fused_layer
-
-    got = _literal("{'a': {'specserve.models.fused_layer.LT_DOWN_ROWS': range(3, 5)}, 'b': {}}")
-    assert got == {"a": {"specserve.models.fused_layer.LT_DOWN_ROWS": range(3, 5)}, "b": {}}
-    for bad in ("{'a': __import__('os')}", "{'a': ().__class__}", "{'a': [x for x in ()]}"):
-        with pytest.raises(ValueError, match="only literals"):
-            _literal(bad)
-    before = fused_layer.LT_DOWN_ROWS
-    old = set_knobs(got["a"])
-    assert range(3, 5) == fused_layer.LT_DOWN_ROWS
-    set_knobs(old)
-    assert fused_layer.LT_DOWN_ROWS is before
-    with pytest.raises(ValueError, match="no knob"):
-        set_knobs({"specserve.models.fused_layer.NOT_A_KNOB": 1})
-
-
-@pytest.mark.parametrize("drafter", ["dflash", "replay"])
-def test_diag_dflash_step_tiny(tmp_path, drafter):
-    """experiments/diag_dflash_step.py on the tiny CPU model: every step phase, the timer pass
-    and the profile land in its JSON; the bench setup's JSON goes beside it, not into the cwd."""
-    out = tmp_path / "diag.json"
-    new = "40" if drafter == "dflash" else "200"
-    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "diag_dflash_step.py"), "--tiny",
-                           "--ctxs", "64", "--new", new, "--drafter", drafter, "--out", str(out),
-                           "--replay-budget", "7"], cwd=tmp_path, env=experiments_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["rows"]
-    med = row["median_ms"]
-    assert row["ctx"] == 64 and row["steps"] >= 4
-    assert med["wall"] > 0 and med["verify"] > 0 and med["draft"] > 0
-    assert med["draft"] + med["verify"] + med["commit"] <= 1.1 * med["wall"] + 0.5  # inside
-    assert row["timers_ms"]["ModelRunner.forward"] > 0 and row["profile"]["steps"] == 5
-    assert ("DFlashDrafter._run" in row["timers_ms"]) == (drafter == "dflash")
-    assert row["budget"] == (7 if drafter == "replay" else 15)  # BLOCK_SIZE - 1 for DFlash
-    assert isinstance(row["profile"]["cuda_top"], list)  # kernels by GPU time (none on CPU)
-    assert (tmp_path / "diag.bench.json").exists() and not (tmp_path / "bench_e2e.json").exists()
-    spread = row["spread_ms"]["wall"]  # every step kept: mean / p90 / max beside the median
-    assert len(row["step_ms"]) == row["steps"] and med["wall"] <= spread["p90"] <= spread["max"]
-
-
-def test_diag_draft_batch_tiny(tmp_path):
-    """experiments/diag_draft_batch.py on the tiny CPU model: a call mixing block lengths goes
-    through one graph per length (the static path), its logits equal the eager path's."""
-    out = tmp_path / "batch.json"
-    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "diag_draft_batch.py"), "--tiny",
-                           "--ctx", "40", "--steps", "3", "--batch", "3", "--out", str(out)],
-                          cwd=tmp_path, env=experiments_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {(r["mix"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {(m, g) for m in ("uniform", "mixed") for g in ("graphs", "eager")}
-    block = 16  # the tiny drafter's block: full depth 15, the short request depth 4 → 5
-    graphs = rows[("mixed", "graphs")]["graphs"]  # (batch bucket, block length) as lists
-    assert [1, 5] in graphs and rows[("mixed", "eager")]["graphs"] is None
-    for mix in ("uniform", "mixed"):
-        assert rows[(mix, "eager")]["max_diff_vs_graphs"] < 1e-4
-        assert all(ms > 0 for ms in rows[(mix, "graphs")]["ms"])
-    assert [2, block] in graphs  # the two full-depth requests: one replay of bucket 2
-
-
-def test_diag_fused_merge_keeps_one_wave_on_sm90():
-    """experiments/diag_fused_merge.py's grid barrier needs every CTA resident (one wave, 2 per SM):
-    its kernel, fused or not, cross-compiled for sm_90 (no GPU needed) fits two CTAs per SM and
-    does not spill with the merge's largest tiles."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = experiments_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
-    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "diag_fused_merge.py"),
-                           "--compile-check"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {(r["fuse"], r["merge_rows"]) for r in report} == {(True, 2), (True, 16), (False, 2)}
-    for r in report:
-        assert 2 * (r["shared"] + 1024) <= 233_472 and r["regs"] * 128 * 2 <= 65_536
-        assert r["spills"] == 0
 
 
 def test_bench_served_tiny(tmp_path):
