@@ -266,13 +266,3 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from specserve.cli import main as cli_main
-
-    return cli_main(["train-demo", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

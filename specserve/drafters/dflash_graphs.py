@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from specserve.attention.base import AttnBatch
+from specserve.cudagraph import BATCH_BUCKETS, Staging, bucket_of, capture_graph, planned_for
 from specserve.drafters.dflash_cache import CacheStep, DFlashContextCache, block_mask
-from specserve.engine.graphs import BATCH_BUCKETS, Staging, bucket_of, capture_graph, planned_for
 
 
 class _Static:

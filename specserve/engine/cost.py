@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from specserve.engine.graphs import BATCH_BUCKETS, bucket_of
+from specserve.cudagraph import BATCH_BUCKETS, bucket_of
 
 WINDOW = 8  # recent samples an entry keeps
 REFRESH = 16  # verify observations between re-estimates (envelope and shapes not measured)

@@ -23,11 +23,11 @@ from specserve.engine import isolation, overlap, speculative
 from specserve.engine.adaptive import Adaptive
 from specserve.engine.cost import CostModel, observe_step
 from specserve.engine.runner import ModelRunner
-from specserve.engine.sampling import make_generator, sample_rows
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence, Status
 from specserve.errors import InvalidRequest
 from specserve.models.decoder import DecoderModel
+from specserve.sampling import make_generator, sample_rows
 from specserve.spec.accept import accept
 from specserve.spec.metrics import RequestSpecStats, StepTimes
 from specserve.types import FinishReason, RequestOutput, SamplingParams

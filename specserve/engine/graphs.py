@@ -20,7 +20,6 @@ the unpadded forward.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -28,9 +27,8 @@ import numpy as np
 import torch
 
 from kernels.tree_attention.configs import SHORT_CONTEXT  # the kernel's latency-bound plans
-from specserve.attention.base import AttnBatch, packed_offsets, torch_dtype
-
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+from specserve.attention.base import AttnBatch
+from specserve.cudagraph import BATCH_BUCKETS, Staging, bucket_of, capture_graph, planned_for
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -40,64 +38,6 @@ def row_buckets(max_rows: int) -> list[int]:
     for k in range(11):
         out.update(b for b in (1 << k, (1 << k) + 1) if b < max_rows)
     return sorted(out)
-
-
-def bucket_of(n: int, buckets: Seq[int]) -> int | None:
-    return next((b for b in buckets if b >= n), None)
-
-
-class Staging:
-    """Static metadata buffers of a graph: typed views packed into one device buffer and one
-    (pinned, on CUDA) host staging buffer; a step fills the host views, then `push` moves them
-    all in one copy. Also used by the drafter's graphs (drafters/dflash_graphs.py)."""
-
-    def __init__(self, spec: dict[str, tuple[tuple[int, ...], type]], device) -> None:
-        sizes = [int(np.prod(s)) * np.dtype(t).itemsize for s, t in spec.values()]
-        offsets, total = packed_offsets(sizes)
-        pin = torch.device(device).type == "cuda"
-        self.host = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)
-        self.dev = torch.zeros(total, dtype=torch.uint8, device=device)
-        hnp = self.host.numpy()
-        self.views = {}  # name → (device view, host numpy view)
-        for (name, (shape, dtype)), off, size in zip(spec.items(), offsets, sizes, strict=True):
-            self.views[name] = (self.dev[off : off + size].view(torch_dtype(dtype)).view(shape),
-                                hnp[off : off + size].view(dtype).reshape(shape))
-        self.copied = torch.cuda.Event() if pin else None  # recorded after each push
-
-    def wait(self) -> None:
-        """Block until the previous push has read the host buffer (call before filling it)."""
-        if self.copied is not None:
-            self.copied.synchronize()
-
-    def push(self) -> None:
-        """Copy the host views to the device views (stream-ordered, one transfer)."""
-        self.dev.copy_(self.host, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
-
-
-@contextmanager
-def planned_for(owner, max_ctx_len: int):
-    """`owner.attn_backend` planned for contexts up to `max_ctx_len` while inside (a fixed split
-    count, device-side ranges: a graph captured now replays at any context up to it)."""
-    backend = owner.attn_backend
-    owner.attn_backend = partial(backend, max_ctx_len=max_ctx_len)
-    try:
-        yield
-    finally:
-        owner.attn_backend = backend
-
-
-def capture_graph(fn, device, pool) -> tuple[object, object, object]:
-    """Run `fn` once eagerly (kernels compile, launch plans are memoised outside the capture),
-    then capture it as a CUDA graph in memory `pool` (None: a new pool). (graph, out, pool)."""
-    fn()
-    torch.cuda.synchronize(device)
-    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
-    return graph, out, pool
 
 
 @dataclass(eq=False)

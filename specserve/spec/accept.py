@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.sampling import sample_rows
+from specserve.sampling import sample_rows
 from specserve.spec.tree import DraftTree, child_rows
 from specserve.types import SamplingParams
 

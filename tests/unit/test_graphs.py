@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.engine.graphs import BATCH_BUCKETS, bucket_of, row_buckets
+from specserve.cudagraph import BATCH_BUCKETS, bucket_of
+from specserve.engine.graphs import row_buckets
 from specserve.engine.runner import ForwardInput
 from specserve.spec.tree import DraftTree, verify_layout
 from specserve.types import SamplingParams
@@ -173,7 +174,7 @@ def test_planned_for_plans_the_backend_and_restores_it():
     gets max_ctx_len; after — also after an error — the owner has its own backend back."""
     from types import SimpleNamespace
 
-    from specserve.engine.graphs import planned_for
+    from specserve.cudagraph import planned_for
 
     def backend(*args, **kwargs):
         return kwargs

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.engine.sampling import make_generator, probs_for, sample_rows
+from specserve.sampling import make_generator, probs_for, sample_rows
 from specserve.types import GREEDY_TEMPERATURE, SamplingParams
 
 ROWS, VOCAB = 7, 211
