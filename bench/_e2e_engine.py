@@ -90,7 +90,7 @@ def generate(b, engine: Engine, rid: str, prompt: list[int], new: int, budget: i
                     run.prefill_s = time.perf_counter() - t0
                     run.tokens.extend(got)
                 continue
-            step = next((o.stats["step"] for o in outs if "step" in o.stats), None)
+            step = next((o.stats.step for o in outs if o.stats is not None), None)
             run.step_ms.append(dt * 1e3)
             run.step_commit.append(step.commit_len if step else len(got))
             run.step_cut.append(bool(step and step.cut))

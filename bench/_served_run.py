@@ -102,8 +102,8 @@ def in_process(engine, prompts: list[list[int]], new: int, budget: int,
         for out in outs:
             if out.new_token_ids:
                 timings[out.request_id].arrivals.append((now, len(out.new_token_ids)))
-            if out.finished and "request" in out.stats:
-                timings[out.request_id].phases = _phases(out.stats["request"])
+            if out.finished and out.stats is not None:
+                timings[out.request_id].phases = _phases(out.stats.request)
     return list(timings.values())
 
 

@@ -7,10 +7,14 @@ These are plain frozen dataclasses: the services convert protobuf messages to an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from specserve.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from specserve.spec.metrics import StepOutcome
 
 GREEDY_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's _SAMPLING_EPS)
 
@@ -75,7 +79,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    stats: dict = field(default_factory=dict)
+    stats: StepOutcome | None = None  # a decode step's record (None after prefill's token)
     error: Exception | None = None
 
     @property

@@ -207,16 +207,16 @@ class StepLoop:
                             observe=time.perf_counter() - t2)
 
     def _attribute_entry_error(self, out: RequestOutput, reason: str | None) -> None:
-        step = out.stats.get("step")
-        if step is not None and reason and step.fallback is None and step.tree_size == 0:
-            out.stats["step"] = replace(step, fallback=reason)  # this entry failed, only
-            out.stats["request"].fallbacks[reason] += 1
+        o = out.stats
+        if o is not None and reason and o.step.fallback is None and o.step.tree_size == 0:
+            o.step = replace(o.step, fallback=reason)  # this entry failed, only
+            o.request.fallbacks[reason] += 1
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.error is not None:  # the engine already ended it; the others go on
             self._fail(out.request_id, out.error)
             return
-        step = out.stats.get("step")
+        step = out.stats.step if out.stats is not None else None
         if step is not None and step.fallback:
             self._count_fallback(step.fallback)
         req = self._requests.pop(out.request_id) if out.finished else \
@@ -237,7 +237,7 @@ class StepLoop:
                 self.tracer.remove(request_id, handed_over_ns)
         if self.metrics is None:
             return
-        steps = [out.stats["step"] for out in outputs if "step" in out.stats]
+        steps = [out.stats.step for out in outputs if out.stats is not None]
         for step in steps:
             self.metrics.record_step(step)
         if times is not None:

@@ -32,7 +32,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.common import telemetry
-from specserve.spec.metrics import StepRecord, StepTimes
+from specserve.spec.metrics import StepOutcome, StepTimes
 
 
 @dataclass(eq=False)
@@ -127,12 +127,11 @@ class StepTracer:
                 traced = self._requests.get(out.request_id)
                 if traced is None:
                     continue
-                step: StepRecord | None = out.stats.get("step")
-                if step is None:  # the token sampled at the end of prefill
+                if out.stats is None:  # the token sampled at the end of prefill
                     self._prefill_span(traced, times.end_ns)
                     continue
                 if self._traces_step(traced):
-                    self._step_spans(traced, out.request_id, step, out.stats, times, t0)
+                    self._step_spans(traced, out.request_id, out.stats, times, t0)
                 traced.steps += 1
         self.abandon_step("no output for the request this step")
 
@@ -154,8 +153,9 @@ class StepTracer:
         traced.tail = span
         traced.chunks.clear()
 
-    def _step_spans(self, traced: _Traced, request_id: str, step: StepRecord, stats: dict,
+    def _step_spans(self, traced: _Traced, request_id: str, outcome: StepOutcome,
                     times: StepTimes, t0: int) -> None:
+        step = outcome.step
         if traced.open is not None:
             step_span, draft = traced.open
             traced.open = None
@@ -165,7 +165,7 @@ class StepTracer:
                                             kind=SpanKind.CLIENT, start_time=t0)
         if step_span.is_recording():
             attrs = {"request.id": request_id, "step.index": traced.steps,
-                     "context_len": stats.get("context_len", -1), "budget": step.budget,
+                     "context_len": outcome.context_len, "budget": step.budget,
                      "tree_size": step.tree_size, "accepted_depth": step.accepted_depth,
                      "commit_len": step.commit_len, "cut": step.cut}
             if step.fallback:

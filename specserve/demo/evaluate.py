@@ -83,7 +83,7 @@ def commit_len(engine: Engine, prompt: list[int], new_tokens: int = 64,
     while engine.has_unfinished:
         for o in engine.step():
             out += o.new_token_ids
-            stats = (o.stats or {}).get("request", stats)
+            stats = o.stats.request if o.stats is not None else stats
     engine.on_step = None
     return {"context": len(prompt), "mean_commit_len": sum(lens) / max(1, len(lens)),
             "steps": len(lens), "tokens": out, "wall_s": time.perf_counter() - t0,

@@ -196,8 +196,8 @@ class Engine:
             (w.seq.request_id, w.start, w.num_tokens) for w in batch.chunks))
         self._observe_cost(batch, draft_s, span)
         for out in outputs:
-            if "step" in out.stats:
-                out.stats["times"] = self.last_step
+            if out.stats is not None:
+                out.stats.times = self.last_step
         return outputs
 
     def _plan(self, decoding: list[Sequence]) -> tuple[list[speculative.Planned], float]:

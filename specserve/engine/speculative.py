@@ -20,7 +20,7 @@ from specserve.drafters.base import Drafter, DraftRequest
 from specserve.engine.runner import ForwardInput
 from specserve.engine.sequence import Sequence
 from specserve.spec.accept import Acceptance
-from specserve.spec.metrics import StepRecord
+from specserve.spec.metrics import StepOutcome, StepRecord
 from specserve.spec.shapes import Choice
 from specserve.spec.tree import DraftTree, VerifyLayout, verify_layout
 from specserve.types import RequestOutput
@@ -162,5 +162,5 @@ def record(p: Planned, acc: Acceptance, out: RequestOutput, cut: bool,
     stats.draft_s, stats.verify_s, stats.commit_s = (
         a + b for a, b in zip((stats.draft_s, stats.verify_s, stats.commit_s), times,
                               strict=True))
-    out.stats = {"step": step, "request": stats, "context_len": int(p.layout.positions[0])}
+    out.stats = StepOutcome(step, stats, int(p.layout.positions[0]))
     return step

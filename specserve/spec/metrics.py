@@ -106,3 +106,14 @@ class RequestSpecStats:
             "phase_s": {"prefill": self.prefill_s, "draft": self.draft_s,
                         "verify": self.verify_s, "commit": self.commit_s},
         }
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What a decode step records for one request (`RequestOutput.stats`; None after the token
+    sampled at the end of prefill)."""
+
+    step: StepRecord
+    request: RequestSpecStats  # the request's running totals, this step included
+    context_len: int  # committed tokens before the step's root
+    times: StepTimes | None = None  # the engine step's wall-clock marks, set after it

@@ -15,7 +15,7 @@ from opentelemetry.trace import StatusCode
 from services.common import telemetry
 from services.common.metrics import FALLBACK_KINDS, VerifierMetrics, fallback_kind
 from services.verifier.tracing import StepTracer
-from specserve.spec.metrics import StepRecord, StepTimes
+from specserve.spec.metrics import RequestSpecStats, StepOutcome, StepRecord, StepTimes
 from specserve.types import RequestOutput
 
 STEPS, T0, MS = 7, 1_000_000_000_000, 1_000_000
@@ -44,7 +44,7 @@ def _drive(tracer: StepTracer, otel, drafting=True) -> tuple[object, list[dict]]
         contexts.append(tracer.open_draft("r") if drafting else {})
         step = StepRecord(8, 8, k % 3, k % 3 + 1, False)
         out = RequestOutput("r", [1] * step.commit_len,
-                            stats={"step": step, "context_len": 9 + k})
+                            stats=StepOutcome(step, RequestSpecStats(), 9 + k))
         tracer.end_step([out], StepTimes(t, t + 2 * MS, t + 6 * MS, t + 7 * MS))
         t += 10 * MS
     tracer.remove("r", t)
@@ -154,7 +154,7 @@ def test_note_draft_puts_events_on_open_draft_spans_only(spans):
               ("reply.taken", T0 + 5 * MS + 9)]
     tracer.note_draft(["r", "idle", "unknown"], events)
     step = StepRecord(8, 8, 1, 2, False)
-    tracer.end_step([RequestOutput("r", [1, 2], stats={"step": step, "context_len": 9})],
+    tracer.end_step([RequestOutput("r", [1, 2], stats=StepOutcome(step, RequestSpecStats(), 9))],
                     StepTimes(T0 + MS, T0 + 6 * MS, T0 + 7 * MS, T0 + 8 * MS))
     tracer.remove("r", T0 + 9 * MS)
     tracer.remove("idle", T0 + 9 * MS)

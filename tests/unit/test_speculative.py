@@ -33,8 +33,8 @@ def _run(engine, prompts, params, budget):
     while engine.has_unfinished:
         for out in engine.step():
             got[out.request_id].extend(out.new_token_ids)
-            if out.stats:
-                stats[out.request_id] = out.stats["request"]
+            if out.stats is not None:
+                stats[out.request_id] = out.stats.request
     return [got[f"r{i}"] for i in range(len(prompts))], steps, stats
 
 
