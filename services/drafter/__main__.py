@@ -11,12 +11,14 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 
 from services.common import telemetry
 from services.common.security import SECURITY_FLAGS, Security
 from services.common.settings import COMMON, DRAFTER_METRICS_PORT, DRAFTER_PORT, Flag, add_flags
 from services.drafter.server import DTYPES, DrafterConfig, run
 
+_D = {f.name: f.default for f in fields(DrafterConfig)}  # the config's defaults are the flags'
 FLAGS = [
     *COMMON,
     *SECURITY_FLAGS,
@@ -27,16 +29,19 @@ FLAGS = [
          "DFlash drafter checkpoint dir (absent: n-gram drafting only)"),
     Flag("--device", "SPECSERVE_DEVICE", "auto", str, "auto | cpu | cuda | cuda:N"),
     Flag("--dtype", "SPECSERVE_DTYPE", "auto", str, " | ".join(DTYPES)),
-    Flag("--page-size", "SPECSERVE_PAGE_SIZE", 16, int, "context-cache page size (tokens)"),
-    Flag("--drafter-pages", "SPECSERVE_DRAFTER_PAGES", 16384, int,
+    Flag("--page-size", "SPECSERVE_PAGE_SIZE", _D["page_size"], int,
+         "context-cache page size (tokens)"),
+    Flag("--drafter-pages", "SPECSERVE_DRAFTER_PAGES", _D["num_pages"], int,
          "context-cache pages per layer group (16384 × 16 = 256k tokens: a 128k probe fits)"),
+    Flag("--grace-s", "SPECSERVE_GRACE_S", _D["grace_s"], float,
+         "shutdown: in-flight streams get this long to finish"),
     Flag("--warmup", "SPECSERVE_WARMUP", "auto", str,
          "compile the GPU kernels before serving: auto (on cuda) | on | off"),
     Flag("--cuda-graphs", "SPECSERVE_CUDA_GRAPHS", "auto", str,
          "the DFlash block forward as CUDA graphs: auto (on cuda) | on | off"),
     Flag("--max-message-mb", "SPECSERVE_DRAFTER_MAX_MESSAGE_MB", 256, int,
          "largest message taken (a prefill chunk's rows across hosts must fit)"),
-    Flag("--max-stream-share", "SPECSERVE_DRAFTER_MAX_STREAM_SHARE", 1.0, float,
+    Flag("--max-stream-share", "SPECSERVE_DRAFTER_MAX_STREAM_SHARE", _D["max_stream_share"], float,
          "the share of the context cache one verifier connection may hold (0-1]"),
     Flag("--lane", "SPECSERVE_DRAFTER_LANE", "auto", str,
          "same-host lane (a Unix socket for the verifier's steps): auto (a path in the temp "
@@ -62,7 +67,7 @@ def config_from_args(args: argparse.Namespace) -> DrafterConfig:
                          page_size=args.page_size, num_pages=args.drafter_pages,
                          metrics_port=args.metrics_port, warmup=args.warmup,
                          cuda_graphs=args.cuda_graphs, lane=args.lane,
-                         max_stream_share=args.max_stream_share,
+                         max_stream_share=args.max_stream_share, grace_s=args.grace_s,
                          max_message_mb=args.max_message_mb, security=Security.from_args(args))
 
 

@@ -41,7 +41,7 @@ class DrafterConfig:
     device: str = "auto"  # "auto" = cuda if available, else cpu
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
     page_size: int = 16  # context-cache page size (tokens)
-    num_pages: int = 4096  # context-cache pages per layer group
+    num_pages: int = 16384  # context-cache pages per layer group (× 16 = 256k tokens)
     grace_s: float = 5.0  # in-flight streams get this long to finish on shutdown
     metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
     warmup: str = "auto"  # compile kernels before serving: auto (= on cuda) | on | off
