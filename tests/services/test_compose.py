@@ -3,8 +3,11 @@
 `config -q` validates the file (and the CPU override); `config --format json` gives the normalized
 model, whose SPECSERVE_* variables are fed to each service's own flag parser: every variable
 must be one of that service's flags, the ports must be the ones the peers dial, and the
-services must bind 0.0.0.0 inside their containers. The wrapper's `docker-compose` console
-script always exits 0, so the ELF inside the `compose` package is called directly.
+services must bind 0.0.0.0 inside their containers. The GPU default (CUDA torch image, GPU
+reservations and SPECSERVE_DEVICE=cuda for verifier and drafter), the CPU override, the
+Dockerfile's torch/triton pins and `.dockerignore` are read from the files. The wrapper's
+`docker-compose` console script always exits 0, so the ELF inside the `compose` package is
+called directly.
 """
 
 from __future__ import annotations
@@ -153,16 +156,141 @@ def test_peers_dial_the_ports_they_listen_on(monkeypatch):
     assert {int(p["target"]) for p in jaeger["ports"]} == {16686}  # the UI only
 
 
-def test_gpu_reservation_and_cpu_override():
+GPU_SERVICES = ("verifier", "drafter")
+IMAGE_SERVICES = ("gateway", "verifier", "drafter")  # built from docker/Dockerfile
+NVIDIA_GPU = [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+
+
+def _devices(svc: dict) -> list:
+    return ((svc.get("deploy") or {}).get("resources") or {}).get("reservations", {}) \
+        .get("devices", [])
+
+
+def _dockerfile_args() -> dict[str, str]:
+    text = (ROOT / "docker/Dockerfile").read_text()
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+
+
+def test_gpu_default_and_cpu_override():
+    """Default: CUDA torch image, one NVIDIA GPU and SPECSERVE_DEVICE=cuda for the verifier and
+    the drafter, no GPU for the gateway or Jaeger. The override: the cpu torch index under its
+    own tag, no reservation anywhere, SPECSERVE_DEVICE=cpu."""
     services = _model()["services"]
-    for name in ("verifier", "drafter"):  # one GPU each, the same one on a one-GPU host
-        gpu = services[name]["deploy"]["resources"]["reservations"]["devices"]
-        assert gpu == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    for name in GPU_SERVICES:  # one GPU each, the same one (GPU 0) on any host
+        assert _devices(services[name]) == NVIDIA_GPU, name
+        assert services[name]["environment"]["SPECSERVE_DEVICE"] == "cuda", name
+    for name in ("gateway", "jaeger"):
+        assert not _devices(services[name]), f"{name} needs no GPU"
+        assert "SPECSERVE_DEVICE" not in services[name].get("environment", {}), name
+    default_index = _dockerfile_args()["TORCH_INDEX"]
+    assert default_index.startswith("cu"), "the Dockerfile's default torch must be a CUDA build"
+    for name in IMAGE_SERVICES:
+        assert services[name]["build"]["args"]["TORCH_INDEX"] == default_index, name
+        assert services[name]["image"] == "specserve:latest", name
+
     cpu = _model(("docker-compose.yml", CPU_OVERRIDE))["services"]
-    for name in ("verifier", "drafter"):
-        assert "devices" not in json.dumps(cpu[name].get("deploy") or {})
-    assert cpu["verifier"]["environment"]["SPECSERVE_DEVICE"] == "cpu"
-    assert cpu["drafter"]["environment"]["SPECSERVE_DEVICE"] == "cpu"
+    for name, svc in cpu.items():
+        assert "devices" not in json.dumps(svc.get("deploy") or {}), name
+    for name in GPU_SERVICES:
+        assert cpu[name]["environment"]["SPECSERVE_DEVICE"] == "cpu", name
+    for name in IMAGE_SERVICES:  # its own tag: the CPU build does not replace the CUDA one
+        assert cpu[name]["build"]["args"]["TORCH_INDEX"] == "cpu", name
+        assert cpu[name]["build"]["dockerfile"] == "docker/Dockerfile", name
+        assert cpu[name]["image"] == "specserve:cpu", name
+
+
+def test_torch_index_can_be_picked_at_build_time():
+    """`TORCH_INDEX=cu130 docker compose build` reaches the build (the override still wins)."""
+    services = _model(env={"TORCH_INDEX": "cu130"})["services"]
+    assert {services[n]["build"]["args"]["TORCH_INDEX"] for n in IMAGE_SERVICES} == {"cu130"}
+    cpu = _model(("docker-compose.yml", CPU_OVERRIDE), {"TORCH_INDEX": "cu130"})["services"]
+    assert {cpu[n]["build"]["args"]["TORCH_INDEX"] for n in IMAGE_SERVICES} == {"cpu"}
+
+
+# triton that each torch release's Linux x86_64 wheels require (Requires-Dist on PyPI, read with
+# `pip install --dry-run --no-deps --report`): moving torch in the Dockerfile to a release not
+# listed here means reading its metadata first.
+TORCH_REQUIRES_TRITON = {"2.10.0": "3.6.0", "2.11.0": "3.6.0", "2.12.0": "3.7.0"}
+
+
+def test_torch_pin_implies_the_pinned_triton():
+    """The Dockerfile pins torch exactly; the triton that torch requires is the one
+    pyproject.toml pins and the one the Dockerfile checks after installing; docs/deploy.md
+    names both."""
+    import tomllib
+
+    args = _dockerfile_args()
+    torch_v, triton_v = args["TORCH_VERSION"], args["TRITON_VERSION"]
+    text = (ROOT / "docker/Dockerfile").read_text().replace("\\\n", " ")  # continued lines
+    installs = re.findall(r"^RUN pip install [^\n]*?\"torch(\S*?)\"", text, re.M)
+    assert len(installs) == 2 and set(installs) == {"==${TORCH_VERSION}"}, installs
+    checks = text.split("RUN pip install .", 1)[1].split("\n", 1)[0]  # after `pip install .`
+    assert "pip check" in checks and "triton.__version__ == '${TRITON_VERSION}'" in checks
+    assert torch_v in TORCH_REQUIRES_TRITON, f"torch {torch_v}: record the triton it requires"
+    assert TORCH_REQUIRES_TRITON[torch_v] == triton_v
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"triton=={triton_v}" in deps
+    docs = " ".join((ROOT / "docs/deploy.md").read_text().split())
+    assert f"pins torch {torch_v}, whose Linux wheels require triton {triton_v}" in docs
+
+
+def _dockerignore() -> list[tuple[bool, re.Pattern]]:
+    """`.dockerignore` as Docker reads it: patterns from the context root, `**` any number of
+    directories, `!` re-includes, the last match wins, a match on a directory covers its files."""
+    rules = []
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = line.lstrip("!").strip("/")
+        rx = ""
+        for part in re.split(r"(\*\*/?|\*|\?)", pattern):
+            rx += {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}.get(part,
+                                                                             re.escape(part))
+        rules.append((negate, re.compile(rx)))
+    return rules
+
+
+def _ignored(path: str, rules) -> bool:
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    ignored = False
+    for negate, rx in rules:
+        if any(rx.fullmatch(p) for p in prefixes):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_keeps_the_context_small_and_what_the_image_needs():
+    rules = _dockerignore()
+    for path in (".venv/bin/python", ".git/HEAD", "specserve/__pycache__/x.cpython-311.pyc",
+                 "kernels/tree_attention/x.pyc", "experiments/results/run.json",
+                 ".pytest_cache/v/x", ".ruff_cache/x", "build/lib/x.py", "dist/x.whl",
+                 "specserve.egg-info/PKG-INFO", "certs/ca.pem", "certs/gateway.key",
+                 "certs/tokens.txt", "docker/dev.key"):
+        assert _ignored(path, rules), f"{path} would be sent to the Docker daemon"
+    copied = re.findall(r"^COPY (.+) \S+$", (ROOT / "docker/Dockerfile").read_text(), re.M)
+    sources = [s for line in copied for s in line.split()]
+    assert {"pyproject.toml", "specserve", "services", "kernels"} <= set(sources)
+    for source in sources:
+        assert (ROOT / source).exists(), source
+        assert not _ignored(source, rules), f"the Dockerfile copies {source}: keep it"
+        files = sorted((ROOT / source).rglob("*.py")) if (ROOT / source).is_dir() else []
+        for rel in (f.relative_to(ROOT).as_posix() for f in files):
+            assert "__pycache__" in rel or not _ignored(rel, rules), rel
+    for path in ("checkpoints/demo-target/config.json", "checkpoints/demo-target/tokenizer.json",
+                 "checkpoints/demo-drafter/model.safetensors", "docker/Dockerfile"):
+        assert not _ignored(path, rules), path
+
+
+def test_dockerignore_matcher():
+    """The matcher above, on patterns whose meaning Docker documents."""
+    rules = [(False, re.compile("[^/]*\\.md")), (True, re.compile("README\\.md"))]
+    assert _ignored("CHANGES.md", rules) and not _ignored("README.md", rules)
+    assert not _ignored("docs/x.md", rules)  # `*.md` is the root only
+    (neg, rx), = [r for r in _dockerignore() if r[1].pattern.endswith("__pycache__")]
+    assert rx.fullmatch("__pycache__") and rx.fullmatch("a/b/__pycache__")
 
 
 def test_verifier_and_drafter_share_what_the_same_host_path_needs(monkeypatch):
