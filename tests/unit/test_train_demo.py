@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from specserve.cli import main as cli_main
 from specserve.demo import train
 from specserve.models.dflash import load_dflash
 from specserve.models.loader import load_model
@@ -27,8 +28,8 @@ def test_quick_training_is_deterministic_and_loads(tmp_path, capsys):
     t0 = time.perf_counter()
     runs = []
     for name in ("a", "b"):
-        assert train.main(["--quick", "--out", str(tmp_path / name), "--seed", "3",
-                           "--device", "cpu"]) == 0
+        assert cli_main(["train-demo", "--quick", "--out", str(tmp_path / name), "--seed", "3",
+                         "--device", "cpu"]) == 0
         runs.append(json.loads((tmp_path / name / train.SUMMARY).read_text()))
     assert time.perf_counter() - t0 < 60
     a, b = runs
