@@ -19,6 +19,8 @@ from services.common.convert import (
     sampling_to_pb,
     spec_stats_to_pb,
 )
+from specserve.cli.wire import TRACE_ID_KEY
+from specserve.cli.wire import Final as GatewayFinal  # what the client reads, as sent
 from specserve.errors import InvalidRequest
 from specserve.spec.metrics import RequestSpecStats
 from specserve.types import FinishReason, SamplingParams
@@ -59,18 +61,6 @@ class VerifierFinal:
     completion_tokens: int
     stats: RequestSpecStats
     other_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class GatewayFinal:
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    stats: RequestSpecStats
-    other_s: float
-    request_id: str
-    ttft_s: float
-    wall_s: float
 
 
 # ---- server side ---------------------------------------------------------------------------
@@ -180,7 +170,6 @@ def response_from_pb(msg: gateway_pb2.GenerateResponse) -> tuple[str, Step] | Ga
                         f.wall_s)
 
 
-TRACE_ID_KEY = "x-specserve-trace-id"  # the gateway's initial metadata, when spans are exported
 
 
 def trace_id_from_metadata(metadata) -> str | None:
