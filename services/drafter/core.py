@@ -25,7 +25,7 @@ import torch
 from specserve.drafters import registry
 from specserve.drafters.base import Drafter, DraftRequest
 from specserve.drafters.dflash import DFlashDrafter
-from specserve.drafters.registry import DFLASH, NGRAM, NONE, DrafterSpec
+from specserve.drafters.registry import CONTEXT_PAGES, DFLASH, NGRAM, NONE, DrafterSpec
 from specserve.spec.tree import DraftTree, check_budget
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class DrafterCore:
 
     @classmethod
     def load(cls, draft_dir: str | Path | None, target_dir: str | Path | None, *,
-             dtype: str = "float32", device: str = "cpu", num_pages: int = 4096,
+             dtype: str = "float32", device: str = "cpu", num_pages: int = CONTEXT_PAGES,
              page_size: int = 16, graphs: bool | None = None,
              max_share: float = 1.0) -> DrafterCore:
         """N-gram always; DFlash too when `draft_dir` (and the target's `target_dir`) are given

@@ -25,6 +25,7 @@ from services.common.settings import DEFAULT_HOST, DRAFTER_PORT
 from services.drafter.core import DrafterCore
 from services.drafter.servicer import DrafterServicer
 from specserve.config import check_switch, switched_on
+from specserve.drafters.registry import CONTEXT_PAGES
 from specserve.engine.warmup import warm_up_drafter
 from specserve.v1 import drafter_pb2_grpc
 
@@ -41,7 +42,7 @@ class DrafterConfig:
     device: str = "auto"  # "auto" = cuda if available, else cpu
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
     page_size: int = 16  # context-cache page size (tokens)
-    num_pages: int = 16384  # context-cache pages per layer group (× 16 = 256k tokens)
+    num_pages: int = CONTEXT_PAGES  # context-cache pages per layer group
     grace_s: float = 5.0  # in-flight streams get this long to finish on shutdown
     metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
     warmup: str = "auto"  # compile kernels before serving: auto (= on cuda) | on | off

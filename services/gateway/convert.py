@@ -170,8 +170,6 @@ def response_from_pb(msg: gateway_pb2.GenerateResponse) -> tuple[str, Step] | Ga
                         f.wall_s)
 
 
-
-
 def trace_id_from_metadata(metadata) -> str | None:
     """The request's trace id from a Generate call's initial metadata (None: not exported)."""
     for key, value in metadata or ():

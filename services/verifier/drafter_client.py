@@ -63,6 +63,12 @@ class RemoteDrafter(Drafter):
     the kept copies; `same_host=False` takes neither ring nor lane (the cross-host path);
     `security`: TLS to the drafter and the token sent to it."""
 
+    asynchronous = True  # submit() sends now and waits later
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self._taps
+
     def __init__(self, address: str, target_layer_ids: Sequence[int] = (),
                  timeout_s: float = 2.0, reconnect_s: float = 0.5, *,
                  ring: ContextRing | None = None, projection=None, keep_context: str = "auto",
@@ -206,12 +212,6 @@ class RemoteDrafter(Drafter):
             st = self.entries.states.get(req.request_id)
             if st is not None:
                 st.resend = True
-
-    asynchronous = True  # submit() sends now and waits later
-
-    @property
-    def target_layer_ids(self) -> tuple[int, ...]:
-        return self._taps
 
     def feed(self, requests: Sequence[DraftRequest]) -> bool:
         """Send prefill context rows now, as budget-0 entries whose reply is not waited for: the

@@ -13,6 +13,7 @@ from pathlib import Path
 from specserve.drafters.base import Drafter
 
 DFLASH, NGRAM, NONE = "dflash", "ngram", "none"
+CONTEXT_PAGES = 16384  # DFlash context-cache pages per layer group by default (× 16 = 256k tokens)
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class DrafterSpec:
     target_model: str | Path | None = None  # the target's (DFlash shares its embedding, head)
     dtype: str = "float32"
     device: str = "cpu"
-    num_pages: int = 4096  # context-cache pages (DFlash)
+    num_pages: int = CONTEXT_PAGES  # context-cache pages (DFlash)
     page_size: int = 16
     graphs: bool | None = None  # block forwards from CUDA graphs; None = on for CUDA
 

@@ -56,7 +56,8 @@ class Samples:
 class CostModel:
     verify: dict[tuple[int, int, int], Samples] = field(default_factory=dict)  # (n, rows, cls)
     draft: dict[tuple[int, int], Samples] = field(default_factory=dict)  # (n, cls)
-    # estimates of unmeasured shapes, recomputed after a new shape or REFRESH observations
+    # envelopes of measured shapes, capped estimates of the others; recomputed after a new
+    # shape or REFRESH observations
     _memo: dict[tuple[int, int, int], float | None] = field(default_factory=dict)
     _seen: int = 0
     epoch: int = 0  # bumped whenever the memo is dropped: callers may cache on it
@@ -79,9 +80,10 @@ class CostModel:
         """Seconds of a decode step of `n` requests, `rows` rows each, longest context `ctx`."""
         key = (batch_bucket(n), rows, context_class(ctx))
         got = self.verify.get(key)
-        if key not in self._memo:  # the envelope, or the estimate capped by it
-            own = self._envelope(*key) if got is not None else self._estimate(*key)
-            self._memo[key] = own if own is None else min(own, self._envelope(*key))
+        if key not in self._memo:  # measured: the envelope; else the estimate capped by it
+            cap = self._envelope(*key)
+            own = cap if got is not None else self._estimate(*key)
+            self._memo[key] = None if own is None else min(own, cap)
         cap = self._memo[key]
         return cap if got is None else min(got.value, cap)
 
