@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from specserve.drafters.registry import DFLASH, NGRAM, NONE
 from specserve.spec.metrics import RequestSpecStats
 from specserve.types import FinishReason, SamplingParams
 from specserve.v1 import common_pb2 as pb
 from specserve.v1 import gateway_pb2
 
-DRAFTER_KINDS = {"dflash": pb.DRAFTER_KIND_DFLASH, "ngram": pb.DRAFTER_KIND_NGRAM,
-                 "none": pb.DRAFTER_KIND_NONE}
+DRAFTER_KINDS = {DFLASH: pb.DRAFTER_KIND_DFLASH, NGRAM: pb.DRAFTER_KIND_NGRAM,
+                 NONE: pb.DRAFTER_KIND_NONE}
 FINISH = {pb.FINISH_REASON_STOP: FinishReason.STOP, pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
           pb.FINISH_REASON_ABORT: FinishReason.ABORT}
 TRACE_ID_KEY = "x-specserve-trace-id"  # the gateway's initial metadata, when spans are exported
