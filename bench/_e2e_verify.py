@@ -154,8 +154,8 @@ def _measure(b, kv, perm, ctx, batch, budget, bpt, graphs=None) -> dict:
 def _graph_step(graphs, layout, ctx, tables):
     """The engine's CUDA-graph step (engine/graphs.py): padded metadata to the device, replay,
     logits of every row, argmax — host work included."""
-    inputs = [ForwardInput(f"r{i}", layout.token_ids, layout.positions, ctx, layout.mask)
-              for i in range(len(tables))]
+    inputs = [ForwardInput(f"r{i}", layout.token_ids, layout.positions, ctx, layout.mask,
+                           pages=table) for i, table in enumerate(tables)]
     rows = list(range(len(tables) * len(layout.token_ids)))
     return lambda: graphs.run(inputs, tables, rows, ())[0].argmax(dim=-1)
 

@@ -36,8 +36,8 @@ def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
     (one-shot and chunked) and the prefill merge kernel per head_dim. `quick`: bf16 page 16
     only, no combine or merge. RuntimeError
     when triton's CUDA backend or its ptxas is missing."""
-    from kernels.tree_attention import kernel as K
-    from kernels.tree_attention.configs import all_configs, tail_block_n, tail_row_words
+    from specserve.kernels.tree_attention import kernel as K
+    from specserve.kernels.tree_attention.configs import all_configs, tail_block_n, tail_row_words
 
     ptxas = _ptxas(arch)
     report = []
@@ -72,7 +72,7 @@ def compile_report(arch: int, quick: bool = False, configs=None) -> list[dict]:
 def _merge_report(arch: int, head_dims: list[int], ptxas: str) -> list[dict]:
     """The prefill path's LSE merge of two results (specserve/attention/prefill.py) per head_dim
     it serves (cuDNN's ≤ 128) and input dtype."""
-    from kernels.tree_attention.combine import _merge_pair_kernel
+    from specserve.kernels.tree_attention.combine import _merge_pair_kernel
 
     report = []
     for head_dim in [d for d in head_dims if d <= 128]:
@@ -88,8 +88,8 @@ def _merge_report(arch: int, head_dims: list[int], ptxas: str) -> list[dict]:
 def _combine_report(arch: int, head_dims: list[int], ptxas: str) -> list[dict]:
     """The combine kernels per head_dim: per row one-shot and chunked (where 65 parts exceed
     BLOCK_S), and by row blocks."""
-    from kernels.tree_attention.combine import _combine_kernel, _combine_rows_kernel
-    from kernels.tree_attention.configs import COMBINE_BLOCK_R, combine_block_s
+    from specserve.kernels.tree_attention.combine import _combine_kernel, _combine_rows_kernel
+    from specserve.kernels.tree_attention.configs import COMBINE_BLOCK_R, combine_block_s
 
     report = []
     for head_dim in head_dims:
@@ -172,7 +172,7 @@ def sm120_check(quick: bool = False) -> list[dict]:
     """Compile every kernel config the launcher can pick on sm_120 (GPUTarget("cuda", 120, 32)),
     assert shared memory ≤ 101,376 B and 0 spill bytes (ptxas -v). Needs no GPU; RuntimeError
     when triton's CUDA backend or its Blackwell ptxas is missing."""
-    from kernels.tree_attention.configs import SM120_SMEM_LIMIT
+    from specserve.kernels.tree_attention.configs import SM120_SMEM_LIMIT
 
     report = compile_report(120, quick)
     bad = [r for r in report if r["shared"] > SM120_SMEM_LIMIT or r["spills"]]
@@ -259,10 +259,10 @@ def _measure(i, ctx, n_rows, hq, hkv, page, shuffled, copy_bw, mm) -> dict:
     import torch.nn.functional as F
     import triton
 
-    from kernels.tree_attention.kernel import tree_attention_triton
-    from kernels.tree_attention.naive import tree_attention_naive
-    from kernels.tree_attention.ref import tree_attention_ref
     from specserve.attention.torch_ref import visible_mask
+    from specserve.kernels.tree_attention.kernel import tree_attention_triton
+    from specserve.kernels.tree_attention.naive import tree_attention_naive
+    from specserve.kernels.tree_attention.ref import tree_attention_ref
 
     sets = _point(ctx, n_rows, hq, hkv, page, shuffled, i, torch, np)
     scale = D**-0.5

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 import triton
 
-from kernels.tree_attention.kernel import tree_attention_triton
 from specserve.attention import prefill
 from specserve.attention.base import AttnBatch
 from specserve.attention.prefill import prefill_attention
+from specserve.kernels.tree_attention.kernel import tree_attention_triton
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 POINTS = [(0, 8192), (24576, 8192), (57344, 8192), (122880, 8192), (0, 32768), (30720, 2048),

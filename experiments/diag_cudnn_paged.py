@@ -32,7 +32,7 @@ import triton
 from bench_kernel import _matmul_rate, _point
 from diag_kernel import _graph_us
 
-from kernels.tree_attention.kernel import tree_attention_triton
+from specserve.kernels.tree_attention.kernel import tree_attention_triton
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 

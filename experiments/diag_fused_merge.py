@@ -38,7 +38,7 @@ from pathlib import Path
 import triton
 import triton.language as tl
 
-from kernels.tree_attention.kernel import _attend
+from specserve.kernels.tree_attention.kernel import _attend
 
 STAMPS: tl.constexpr = tl.constexpr(5)  # per CTA: start, done, merged, smid, resident
 
@@ -178,9 +178,9 @@ def _fused_kernel(
 
 def _launch(q, k_pool, v_pool, batch, scale, out, variant, sync, times):
     """One call of a variant: the fused kernel (merge inside) or it + the production combine."""
-    import kernels.tree_attention.kernel as kmod
-    from kernels.tree_attention.configs import Config
-    from kernels.tree_attention.plan import OPTIONS, plan_launch, scratch
+    import specserve.kernels.tree_attention.kernel as kmod
+    from specserve.kernels.tree_attention.configs import Config
+    from specserve.kernels.tree_attention.plan import OPTIONS, plan_launch, scratch
 
     _, fuse, coop, splits, cfg, *more = variant
     extra = dict(more[0]) if more else {}  # last_k, early, no_merge, launcher options
@@ -300,9 +300,9 @@ def main() -> None:
     from bench_kernel import _copy_bw, _point
     from diag_kernel import _graph_us
 
-    import kernels.tree_attention.kernel as kmod
-    from kernels.tree_attention.configs import ctas_per_sm, sm_count
-    from kernels.tree_attention.ref import tree_attention_ref
+    import specserve.kernels.tree_attention.kernel as kmod
+    from specserve.kernels.tree_attention.configs import ctas_per_sm, sm_count
+    from specserve.kernels.tree_attention.ref import tree_attention_ref
 
     hq, hkv, d, page = 32, 8, 128, 16
     copy_bw = _copy_bw(torch, triton)
@@ -338,7 +338,7 @@ def main() -> None:
 
 def _variant_row(variant, ctx, n, sets, qs, want, ref, floor, torch, graph_us, ctas_per_sm,
                  sm_count) -> dict:
-    import kernels.tree_attention.kernel as kmod
+    import specserve.kernels.tree_attention.kernel as kmod
 
     name, fuse = variant[0], variant[1]
     d = qs[0].shape[2]

@@ -69,7 +69,7 @@ def main() -> None:
     import torch
     from bench_kernel import _copy_bw, _point
 
-    from kernels.tree_attention.kernel import tree_attention_triton
+    from specserve.kernels.tree_attention.kernel import tree_attention_triton
 
     hq, hkv, d, page = 32, 8, 128, 16
     opts = eval(args.options)  # noqa: S307 — our own CLI

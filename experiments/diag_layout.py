@@ -48,9 +48,9 @@ def main() -> None:
     from bench_kernel import _copy_bw, _point
     from diag_kernel import _graph_us, _kernel_times
 
-    import kernels.tree_attention.kernel as kmod
-    from kernels.tree_attention.configs import Config
-    from kernels.tree_attention.ref import tree_attention_ref
+    import specserve.kernels.tree_attention.kernel as kmod
+    from specserve.kernels.tree_attention.configs import Config
+    from specserve.kernels.tree_attention.ref import tree_attention_ref
 
     kmod.check_inputs = lambda *a, **k: None  # HND views are not contiguous (see docstring)
     hq, hkv, d, page = 32, 8, 128, 16

@@ -27,8 +27,8 @@ def main() -> None:
     import torch
     from bench_kernel import _point
 
-    from kernels.tree_attention.configs import Config
-    from kernels.tree_attention.kernel import tree_attention_triton
+    from specserve.kernels.tree_attention.configs import Config
+    from specserve.kernels.tree_attention.kernel import tree_attention_triton
 
     opts, splits, *cfg = eval(args.variant)  # noqa: S307 — our own CLI
     k, v, batch = _point(args.ctx, args.n, 32, 8, 16, True, 7, torch, np)[0]

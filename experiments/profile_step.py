@@ -51,7 +51,7 @@ from specserve.attention.base import AttnBatch
 from specserve.config import EngineConfig
 from specserve.drafters.base import Drafter
 from specserve.engine.runner import ForwardInput, ModelRunner
-from specserve.kvcache.block_manager import pages_for
+from specserve.kvcache.block_manager import BlockManager, pages_for
 from specserve.models.decoder import DecoderModel
 from specserve.models.rope import Rotary
 from specserve.spec.tree import DraftTree, verify_layout
@@ -166,7 +166,9 @@ def make_runner(a, model, dtype_name, tokens: int, max_draft: int = 0) -> ModelR
                        device=a.device, page_size=a.page_size, num_pages=pages, max_num_seqs=1,
                        max_num_batched_tokens=a.chunk, max_model_len=tokens,
                        max_draft_tokens=max_draft)
-    return ModelRunner(cfg, model)  # fuses q/k/v and gate/up (idempotent)
+    runner = ModelRunner(cfg, model)  # fuses q/k/v and gate/up (idempotent)
+    runner.blocks = BlockManager(runner.num_pages, a.page_size)  # this script's pages
+    return runner
 
 
 class RandomTreeDrafter(Drafter):
@@ -214,7 +216,7 @@ def model_and_runner_steps(a, res, model, runner, timer) -> None:
                 return model.logits(hidden).argmax(dim=-1)
 
             inp = [ForwardInput(rid, lay.token_ids, lay.positions, ctx_len=ctx,
-                                tree_mask=lay.mask)]
+                                tree_mask=lay.mask, pages=table)]
 
             def runner_step(inp=inp, n=n):
                 logits, _ = runner.forward(inp, range(n))
@@ -285,7 +287,7 @@ def host_costs(a, res, model, runner) -> None:
     """[4] Host µs per call (enqueue only) of single pieces at the largest context, budget 16."""
     import torch.nn.functional as F
 
-    from specserve.models import decoder
+    from specserve.models import decoder, lean
 
     dev, kv = a.device, runner.kv
     ctx, n = max(a.ctxs), a.budgets[0] + 1
@@ -316,7 +318,7 @@ def host_costs(a, res, model, runner) -> None:
         "KVPool.write (K and V)": lambda: kv.write(0, batch.slot_mapping, k, k),
         "attention backend (launcher + 2 kernels)": lambda: model.attn_backend(
             q, kv.k[0], kv.v[0], batch, c.head_dim**-0.5),
-        "one decoder layer (inference path)": lambda: decoder._layer_inference(
+        "one decoder layer (inference path)": lambda: lean._layer_inference(
             layer, fused, x, cos, sin, batch, kv, model.attn_backend),
         "whole model forward (all layers)": lambda: model(
             torch.as_tensor(lay.token_ids, device=dev), batch, kv),
@@ -360,9 +362,11 @@ def profile_steps(a, res, model, runner) -> None:
     batch = AttnBatch.build([budget + 1], [ctx], [runner.blocks.page_table(rid)], lay.positions,
                             a.page_size, [lay.mask], dev)
     ids = torch.as_tensor(lay.token_ids, device=dev)
-    inp = [ForwardInput(rid, lay.token_ids, lay.positions, ctx_len=ctx, tree_mask=lay.mask)]
+    inp = [ForwardInput(rid, lay.token_ids, lay.positions, ctx_len=ctx, tree_mask=lay.mask,
+                        pages=runner.blocks.page_table(rid))]
     lay1 = verify_layout(DraftTree.empty(), 3, ctx)
-    inp1 = [ForwardInput(rid, lay1.token_ids, lay1.positions, ctx_len=ctx, tree_mask=lay1.mask)]
+    inp1 = [ForwardInput(rid, lay1.token_ids, lay1.positions, ctx_len=ctx, tree_mask=lay1.mask,
+                         pages=runner.blocks.page_table(rid))]
     steps = {
         f"model step verify ctx={ctx} budget={budget}": lambda: model.logits(
             model(ids, batch, kv)[0]).argmax(-1),
@@ -436,7 +440,8 @@ def sync_debug(a, res, model, runner, dtype_name) -> None:
     runner.blocks.ensure(rid, ctx + budget + 1)
     lay = verify_layout(random_tree(budget, model.config.vocab_size,
                                     np.random.default_rng(4)), 3, ctx)
-    inp = [ForwardInput(rid, lay.token_ids, lay.positions, ctx_len=ctx, tree_mask=lay.mask)]
+    inp = [ForwardInput(rid, lay.token_ids, lay.positions, ctx_len=ctx, tree_mask=lay.mask,
+                        pages=runner.blocks.page_table(rid))]
     tokens = ctx + 8 * (budget + 1) + budget + 2
     cfg = EngineConfig(model_dir="/nonexistent/random-weights", dtype=dtype_name,
                        device=a.device, page_size=a.page_size,

@@ -96,9 +96,9 @@ def main() -> None:
     import triton
     from bench_kernel import _bench, _copy_bw, _matmul_rate, _point
 
-    from kernels.tree_attention import kernel as K
-    from kernels.tree_attention.configs import Config
-    from kernels.tree_attention.ref import tree_attention_ref
+    from specserve.kernels.tree_attention import kernel as K
+    from specserve.kernels.tree_attention.configs import Config
+    from specserve.kernels.tree_attention.ref import tree_attention_ref
 
     hq, hkv, d, page = 32, 8, 128, 16
     copy_bw, mm = _copy_bw(torch, triton), _matmul_rate(torch, triton)

@@ -2,8 +2,8 @@
 
 `backend_for(device)`: on CUDA `attention.prefill.prefill_attention` — long causal prefill
 chunks through cuDNN's fused attention, everything else (trees, decodes, short chunks, windowed
-layers) through the Triton tree-verify kernel (`kernels/tree_attention`); the torch reference on
-CPU. The kernel package is imported lazily, only when a GPU is used.
+layers) through the Triton tree-verify kernel (`specserve/kernels/tree_attention`); the torch
+reference on CPU. The kernel package is imported lazily, only when a GPU is used.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the pool right after the prefix (positions ctx_len .. ctx_len + q_len − 1 of t
 
 Per-step metadata is built once (`AttnBatch.build`) and passed to every layer explicitly — no module
 globals (FlashInfer's plan/run split). Backends: `torch_ref` (CPU, the reference) and the Triton
-kernel in `kernels/tree_attention` (GPU).
+kernel in `specserve/kernels/tree_attention` (GPU).
 """
 
 from __future__ import annotations

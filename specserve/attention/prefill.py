@@ -2,8 +2,8 @@
 through the tree kernel. The CUDA attention backend (`prefill_attention`).
 
 A chunk of C new tokens over a P-token prefix is two attention calls whose results merge by their
-log-sum-exps (`kernels.tree_attention.combine.merge_pair`): the chunk over itself under the
-causal mask, and the chunk over its prefix with no mask. Their K/V are the request's pages
+log-sum-exps (`specserve.kernels.tree_attention.combine.merge_pair`): the chunk over itself
+under the causal mask, and the chunk over its prefix with no mask. Their K/V are the request's pages
 gathered into one contiguous buffer per pool and layer (one `index_select`: (P + C)·Hkv·D
 elements, ~1 % of the attention's time at 128k), passed as strided views — no transposes. On
 CUDA the calls are cuDNN's fused attention (torch's `_scaled_dot_product_cudnn_attention`, the op
@@ -18,8 +18,8 @@ Which requests: causal ones (the whole batch when tree_mask is None, else those 
 marks — a prefill chunk riding in a forward with other requests' verify trees), no sliding
 window, attention work ≥ MIN_FLOP, bf16/fp16 with head_dim ≤ 128 on CUDA. Everything else —
 trees, decodes, short chunks, the drafter's windowed layers — goes through
-`kernels.tree_attention.tree_attention` (as a sub-batch of the requests left when some were
-taken; their tree-mask rows with them). The plan is made once per batch (memoised in
+`specserve.kernels.tree_attention.tree_attention` (as a sub-batch of the requests left when
+some were taken; their tree-mask rows with them). The plan is made once per batch (memoised in
 `batch.memo`) and contains no host sync; steps replayed from CUDA graphs never qualify. If the
 library op raises (no cuDNN fused attention on this GPU / build), the batch and every later one
 go to the tree kernel, with one warning.
@@ -162,7 +162,7 @@ def _one_batch_stride(t: torch.Tensor) -> torch.Tensor:
 
 def _chunk_attention(q, k_pool, v_pool, c: _Chunk, scale: float, out) -> None:
     """One chunk's rows `q [C, Hq, D]` into `out [C, Hq, D]`."""
-    from kernels.tree_attention.combine import merge_pair
+    from specserve.kernels.tree_attention.combine import merge_pair
 
     hkv, d, n = k_pool.shape[2], k_pool.shape[3], c.r1 - c.r0
     k = k_pool.index_select(0, c.pages).view(-1, hkv, d)[: c.ctx + n]  # [P + C, Hkv, D]
@@ -193,7 +193,7 @@ def prefill_attention(
     """The attention backend: qualifying prefill chunks through the library kernel, the rest
     (or everything, when none qualifies) through the tree kernel. Same semantics as
     `specserve.attention.torch_ref.torch_ref_attention`."""
-    from kernels.tree_attention import check_inputs, tree_attention
+    from specserve.kernels.tree_attention import check_inputs, tree_attention
 
     key = plan_key(q, sliding_window)
     if key not in batch.memo:

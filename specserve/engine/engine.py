@@ -1,10 +1,11 @@
 """The in-process engine API: `add_request` / `abort` / `step` → per-request outputs.
 
-Owns the request table and output processing (sampling the next token, stop tokens, stop
-strings, max_tokens, incremental text). Scheduling is `engine.scheduler`'s, the forward is
-`engine.runner`'s; `engine.isolation` makes a request whose forward input, sampling or commit
-raises end alone (`RequestOutput.error`). Synchronous and single-threaded: services drive it
-from their own loop.
+Owns the request table, the step's four phases (schedule → draft plan → run → postprocess) and
+committing tokens (stop tokens, stop strings, max_tokens, incremental text). Scheduling and the
+KV pages are `engine.scheduler`'s, the forward is `engine.runner`'s, the accept walk and commit
+of a step's trees `engine.postprocess`'s; `engine.isolation` makes a request whose forward
+input, sampling or commit raises end alone (`RequestOutput.error`). Synchronous and
+single-threaded: services drive it from their own loop.
 """
 
 from __future__ import annotations
@@ -15,20 +16,17 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-import torch
-
 from specserve.config import EngineConfig
 from specserve.drafters.base import Drafter
-from specserve.engine import isolation, overlap, speculative
+from specserve.engine import isolation, overlap, postprocess, speculative
 from specserve.engine.adaptive import Adaptive
 from specserve.engine.cost import CostModel, observe_step
 from specserve.engine.runner import ModelRunner
-from specserve.engine.scheduler import Scheduler
+from specserve.engine.scheduler import Scheduled, Scheduler
 from specserve.engine.sequence import Sequence, Status
 from specserve.errors import InvalidRequest
 from specserve.models.decoder import DecoderModel
-from specserve.sampling import make_generator, sample_rows
-from specserve.spec.accept import accept
+from specserve.sampling import make_generator
 from specserve.spec.metrics import RequestSpecStats, StepTimes
 from specserve.types import FinishReason, RequestOutput, SamplingParams
 
@@ -52,7 +50,8 @@ class Engine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.tokenizer = tokenizer if tokenizer is not None else _maybe_tokenizer(config)
         self.scheduler = Scheduler(
-            self.runner.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+            self.runner.num_pages, config.page_size, config.max_num_seqs,
+            config.max_num_batched_tokens,
             scratch=config.max_draft_tokens + 1 if config.max_draft_tokens else 0,
             max_waiting=config.max_waiting)
         self.requests: dict[str, Sequence] = {}
@@ -72,8 +71,8 @@ class Engine:
         self.runner.set_taps(taps or self.config.tap_layers)
 
     @property
-    def blocks(self):
-        return self.runner.blocks
+    def blocks(self):  # the scheduler's BlockManager (read-only use: stats, warm-up, tests)
+        return self.scheduler.blocks
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -168,30 +167,20 @@ class Engine:
 
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One round: draft for decoding requests, one forward over every tree and prefill
-        chunk (verify), then commit. Returns outputs of requests that produced tokens, and of
-        requests that failed (`error` set: they end, the others go on)."""
+        """One round in four phases: schedule (who runs, with how many tokens) → draft plan
+        (each decoding request's tree) → run (one forward over every tree and prefill chunk:
+        the verify) → postprocess (accept, commit, sample). Returns outputs of requests that
+        produced tokens, and of requests that failed (`error` set: they end, the others go on)."""
         t_start, self.last_step = time.time_ns(), None
-        work = self.scheduler.schedule()
-        for seq in self.scheduler.take_preempted():  # recomputed from 0: so is its draft state
-            self._release(seq.request_id)
+        work = self._schedule()
         if not work:
             return []
-        decoding = [w.seq for w in work if not w.seq.in_prefill]
-        chunks = [w for w in work if w.seq.in_prefill]
-        plans, draft_s = self._plan(decoding)
+        plans, chunks, draft_s, span = self._draft_plan(work)
         t_draft = time.time_ns()
-        # scratch rows for the tree, within the request's reservation (under CUDA graphs every
-        # tree of the step is padded to the step's rows bucket)
-        span = self.runner.step_rows([p.layout.num_rows for p in plans])
-        for p in plans:
-            self.blocks.ensure(p.seq.request_id, p.start + max(p.layout.num_rows, span))
-        t0 = time.perf_counter()
-        batch, outputs = isolation.forward(self, plans, chunks, self._needs_context)
-        verify_s = time.perf_counter() - t0
+        batch, outputs, verify_s = self._run(plans, chunks)
         t_verify = time.time_ns()
-        outputs += self._commit_trees(batch, draft_s, verify_s)
-        outputs += self._end_chunks(batch, verify_s)
+        outputs += postprocess.commit_trees(self, batch, draft_s, verify_s)
+        outputs += postprocess.end_chunks(self, batch, verify_s)
         self.last_step = StepTimes(t_start, t_draft, t_verify, time.time_ns(), tuple(
             (w.seq.request_id, w.start, w.num_tokens) for w in batch.chunks))
         self._observe_cost(batch, draft_s, span)
@@ -199,6 +188,30 @@ class Engine:
             if out.stats is not None:
                 out.stats.times = self.last_step
         return outputs
+
+    def _schedule(self) -> list[Scheduled]:
+        work = self.scheduler.schedule()
+        for seq in self.scheduler.take_preempted():  # recomputed from 0: so is its draft state
+            self._release(seq.request_id)
+        return work
+
+    def _draft_plan(self, work: list[Scheduled]):
+        """(trees, prefill chunks, draft seconds, the step's rows span) — each tree's rows
+        within its request's pages (under CUDA graphs every tree of the step is padded to the
+        step's rows bucket, `span`; 0 without)."""
+        decoding = [w.seq for w in work if not w.seq.in_prefill]
+        chunks = [w for w in work if w.seq.in_prefill]
+        plans, draft_s = self._plan(decoding)
+        span = self.runner.step_rows([p.layout.num_rows for p in plans])
+        for p in plans:
+            self.scheduler.make_room(p.seq, p.start + max(p.layout.num_rows, span))
+        return plans, chunks, draft_s, span
+
+    def _run(self, plans, chunks) -> tuple[isolation.StepBatch, list[RequestOutput], float]:
+        """The forward (with failure isolation): the batch, failed requests' outputs, seconds."""
+        t0 = time.perf_counter()
+        batch, failed = isolation.forward(self, plans, chunks, self._needs_context)
+        return batch, failed, time.perf_counter() - t0
 
     def _plan(self, decoding: list[Sequence]) -> tuple[list[speculative.Planned], float]:
         """The step's trees: drafted now, or with `overlap` one group's, drafted last step;
@@ -231,70 +244,8 @@ class Engine:
         observe_step(self.cost, batch.plans, span, (t.end_ns - t.draft_end_ns) / 1e9,
                      None if self.config.overlap else draft_s, self._draft_rows)
 
-    def _commit_trees(self, batch, draft_s, verify_s) -> list[RequestOutput]:
-        """Accept, compact KV and commit every tree of the step."""
-        t0 = time.perf_counter()
-        outputs, src, dst, row0, done = [], [], [], 0, []
-        for p, end in zip(batch.plans, batch.ends, strict=False):
-            n = p.layout.num_rows
-            try:
-                acc, out, s, d = self._commit_tree(p, batch.logits[row0 : row0 + n], batch, end)
-            except Exception as e:  # this request's failure ends it alone: no copies for it
-                outputs.append(isolation.fail(self, p.seq, e))
-            else:
-                if not out.finished:  # a finished request's pages are already free
-                    src, dst = src + s, dst + d
-                done.append((p, acc, out, len(out.new_token_ids) < len(acc.token_ids), row0))
-                outputs.append(out)
-            row0 += n
-        self.runner.kv.copy_slots(src, dst)  # host lists: one transfer, no sync
-        commit_s = time.perf_counter() - t0
-        if self.adaptive is not None:
-            self.adaptive.observe_step([(p, acc.rows, row) for p, acc, *_, row in done],
-                                       batch.logits)
-        for p, acc, out, cut, _row in done:
-            if p.seq.request_id in self.blocks:
-                self.blocks.truncate(p.seq.request_id, p.seq.num_computed)
-            step = speculative.record(p, acc, out, cut, (draft_s, verify_s, commit_s))
-            if self.on_step is not None:
-                self.on_step(p.seq.request_id, step)
-        return outputs
-
-    def _commit_tree(self, p, logits, batch, end):
-        """One tree's accept walk and commit: (acceptance, output, KV copy src and dst slots)."""
-        seq, n, feats = p.seq, p.layout.num_rows, batch.feats
-        acc = accept(logits, p.tree, seq.params, seq.generator)
-        s, d = speculative.compaction(p, acc)
-        s, d = [self._slot(seq, x) for x in s], [self._slot(seq, x) for x in d]
-        if feats is not None:
-            keep = torch.tensor([0, *acc.rows], device=feats.device) + (end - n)
-            seq.pending_context.append(feats.index_select(0, keep))
-        seq.num_computed = p.start + 1 + acc.accepted_depth
-        return acc, self._commit(seq, acc.token_ids), s, d
-
-    def _end_chunks(self, batch, verify_s) -> list[RequestOutput]:
-        """Book the step's prefill chunks; sample the first token where a prompt is done."""
-        for w, e in zip(batch.chunks, batch.ends[len(batch.plans):], strict=True):
-            w.seq.num_computed += w.num_tokens
-            w.seq.spec_stats.prefill_s += verify_s  # the forward this chunk rode in
-            if batch.feats is not None:
-                w.seq.pending_context.append(batch.feats[e - w.num_tokens : e])
-        speculative.feed(self.drafter, [w.seq for w in batch.chunks])  # before any release
-        offset, outputs = sum(p.layout.num_rows for p in batch.plans), []
-        for j, i in enumerate(batch.done):
-            seq, row = batch.chunks[i].seq, offset + j
-            try:
-                token = sample_rows(batch.logits[row : row + 1], seq.params, seq.generator)
-                outputs.append(self._commit(seq, token))
-            except Exception as e:  # this request's failure ends it alone
-                outputs.append(isolation.fail(self, seq, e))
-        return outputs
-
-    def _slot(self, seq: Sequence, position: int) -> int:
-        return self.blocks.slots(seq.request_id, position, position + 1)[0]
-
-    def _commit(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
-        """Append generated tokens (stopping at the first that ends the request)."""
+    def commit_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        """Append generated tokens (stopping at the first that ends the request); its output."""
         reason, taken = None, []
         for t in tokens:
             taken.append(t)

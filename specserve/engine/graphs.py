@@ -26,9 +26,11 @@ from functools import partial
 import numpy as np
 import torch
 
-from kernels.tree_attention.configs import SHORT_CONTEXT  # the kernel's latency-bound plans
 from specserve.attention.base import AttnBatch
 from specserve.cudagraph import BATCH_BUCKETS, Staging, bucket_of, capture_graph, planned_for
+from specserve.kernels.tree_attention.configs import (
+    SHORT_CONTEXT,  # the kernel's latency-bound plans
+)
 
 
 def row_buckets(max_rows: int) -> list[int]:

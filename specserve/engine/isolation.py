@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from specserve.engine.runner import ForwardInput, ModelRunner
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from specserve.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+Pages = Callable[[str], np.ndarray]  # request id -> its page table [pages] int32
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,19 +46,20 @@ class StepBatch:
     done: list[int]  # indices of the chunks that end their prompt (a token is sampled there)
 
 
-def chunk_input(w: Scheduled) -> ForwardInput:
+def chunk_input(w: Scheduled, pages: Pages) -> ForwardInput:
     ids = w.seq.ids[w.start : w.start + w.num_tokens]
-    return ForwardInput(
-        w.seq.request_id, ids, range(w.start, w.start + w.num_tokens), ctx_len=w.start
-    )
+    return ForwardInput(w.seq.request_id, ids, range(w.start, w.start + w.num_tokens),
+                        ctx_len=w.start, pages=pages(w.seq.request_id))
 
 
-def run(runner: ModelRunner, plans: list[Planned], chunks: list[Scheduled],
+def run(runner: ModelRunner, pages: Pages, plans: list[Planned], chunks: list[Scheduled],
         taps: bool) -> StepBatch:
-    """One batched forward over `plans` and `chunks` (none: an empty batch, no forward)."""
+    """One batched forward over `plans` and `chunks` (none: an empty batch, no forward);
+    `pages(request_id)` is a request's page table."""
     if not plans and not chunks:
         return StepBatch([], [], None, None, [], [])
-    inputs = [p.forward_input() for p in plans] + [chunk_input(w) for w in chunks]
+    inputs = [p.forward_input(pages(p.seq.request_id)) for p in plans]
+    inputs += [chunk_input(w, pages) for w in chunks]
     ends = list(itertools.accumulate(len(x.token_ids) for x in inputs))
     rows = [r for p, e in zip(plans, ends, strict=False)
             for r in range(e - p.layout.num_rows, e)]
@@ -71,18 +75,19 @@ def forward(engine: Engine, plans: list[Planned], chunks: list[Scheduled],
             taps: bool) -> tuple[StepBatch, list[RequestOutput]]:
     """The step's forward; if it raises, again without the requests whose input fails alone.
     Returns the batch and the (error) outputs of the requests that were ended."""
+    pages = engine.scheduler.blocks.page_array
     try:
-        return run(engine.runner, plans, chunks, taps), []
+        return run(engine.runner, pages, plans, chunks, taps), []
     except Exception as error:
-        bad = offenders(engine.runner, plans, chunks, taps, error)
+        bad = offenders(engine.runner, pages, plans, chunks, taps, error)
     plans = [p for p in plans if p.seq.request_id not in bad]
     chunks = [w for w in chunks if w.seq.request_id not in bad]
     failed = [fail(engine, seq, e) for seq, e in bad.values()]
-    return run(engine.runner, plans, chunks, taps), failed
+    return run(engine.runner, pages, plans, chunks, taps), failed
 
 
-def offenders(runner: ModelRunner, plans: Seq[Planned], chunks: Seq[Scheduled], taps: bool,
-              error: Exception) -> dict[str, tuple[Sequence, Exception]]:
+def offenders(runner: ModelRunner, pages: Pages, plans: Seq[Planned], chunks: Seq[Scheduled],
+              taps: bool, error: Exception) -> dict[str, tuple[Sequence, Exception]]:
     """Requests whose input alone makes the forward raise (`error` raised over all of them);
     re-raises `error` if there are none (the failure is the step's, not a request's)."""
     alone = [([p], [], p.seq) for p in plans] + [([], [w], w.seq) for w in chunks]
@@ -91,7 +96,7 @@ def offenders(runner: ModelRunner, plans: Seq[Planned], chunks: Seq[Scheduled], 
     bad = {}
     for one_plan, one_chunk, seq in alone:
         try:
-            run(runner, one_plan, one_chunk, taps)
+            run(runner, pages, one_plan, one_chunk, taps)
         except Exception as e:
             bad[seq.request_id] = (seq, e)
     if not bad:

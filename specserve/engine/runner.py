@@ -1,13 +1,15 @@
 """The model runner: owns the target model, the KV pool and the attention backend.
 
-Turns a scheduled batch (host lists) into one forward: builds the `AttnBatch`, runs the model and
-returns logits only for the rows that need a token, plus the tapped features when asked.
+Turns a scheduled batch (host lists, each input with its page table) into one forward: builds
+the `AttnBatch`, runs the model and returns logits only for the rows that need a token, plus the
+tapped features when asked. Which pages a request holds is the scheduler's (its BlockManager);
+the runner sizes the pool (`num_pages`) and reads the tables it is given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,7 +18,6 @@ from specserve.attention import backend_for
 from specserve.attention.base import AttnBatch
 from specserve.config import EngineConfig, switched_on
 from specserve.engine.graphs import StepGraphs
-from specserve.kvcache.block_manager import BlockManager
 from specserve.kvcache.pool import KVPool, KVShape, num_pages_for_budget
 from specserve.models.decoder import DecoderModel
 from specserve.models.loader import load_model, resolve_dtype
@@ -33,6 +34,7 @@ class ForwardInput:
     positions: Seq[int] | np.ndarray  # absolute position of each new token
     ctx_len: int  # committed tokens before them (the paged prefix)
     tree_mask: np.ndarray | None = None  # [n, W] uint32 ancestor bits; None = causal
+    pages: Seq[int] | np.ndarray = field(kw_only=True)  # [pages] the request's page table
 
 
 class ModelRunner:
@@ -54,7 +56,7 @@ class ModelRunner:
         # with graphs, one extra page (never handed out) takes the padding's K/V writes
         self.kv = KVPool(shape, num_pages + graphs, config.page_size, self.device,
                          config.poison_kv)
-        self.blocks = BlockManager(num_pages, config.page_size)
+        self.num_pages = num_pages  # the scheduler's BlockManager hands these out
         self.graphs = StepGraphs(
             self.model, self.kv, config.page_size,
             config.max_model_len or mc.max_position_embeddings, config.max_draft_tokens + 1,
@@ -85,7 +87,7 @@ class ModelRunner:
         features `[T, n_taps * hidden]` of every row when `taps` (else None).
         """
         if self.graphs is not None and self.graphs.fits(inputs):  # decode / verify only
-            return self.graphs.run(inputs, [self.blocks.page_array(x.request_id) for x in inputs],
+            return self.graphs.run(inputs, [x.pages for x in inputs],
                                    logit_rows, self.tap_layers if taps else ())
         masks = [x.tree_mask for x in inputs]
         any_tree = any(m is not None for m in masks)
@@ -97,7 +99,7 @@ class ModelRunner:
         batch, extra = AttnBatch.build_with(
             q_lens=[len(x.token_ids) for x in inputs],
             ctx_lens=[x.ctx_len for x in inputs],
-            page_tables=[self.blocks.page_table(x.request_id) for x in inputs],
+            page_tables=[x.pages for x in inputs],
             positions=np.concatenate([np.asarray(x.positions, dtype=np.int64) for x in inputs]),
             page_size=self.config.page_size,
             tree_masks=masks if any_tree else None,  # None entries: causal requests

@@ -1,16 +1,16 @@
 """Continuous batching: which requests run in the next forward, and how many tokens each.
 
-Pure Python (no torch). Admission is by what a request needs now: its tokens so far plus a
-step's draft scratch, reserved in the BlockManager; a request that could never fit the pool
-alone is rejected at once (`CapacityExhausted`), one that fits later waits in FIFO order, and
-the waiting queue is bounded (`max_waiting`: past it, `CapacityExhausted`). Before each step
-every decoding request's reservation grows to its length plus the scratch; when the pool cannot
-give that, the newest running request is preempted: its pages are freed and it waits at the
-head of the queue to be recomputed — a prefill of its prompt and the tokens it has generated
-(`Sequence.recompute_to`), whose last sample is its next token, so its output goes on unchanged
-(`take_preempted` tells the engine, which drops the request's drafter state). Each step takes
-one token from every decoding request first, then fills the rest of the token budget with
-prefill chunks (chunked prefill), oldest request first.
+Pure Python (no torch). Owns the BlockManager: which KV pages each request holds. Admission is
+by what a request needs now: its tokens so far plus a step's draft scratch, reserved there; a
+request that could never fit the pool alone is rejected at once (`CapacityExhausted`), one that
+fits later waits in FIFO order, and the waiting queue is bounded (`max_waiting`: past it,
+`CapacityExhausted`). Before each step every decoding request's reservation grows to its length
+plus the scratch; when the pool cannot give that, the newest running request is preempted: its
+pages are freed and it waits at the head of the queue to be recomputed — a prefill of its prompt
+and the tokens it has generated (`Sequence.recompute_to`), whose last sample is its next token,
+so its output goes on unchanged (`take_preempted` tells the engine, which drops the request's
+drafter state). Each step takes one token from every decoding request first, then fills the rest
+of the token budget with prefill chunks (chunked prefill), oldest request first.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ class Scheduled:
 
 class Scheduler:
     def __init__(
-        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, scratch: int,
-        max_waiting: int | None = None,
+        self, num_pages: int, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+        scratch: int, max_waiting: int | None = None,
     ) -> None:
-        self.blocks = blocks
+        self.blocks = BlockManager(num_pages, page_size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.scratch = scratch  # extra slots reserved per request for draft trees
@@ -123,6 +123,21 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.request_id)
+
+    def make_room(self, seq: Sequence, end: int) -> None:
+        """Pages for `seq`'s positions below `end` (a tree's rows past its committed tokens),
+        within its reservation."""
+        self.blocks.ensure(seq.request_id, end)
+
+    def settle(self, seq: Sequence) -> None:
+        """After a commit: `seq` keeps the pages of its computed tokens only (a finished
+        request's are already free)."""
+        if seq.request_id in self.blocks:
+            self.blocks.truncate(seq.request_id, seq.num_computed)
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        """The KV slot of `seq`'s `position`."""
+        return self.blocks.slots(seq.request_id, position, position + 1)[0]
 
     @property
     def has_work(self) -> bool:

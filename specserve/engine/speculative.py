@@ -44,9 +44,9 @@ class Planned:
     def start(self) -> int:
         return self.seq.num_computed
 
-    def forward_input(self) -> ForwardInput:
+    def forward_input(self, pages) -> ForwardInput:  # pages: the request's page table
         return ForwardInput(self.seq.request_id, self.layout.token_ids, self.layout.positions,
-                            ctx_len=self.start, tree_mask=self.layout.mask)
+                            ctx_len=self.start, tree_mask=self.layout.mask, pages=pages)
 
 
 def draft_requests(seqs: Seq[Sequence], max_len: int,

@@ -109,7 +109,7 @@ def causal_chunk_shapes(mc) -> list[tuple[int, int, int | None]]:
     of the launch-config table the most tokens whose packed rows (tokens · GQA group) fit it, over
     an empty prefix and over one just past `configs.SHORT_CONTEXT` (the two context classes of
     `configs.pick_config`), for every distinct window of the model's layers (None: full)."""
-    from kernels.tree_attention.configs import ROW_BUCKETS, SHORT_CONTEXT
+    from specserve.kernels.tree_attention.configs import ROW_BUCKETS, SHORT_CONTEXT
 
     group = mc.num_heads // mc.num_kv_heads
     tokens = sorted({max(1, bucket // group) for bucket in ROW_BUCKETS})

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fused import fused_ops
 from specserve.attention.base import AttnBatch
 from specserve.errors import ModelError
+from specserve.kernels.fused import fused_ops
 from specserve.models.decoder import MLP, FusedProjections, RMSNorm
 from specserve.models.dflash_config import DFlashConfig, load_dflash_config, read_config_json
 from specserve.models.fused_layer import covered, layer_fused
@@ -171,8 +171,8 @@ class DFlashDraftModel(FusedProjections, nn.Module):
     ) -> torch.Tensor:  # [T] block ids, [T] positions -> [T, hidden] after the final norm
         """`forward` with each layer run as the target's fused layer (models/fused_layer.py: q|k|v
         and gate|up as one GEMM each, add + RMSNorm, q/k norm + RoPE + the block K/V write in
-        one kernel, silu · up; `impl` as `kernels.fused.fused_ops`). The block K/V of layer i
-        go to `layer_kv(i)`'s caches at its batch's slot mapping, and
+        one kernel, silu · up; `impl` as `specserve.kernels.fused.fused_ops`). The block K/V of
+        layer i go to `layer_kv(i)`'s caches at its batch's slot mapping, and
         `attn_fn(q, k_cache, v_cache, batch, scale, window)` attends (a `BlockAttention`
         without the write). Needs `fused_covers`."""
         ops = fused_ops(impl, input_ids.device)

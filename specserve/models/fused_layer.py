@@ -1,5 +1,5 @@
-"""The inference forward with each layer's small ops fused: 3 kernels (kernels/fused) in place
-of the ~18 elementwise / norm / RoPE / index_copy kernels of `decoder._layer_inference`.
+"""The inference forward with each layer's small ops fused: 3 kernels (specserve/kernels/fused)
+in place of the ~18 elementwise / norm / RoPE / index_copy kernels of `lean._layer_inference`.
 
 Same math and rounding as that torch path (its CPU twin), restructured around one idea: the
 residual add waits. A layer returns its MLP output and the stream before it, unadded; the next
@@ -21,14 +21,18 @@ the same module names, its own caches and windows).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from kernels.fused import FusedOps, fused_ops
 from specserve.attention.base import AttnBatch
+from specserve.kernels.fused import FusedOps, fused_ops
 from specserve.kvcache.pool import KVPool
-from specserve.models.decoder import DecoderModel, _Fused, _layer_inference, tap_features
+from specserve.models.lean import _Fused, _layer_inference, tap_features
+
+if TYPE_CHECKING:
+    from specserve.models.decoder import DecoderModel
 
 
 def forward_fused(

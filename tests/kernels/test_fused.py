@@ -27,10 +27,10 @@ import torch
 if not torch.cuda.is_available():  # CPU: the Triton interpreter (set before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.fused import fused_ops  # noqa: E402
-from kernels.fused.kernel import add_rms_norm, qk_norm_rope_kv, silu_mul  # noqa: E402
-from kernels.fused.ref import add_rms_norm_ref, qk_norm_rope_kv_ref, silu_mul_ref  # noqa: E402
 from specserve.attention.base import AttnBatch  # noqa: E402
+from specserve.kernels.fused import fused_ops  # noqa: E402
+from specserve.kernels.fused.kernel import add_rms_norm, qk_norm_rope_kv, silu_mul  # noqa: E402
+from specserve.kernels.fused.ref import add_rms_norm_ref, qk_norm_rope_kv_ref, silu_mul_ref  # noqa: E402
 from specserve.kvcache.pool import KVPool, KVShape  # noqa: E402
 from specserve.models.config import ModelConfig, RopeConfig  # noqa: E402
 from specserve.models.decoder import DecoderModel  # noqa: E402

@@ -20,12 +20,12 @@ import torch
 if not torch.cuda.is_available():  # CPU: the Triton interpreter (set before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.tree_attention import tree_attention  # noqa: E402
-from kernels.tree_attention.configs import Config  # noqa: E402
-from kernels.tree_attention.kernel import tree_attention_triton  # noqa: E402
-from kernels.tree_attention.ref import tree_attention_ref  # noqa: E402
 from specserve.attention.base import AttnBatch  # noqa: E402
 from specserve.attention.torch_ref import first_key  # noqa: E402
+from specserve.kernels.tree_attention import tree_attention  # noqa: E402
+from specserve.kernels.tree_attention.configs import Config  # noqa: E402
+from specserve.kernels.tree_attention.kernel import tree_attention_triton  # noqa: E402
+from specserve.kernels.tree_attention.ref import tree_attention_ref  # noqa: E402
 from specserve.spec.tree import num_mask_words, verify_layout  # noqa: E402
 from tests.helpers import random_tree  # noqa: E402
 
@@ -136,7 +136,7 @@ def test_causal_chunks_without_mask_match_fp64(page, config):
 
 
 def test_naive_baseline_matches():
-    from kernels.tree_attention.naive import tree_attention_naive
+    from specserve.kernels.tree_attention.naive import tree_attention_naive
 
     q, k, v, batch = make_case(5, [37, 0, 70], [6, -5, 9], 16, 4, 2, 16, torch.float32)
     ref = tree_attention_ref(q, k, v, batch, 0.25, None, fp64=True)
@@ -187,7 +187,7 @@ def test_sm120_configs_compile_and_fit(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())["sm120"]
     assert report and all(r["shared"] <= 101_376 and r["spills"] == 0 for r in report)
-    from kernels.tree_attention.configs import all_configs
+    from specserve.kernels.tree_attention.configs import all_configs
     assert len([r for r in report if r["kernel"] == "_tree_attn_kernel"]) == 3 * sum(
         2 if elem == 2 else 1 for _, _, elem in all_configs(120))  # every variant compiled
     assert len([r for r in report if r["kernel"] == "_merge_pair_kernel"]) == 4  # D 64/128
@@ -223,7 +223,7 @@ class TestGPU:
         combine (4 rows a program), beyond it the table plan with that combine at 2 rows; both
         trigger the next kernel before their wait, so three calls back to back in one CUDA graph
         (each one's combine beside the next one's attention) must each give the fp64 answer."""
-        from kernels.tree_attention.configs import ONE_CTA_CONFIG
+        from specserve.kernels.tree_attention.configs import ONE_CTA_CONFIG
 
         cases = [make_case(20 + i, [ctx], [15], 16, 32, 8, 128, torch.bfloat16) for i in range(3)]
         refs = [tree_attention_ref(*c, 0.1, None, fp64=True) for c in cases]
@@ -299,7 +299,7 @@ def test_combines_match_softmax_weighting(kernel, parts, block):
     kernel with blocks that do not divide the rows. An empty part (LSE −inf, O poisoned with
     NaN) adds nothing (the per-row kernel does not read its O, the row-block one discards it);
     the 2 parts past `parts` (NaN O, huge LSE) must not be read."""
-    from kernels.tree_attention.combine import combine, combine_rows
+    from specserve.kernels.tree_attention.combine import combine, combine_rows
 
     g = torch.Generator().manual_seed(parts + 10 * (kernel == "rows"))
     t, hq, d = 3, 5, 16
@@ -324,7 +324,7 @@ def test_combines_match_softmax_weighting(kernel, parts, block):
 def test_launcher_uses_both_combines():
     """Plans of ≤ COMBINE_ROWS_MAX_PARTS parts merge by row blocks, larger ones by row; both
     give the fp64 answer through the launcher (10 splits + the tail = 11 parts)."""
-    from kernels.tree_attention.configs import COMBINE_BLOCK_R, COMBINE_ROWS_MAX_PARTS
+    from specserve.kernels.tree_attention.configs import COMBINE_BLOCK_R, COMBINE_ROWS_MAX_PARTS
 
     q, k, v, batch = make_case(5, [61, 30], [7, 4], 16, 4, 1, 16, torch.float32)
     ref = tree_attention_ref(q, k, v, batch, 0.25, None, fp64=True)
@@ -339,7 +339,7 @@ def test_launcher_uses_both_combines():
 def test_one_round_combine_ignores_empty_parts():
     """The one-round combine (configs.combine_shot_rows) gives the fp64 answer with more splits
     than the contexts fill: the empty parts' partial O, never written, hold NaN here."""
-    from kernels.tree_attention.plan import scratch
+    from specserve.kernels.tree_attention.plan import scratch
 
     q, k, v, batch = make_case(9, [61, 30], [7, 4], 16, 4, 1, 16, torch.float32)
     ref = tree_attention_ref(q, k, v, batch, 0.25, None, fp64=True)
@@ -362,7 +362,7 @@ def test_plan_choices_follow_the_measured_table():
     (260 rows) at 1k uses 64-row blocks in 4 splits, at 128k 128-row blocks in 11 (two full
     waves of 132 SMs); a 17-node tree (68 rows) at 128k 16 splits (one wave); 16 and 1 tree
     nodes at 32k split 32 ways."""
-    from kernels.tree_attention.configs import (
+    from specserve.kernels.tree_attention.configs import (
         ONE_CTA_CONFIG,
         SHORT_CONTEXT,
         combine_shot_rows,

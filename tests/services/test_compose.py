@@ -265,14 +265,14 @@ def _ignored(path: str, rules) -> bool:
 def test_dockerignore_keeps_the_context_small_and_what_the_image_needs():
     rules = _dockerignore()
     for path in (".venv/bin/python", ".git/HEAD", "specserve/__pycache__/x.cpython-311.pyc",
-                 "kernels/tree_attention/x.pyc", "experiments/results/run.json",
+                 "specserve/kernels/tree_attention/x.pyc", "experiments/results/run.json",
                  ".pytest_cache/v/x", ".ruff_cache/x", "build/lib/x.py", "dist/x.whl",
                  "specserve.egg-info/PKG-INFO", "certs/ca.pem", "certs/gateway.key",
                  "certs/tokens.txt", "docker/dev.key"):
         assert _ignored(path, rules), f"{path} would be sent to the Docker daemon"
     copied = re.findall(r"^COPY (.+) \S+$", (ROOT / "docker/Dockerfile").read_text(), re.M)
     sources = [s for line in copied for s in line.split()]
-    assert {"pyproject.toml", "specserve", "services", "kernels"} <= set(sources)
+    assert {"pyproject.toml", "specserve", "services"} <= set(sources)
     for source in sources:
         assert (ROOT / source).exists(), source
         assert not _ignored(source, rules), f"the Dockerfile copies {source}: keep it"

@@ -233,14 +233,14 @@ async def test_tiny_temperature_is_greedy_beside_victims(plain, expected, temper
 ])
 async def test_a_request_failing_in_the_engine_fails_alone(plain, expected, monkeypatch, error,
                                                            code):
-    commit = Engine._commit
+    commit = Engine.commit_tokens
 
     def failing_commit(engine, seq, tokens):  # the doomed request fails after its first token
         if seq.request_id == "doomed" and seq.output_ids:
             raise error
         return commit(engine, seq, tokens)
 
-    monkeypatch.setattr(Engine, "_commit", failing_commit)
+    monkeypatch.setattr(Engine, "commit_tokens", failing_commit)
     doomed = plain.stub.Generate(_request([8, 3, 5, 1, 6], 30, rid="doomed"), timeout=RPC_S)
     seen, *streams = await asyncio.gather(_read_all_or_error(doomed), *_victim_calls(plain.stub))
     events, err = seen

@@ -70,7 +70,7 @@ def test_fused_layers_through_the_triton_kernels_equal_their_torch_twins(monkeyp
     """The fused block forward with the Triton kernels themselves (interpreted: add + norm, q/k
     norm + RoPE + the block K/V write into the drafter's paged groups, silu · up) gives the
     torch twins' logits over the same scenario."""
-    import kernels.fused
+    import specserve.kernels.fused
     import specserve.models.dflash as dflash_model
 
     def drafter():
@@ -79,7 +79,7 @@ def test_fused_layers_through_the_triton_kernels_equal_their_torch_twins(monkeyp
 
     want = run_calls(drafter())
     monkeypatch.setattr(dflash_model, "fused_ops",
-                        lambda impl, device: kernels.fused.fused_ops("triton", device))
+                        lambda impl, device: specserve.kernels.fused.fused_ops("triton", device))
     got = run_calls(drafter())
     for g, w in zip(got, want, strict=True):
         assert torch.isfinite(g).all()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import specserve.engine.engine as engine_module
+import specserve.engine.postprocess as engine_module
 from specserve.drafters.base import Drafter
 from specserve.spec.tree import DraftTree
 from specserve.types import FinishReason, SamplingParams

@@ -66,7 +66,9 @@ def _trees_step(engines, hf, prompts, sizes, rng, tag):
             rid = f"{tag}{i}"
             engine.blocks.reserve(rid, len(p) + 40)
             engine.blocks.ensure(rid, len(p) + 32)
-            engine.runner.forward([ForwardInput(rid, p, range(len(p)), 0)], [len(p) - 1])
+            engine.runner.forward([ForwardInput(rid, p, range(len(p)), 0,
+                                               pages=engine.blocks.page_table(rid))],
+                                  [len(p) - 1])
     for i, (p, n) in enumerate(zip(prompts, sizes, strict=True)):
         parents = np.array([rng.integers(0, j + 1) for j in range(n)], dtype=np.int32)
         depths = np.zeros(n, dtype=np.int32)
@@ -75,7 +77,9 @@ def _trees_step(engines, hf, prompts, sizes, rng, tag):
         tree = DraftTree(rng.choice(hf.config.vocab_size, n, replace=False).astype(np.int64),
                          parents, depths)
         lay = verify_layout(tree, int(rng.integers(hf.config.vocab_size)), len(p))
-        inputs.append(ForwardInput(f"{tag}{i}", lay.token_ids, lay.positions, len(p), lay.mask))
+        pages = engines[0].blocks.page_table(f"{tag}{i}")  # the same in every engine
+        inputs.append(ForwardInput(f"{tag}{i}", lay.token_ids, lay.positions, len(p), lay.mask,
+                                   pages=pages))
         end = sum(len(x.token_ids) for x in inputs)
         rows += list(range(end - len(lay.token_ids), end))
     return inputs, rows

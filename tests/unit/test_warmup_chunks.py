@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.tree_attention.configs import SHORT_CONTEXT, pick_config
 from specserve.attention import prefill
 from specserve.attention.torch_ref import torch_ref_attention
 from specserve.engine.warmup import causal_chunk_shapes, warm_up_causal_chunks
+from specserve.kernels.tree_attention.configs import SHORT_CONTEXT, pick_config
 
 
 def _model(heads: int, kv_heads: int, head_dim: int, windows: list[int | None]):
@@ -73,8 +73,8 @@ def test_the_warm_up_batches_are_valid_attention_inputs(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available() or bool(os.environ.get("TRITON_INTERPRET")),
                     reason="needs a CUDA device (and TRITON_INTERPRET unset)")
 def test_after_the_warm_up_prompt_chunks_compile_nothing():
-    from kernels.tree_attention.kernel import _tree_attn_kernel
     from specserve.attention.base import AttnBatch
+    from specserve.kernels.tree_attention.kernel import _tree_attn_kernel
 
     mc, page, dev = MODELS["demo: 4/4 heads of 64, every layer windowed"], 16, torch.device("cuda")
     warm_up_causal_chunks(mc, torch.bfloat16, dev, page)

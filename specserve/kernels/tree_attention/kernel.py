@@ -34,11 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tree_attention import check_inputs
-from kernels.tree_attention.combine import combine, combine_rows, combine_shot
-from kernels.tree_attention.configs import Config
-from kernels.tree_attention.plan import plan_launch, scratch
-from kernels.tree_attention.tiles import _dot, _load_q, _online_update, _prefix_tile
+from specserve.kernels.tree_attention import check_inputs
+from specserve.kernels.tree_attention.combine import combine, combine_rows, combine_shot
+from specserve.kernels.tree_attention.configs import Config
+from specserve.kernels.tree_attention.plan import plan_launch, scratch
+from specserve.kernels.tree_attention.tiles import _dot, _load_q, _online_update, _prefix_tile
 
 LOG2E = 1.4426950408889634
 LAST_LAUNCH: dict = {}  # the last compiled kernels launched (benchmarks read n_regs / spills)

@@ -1,7 +1,7 @@
-"""The torch formulas the fused kernels replace: what `decoder._layer_inference` computes.
+"""The torch formulas the fused kernels replace: what `lean._layer_inference` computes.
 
 Owns nothing new: each function is the lean inference path's own sequence of torch ops
-(`decoder.rms_norm`, the stacked q/k RMSNorm, `rope.apply_rotary_rolled`, `KVPool.write`,
+(`norm.rms_norm`, the stacked q/k RMSNorm, `rope.apply_rotary_rolled`, `KVPool.write`,
 `F.silu(g) * u`), so the kernels are checked against the CPU twin op for op, rounding included.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.models.decoder import rms_norm
+from specserve.models.norm import rms_norm
 from specserve.models.rope import apply_rotary_rolled
 
 

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.tree_attention import fix_interpreter_index
+from specserve.kernels.tree_attention import fix_interpreter_index
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

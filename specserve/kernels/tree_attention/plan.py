@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.tree_attention import fix_interpreter_index
-from kernels.tree_attention.configs import (
+from specserve.kernels.tree_attention import fix_interpreter_index
+from specserve.kernels.tree_attention.configs import (
     INTERPRET_CONFIG,
     ONE_CTA_CONFIG,
     Config,

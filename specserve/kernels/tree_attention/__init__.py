@@ -120,13 +120,13 @@ def tree_attention(
         impl = "triton" if q.is_cuda else "ref"
     if impl == "triton":  # the launcher validates (once, not twice per call)
         if _TRITON is None:
-            from kernels.tree_attention.kernel import tree_attention_triton
+            from specserve.kernels.tree_attention.kernel import tree_attention_triton
 
             _TRITON = tree_attention_triton
         return _TRITON(q, k_pool, v_pool, batch, scale, sliding_window, num_splits=num_splits,
                        max_ctx_len=max_ctx_len)
     if impl == "ref":
-        from kernels.tree_attention.ref import tree_attention_ref
+        from specserve.kernels.tree_attention.ref import tree_attention_ref
 
         check_inputs(q, k_pool, v_pool, batch, sliding_window, num_splits)
         return tree_attention_ref(q, k_pool, v_pool, batch, scale, sliding_window)

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tree_attention import check_inputs, fix_interpreter_index
-from kernels.tree_attention.kernel import LOG2E, _dot
+from specserve.kernels.tree_attention import check_inputs, fix_interpreter_index
+from specserve.kernels.tree_attention.kernel import LOG2E, _dot
 
 
 @triton.jit

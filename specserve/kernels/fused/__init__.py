@@ -45,11 +45,11 @@ def fused_ops(impl: str, device: torch.device | str) -> FusedOps:
     if ops is not None:
         return ops
     if impl == "triton":
-        from kernels.fused import kernel
+        from specserve.kernels.fused import kernel
 
         ops = FusedOps(kernel.add_rms_norm, kernel.qk_norm_rope_kv, kernel.silu_mul)
     elif impl == "ref":
-        from kernels.fused import ref
+        from specserve.kernels.fused import ref
 
         ops = FusedOps(ref.add_rms_norm_ref, ref.qk_norm_rope_kv_ref, ref.silu_mul_ref)
     else:

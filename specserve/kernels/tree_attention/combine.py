@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tree_attention import fix_interpreter_index
+from specserve.kernels.tree_attention import fix_interpreter_index
 
 
 @triton.jit

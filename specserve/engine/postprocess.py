@@ -1,0 +1,88 @@
+"""A step's last phase: what the forward's logits become — accepted tokens, compacted KV,
+outputs.
+
+For each verified tree: the accept walk (`spec.accept`), the KV compaction of its accepted path
+(one batched slot copy for the step), the commit of its tokens and the step record. For each
+prefill chunk: its tokens booked as computed, its tapped features queued for the drafter, and
+where a prompt ends its first token sampled. A request whose accept, sampling or commit raises
+ends alone (`isolation.fail`); the others go on.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.engine import isolation, speculative
+from specserve.engine.isolation import StepBatch
+from specserve.engine.speculative import Planned
+from specserve.sampling import sample_rows
+from specserve.spec.accept import accept
+from specserve.types import RequestOutput
+
+if TYPE_CHECKING:
+    from specserve.engine.engine import Engine
+
+
+def commit_trees(engine: Engine, batch: StepBatch, draft_s: float,
+                 verify_s: float) -> list[RequestOutput]:
+    """Accept, compact KV and commit every tree of the step."""
+    t0 = time.perf_counter()
+    outputs, src, dst, row0, done = [], [], [], 0, []
+    for p, end in zip(batch.plans, batch.ends, strict=False):
+        n = p.layout.num_rows
+        try:
+            acc, out, s, d = _commit_tree(engine, p, batch.logits[row0 : row0 + n], batch, end)
+        except Exception as e:  # this request's failure ends it alone: no copies for it
+            outputs.append(isolation.fail(engine, p.seq, e))
+        else:
+            if not out.finished:  # a finished request's pages are already free
+                src, dst = src + s, dst + d
+            done.append((p, acc, out, len(out.new_token_ids) < len(acc.token_ids), row0))
+            outputs.append(out)
+        row0 += n
+    engine.runner.kv.copy_slots(src, dst)  # host lists: one transfer, no sync
+    commit_s = time.perf_counter() - t0
+    if engine.adaptive is not None:
+        engine.adaptive.observe_step([(p, acc.rows, row) for p, acc, *_, row in done],
+                                     batch.logits)
+    for p, acc, out, cut, _row in done:
+        engine.scheduler.settle(p.seq)
+        step = speculative.record(p, acc, out, cut, (draft_s, verify_s, commit_s))
+        if engine.on_step is not None:
+            engine.on_step(p.seq.request_id, step)
+    return outputs
+
+
+def _commit_tree(engine: Engine, p: Planned, logits: torch.Tensor, batch: StepBatch, end: int):
+    """One tree's accept walk and commit: (acceptance, output, KV copy src and dst slots)."""
+    seq, n, feats, sched = p.seq, p.layout.num_rows, batch.feats, engine.scheduler
+    acc = accept(logits, p.tree, seq.params, seq.generator)  # logits [n, V]
+    s, d = speculative.compaction(p, acc)
+    s, d = [sched.slot(seq, x) for x in s], [sched.slot(seq, x) for x in d]
+    if feats is not None:
+        keep = torch.tensor([0, *acc.rows], device=feats.device) + (end - n)
+        seq.pending_context.append(feats.index_select(0, keep))  # [1 + accepted, F]
+    seq.num_computed = p.start + 1 + acc.accepted_depth
+    return acc, engine.commit_tokens(seq, acc.token_ids), s, d
+
+
+def end_chunks(engine: Engine, batch: StepBatch, verify_s: float) -> list[RequestOutput]:
+    """Book the step's prefill chunks; sample the first token where a prompt is done."""
+    for w, e in zip(batch.chunks, batch.ends[len(batch.plans):], strict=True):
+        w.seq.num_computed += w.num_tokens
+        w.seq.spec_stats.prefill_s += verify_s  # the forward this chunk rode in
+        if batch.feats is not None:
+            w.seq.pending_context.append(batch.feats[e - w.num_tokens : e])
+    speculative.feed(engine.drafter, [w.seq for w in batch.chunks])  # before any release
+    offset, outputs = sum(p.layout.num_rows for p in batch.plans), []
+    for j, i in enumerate(batch.done):
+        seq, row = batch.chunks[i].seq, offset + j
+        try:
+            token = sample_rows(batch.logits[row : row + 1], seq.params, seq.generator)
+            outputs.append(engine.commit_tokens(seq, token))
+        except Exception as e:  # this request's failure ends it alone
+            outputs.append(isolation.fail(engine, seq, e))
+    return outputs
