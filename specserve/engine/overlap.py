@@ -106,4 +106,4 @@ class Alternation:
         by_id = {r.request_id: r for r in reqs}
         ready = [s for s in ready if s.request_id in by_id]
         reqs = [by_id[s.request_id] for s in ready]
-        return speculative.planned(ready, reqs, wanted, got, drafter is not None, vocab)
+        return speculative.planned(ready, reqs, wanted, got, drafter, vocab)

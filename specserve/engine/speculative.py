@@ -109,17 +109,20 @@ def plan(
             got = drafter.draft(wanted)
         except Exception as e:  # a drafter failure costs speed, never correctness
             got = e
-    return planned(seqs, reqs, wanted, got, drafter is not None, vocab), time.perf_counter() - t0
+    return planned(seqs, reqs, wanted, got, drafter, vocab), time.perf_counter() - t0
 
 
 def planned(seqs: Seq[Sequence], reqs: Seq[DraftRequest], wanted: Seq[DraftRequest],
-            got: list[DraftTree] | Exception | None, has_drafter: bool,
+            got: list[DraftTree] | Exception | None, drafter: Drafter | None,
             vocab: int) -> list[Planned]:
-    """The plans of `seqs` (drafted as `reqs`) from the drafter's answer for `wanted`: its
+    """The plans of `seqs` (drafted as `reqs`) from `drafter`'s answer for `wanted`: its
     trees, the exception it raised, or None (it was not asked). A bad tree or a failure
-    degrades that request to a root-only tree with the reason recorded."""
+    degrades that request to a root-only tree with the reason recorded; so does an empty tree
+    the drafter reports an entry error for (`take_entry_errors`, read with its answer)."""
+    has_drafter = drafter is not None
     trees: dict[str, DraftTree] = {}
     fallback: dict[str, str] = {}
+    entry = drafter.take_entry_errors() if has_drafter and isinstance(got, list) else {}
     try:
         if isinstance(got, Exception):
             raise got
@@ -138,8 +141,9 @@ def planned(seqs: Seq[Sequence], reqs: Seq[DraftRequest], wanted: Seq[DraftReque
     out = []
     for seq, req in zip(seqs, reqs, strict=True):
         tree = trees.get(seq.request_id, DraftTree.empty())
+        why = fallback.get(seq.request_id) or (entry.get(seq.request_id) if not tree.n else None)
         out.append(Planned(seq, tree, verify_layout(tree, req.bonus_token, req.start),
-                           req.budget, fallback.get(seq.request_id)))
+                           req.budget, why))
     return out
 
 
