@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from services.common.settings import Flag
+from services.common.settings import Flag, flags_field
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 SECURITY_FLAGS = [
@@ -122,3 +122,8 @@ def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     kind = (f"{'stream' if handler.request_streaming else 'unary'}_"
             f"{'stream' if handler.response_streaming else 'unary'}")
     return handler._replace(**{kind: deny_stream if handler.response_streaming else deny})
+
+
+def security_field():
+    """A config's `security` field, set by SECURITY_FLAGS ('' = unset)."""
+    return flags_field(SECURITY_FLAGS, Security.from_args, NONE)

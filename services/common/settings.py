@@ -1,4 +1,10 @@
-"""Flags with `SPECSERVE_*` environment defaults — one table for every service.
+"""Flags with `SPECSERVE_*` environment defaults, generated from each service's config dataclass.
+
+A config field made by `flag_field` (or `flags_field`, for a group such as the security flags)
+carries its flag: name, environment variable, help, the flag's default (the field's own unless
+`cli_default` says otherwise) and how the parsed value becomes the field's (`parse`). So a
+service's flag table is `config_flags(Config)` and `config_from_args(Config, args)` builds the
+config: the two cannot drift. Fields without a flag keep their defaults.
 
 A flag given on the command line wins over its environment variable, which wins over the
 default. docker-compose.yml sets exactly these variables. A malformed value fails loudly.
@@ -7,7 +13,9 @@ default. docker-compose.yml sets exactly these variables. A malformed value fail
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,26 +23,101 @@ from typing import Any
 @dataclass(frozen=True)
 class Flag:
     name: str  # "--port"
-    env: str  # "SPECSERVE_GATEWAY_PORT"
+    env: str | None  # "SPECSERVE_GATEWAY_PORT"; None: no environment variable
     default: Any
-    type: type = str
+    type: Callable[[str], Any] = str
     help: str = ""
 
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+
+@dataclass(frozen=True)
+class FieldFlags:
+    """A config field's flags and how their parsed values make the field's value."""
+
+    flags: tuple[Flag, ...]
+    value: Callable[[argparse.Namespace], Any]
+
+
+FLAGS = "specserve.flags"  # the metadata key of a field's FieldFlags
+_SAME = object()
 
 DEFAULT_HOST = "127.0.0.1"
 GATEWAY_PORT, VERIFIER_PORT, DRAFTER_PORT = 50051, 50052, 50053
 HTTP_PORT = 8000  # the gateway's OpenAI-compatible HTTP API (vLLM's default too)
 # Prometheus /metrics (0 disables); bound on the --host address like the gRPC port
 GATEWAY_METRICS_PORT, VERIFIER_METRICS_PORT, DRAFTER_METRICS_PORT = 9101, 9102, 9103
-
-COMMON = [
-    Flag("--host", "SPECSERVE_HOST", DEFAULT_HOST, str, "address to bind"),
-    Flag("--log-level", "SPECSERVE_LOG_LEVEL", "INFO", str, "logging level"),
-]
+LOG_LEVEL = Flag("--log-level", "SPECSERVE_LOG_LEVEL", "INFO", str, "logging level")
 
 
+def flag_field(name: str, env: str | None, help: str, *, default: Any = dataclasses.MISSING,
+               type: Callable[[str], Any] = str, cli_default: Any = _SAME,
+               parse: Callable[[Any], Any] | None = None) -> Any:
+    """A config field set by the flag `name`. Its default is the flag's unless `cli_default`
+    is given (say a metrics port: 0 in the library, a fixed port on the command line);
+    `parse(value)` turns the parsed flag into the field's value (raises ValueError)."""
+    if default is dataclasses.MISSING and cli_default is _SAME:
+        raise TypeError(f"{name}: a required field needs the flag's cli_default")
+    flag = Flag(name, env, default if cli_default is _SAME else cli_default, type, help)
+    convert = parse or (lambda value: value)
+    return flags_field((flag,), lambda args: convert(getattr(args, flag.dest)), default)
+
+
+def flags_field(flags: Sequence[Flag], value: Callable[[argparse.Namespace], Any],
+                default: Any = dataclasses.MISSING) -> Any:
+    """A config field set by a group of flags: `value(args)` makes it (raises ValueError)."""
+    meta = {FLAGS: FieldFlags(tuple(flags), value)}
+    if default is dataclasses.MISSING:
+        return dataclasses.field(metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def config_flags(cls: type) -> list[Flag]:
+    """The flags of a config dataclass, in field order."""
+    return [flag for f in dataclasses.fields(cls) if FLAGS in f.metadata
+            for flag in f.metadata[FLAGS].flags]
+
+
+def config_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """`cls` of the parsed flags (raises ValueError for bad values)."""
+    return cls(**{f.name: f.metadata[FLAGS].value(args) for f in dataclasses.fields(cls)
+                  if FLAGS in f.metadata})
+
+
+# ---- fields every service has ----------------------------------------------------------------
+def host_field() -> Any:
+    return flag_field("--host", "SPECSERVE_HOST", "address to bind", default=DEFAULT_HOST)
+
+
+def port_field(env: str, port: int) -> Any:
+    return flag_field("--port", env, "port to bind (0 = any free)", default=port, type=int)
+
+
+def port_file_field() -> Any:
+    return flag_field("--port-file", None, "write the bound port here once SERVING (useful "
+                      "with --port 0)", default=None)
+
+
+def grace_field(help: str) -> Any:
+    return flag_field("--grace-s", "SPECSERVE_GRACE_S", help, default=5.0, type=float)
+
+
+def metrics_port_field(env: str, port: int) -> Any:
+    """0 (none) in the library, `port` on the command line."""
+    return flag_field("--metrics-port", env, "Prometheus /metrics port (0 = none)", default=0,
+                      type=int, cli_default=port)
+
+
+def check_port(name: str, port: int | None) -> None:
+    if port is not None and not 0 <= port <= 65535:
+        raise ValueError(f"{name} must be in [0, 65535], got {port}")
+
+
+# ---- argparse ----------------------------------------------------------------------------------
 def _env_default(flag: Flag) -> Any:
-    raw = os.environ.get(flag.env)
+    raw = os.environ.get(flag.env) if flag.env else None
     if raw is None:
         return flag.default
     try:
@@ -44,7 +127,8 @@ def _env_default(flag: Flag) -> Any:
             from None
 
 
-def add_flags(parser: argparse.ArgumentParser, flags: list[Flag]) -> None:
+def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
     for flag in flags:
-        parser.add_argument(flag.name, type=flag.type, default=_env_default(flag),
-                            help=f"{flag.help} [env {flag.env}, default {flag.default!r}]")
+        help = f"{flag.help} [env {flag.env}, default {flag.default!r}]" if flag.env else \
+            flag.help
+        parser.add_argument(flag.name, type=flag.type, default=_env_default(flag), help=help)

@@ -1,10 +1,11 @@
-"""Gateway process: config, tokenizer, one long-lived verifier channel, server lifecycle.
+"""Gateway process: tokenizer, one long-lived verifier channel, server lifecycle.
 
-`serve` loads the target's tokenizer (and its chat template), starts the OpenAI HTTP listener
+`start` loads the target's tokenizer (and its chat template), starts the OpenAI HTTP listener
 on `http_port` (None: none) and the gRPC server (health + reflection), both over one pipeline,
-writes the bound ports to `port_file` / `http_port_file` (for port 0), and on SIGINT/SIGTERM (or
-`stop`) turns health to NOT_SERVING and drains in-flight generations for `grace_s` before
-cancelling. While it runs, `follow_verifier` checks the verifier's health every
+writes the HTTP API's bound port to `http_port_file`; `serve` runs it through the services'
+common lifecycle (services/common/bootstrap.run_service: the port file, SIGINT/SIGTERM or `stop`),
+and `GatewayServer.stop` turns health to NOT_SERVING and drains in-flight generations for
+`grace_s` before cancelling. While it runs, `follow_verifier` checks the verifier's health every
 `health_period_s`: the gateway's named service (and HTTP /health) is SERVING while the
 verifier's is, NOT_SERVING while it is unreachable or not serving. Prometheus metrics are served
 on `metrics_port` (0: none); buffered spans are flushed at exit.
@@ -15,26 +16,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import telemetry
-from services.common.convert import MAX_STOP_BYTES, MAX_STOP_STRINGS
+from services.common.bootstrap import run_service, write_port_file
 from services.common.metrics import GatewayMetrics
-from services.common.security import NONE, Security
-from services.common.server import (
-    CHANNEL_OPTIONS,
-    MAX_MESSAGE_BYTES,
-    channel,
-    start_server,
-)
-from services.common.settings import DEFAULT_HOST, GATEWAY_PORT, HTTP_PORT, VERIFIER_PORT
+from services.common.server import CHANNEL_OPTIONS, channel, start_server
+from services.gateway.config import GatewayConfig
 from services.gateway.http_server import HttpListener
 from services.gateway.openai_http import OpenAIFront
 from services.gateway.pipeline import Pipeline, StopLimits
@@ -53,66 +46,6 @@ VERIFIER_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_m
                             ("grpc.min_reconnect_backoff_ms", 100),
                             ("grpc.max_reconnect_backoff_ms", 1000)]
 log = logging.getLogger("specserve.gateway")
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    model: str  # directory holding the target's tokenizer.json
-    verifier: str = f"127.0.0.1:{VERIFIER_PORT}"
-    host: str = DEFAULT_HOST
-    port: int = GATEWAY_PORT
-    port_file: str | None = None
-    max_message_bytes: int = MAX_MESSAGE_BYTES
-    request_timeout_s: float = 600.0  # verifier deadline when the client sets none
-    grace_s: float = 5.0
-    metrics_port: int = 0  # Prometheus endpoint on host:metrics_port (0 = none)
-    health_period_s: float = 0.5  # how often the verifier's health is checked
-    max_stop_strings: int = MAX_STOP_STRINGS  # a request's stop list: how many strings
-    max_stop_bytes: int = MAX_STOP_BYTES  # and their UTF-8 bytes in all
-    security: Security = NONE  # TLS / token of this port; TLS to and token for the verifier
-    http_port: int | None = HTTP_PORT  # the OpenAI HTTP API (None: not served)
-    http_port_file: str | None = None
-    served_model_name: str | None = None  # the API's model id (None: the model directory's name)
-
-    def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("model must name a directory with tokenizer.json "
-                             "(--model or SPECSERVE_MODEL)")
-        if not self.verifier or ":" not in self.verifier:
-            raise ValueError(f"verifier must be HOST:PORT, got {self.verifier!r}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.http_port is not None and not 0 <= self.http_port <= 65535:
-            raise ValueError(f"http_port must be in [0, 65535] or None, got {self.http_port}")
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ValueError("served_model_name must be non-empty when given")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        if not 1024 <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
-            raise ValueError(f"max_message_bytes must be in [1024, {MAX_MESSAGE_BYTES}], "
-                             f"got {self.max_message_bytes}")
-        if self.request_timeout_s <= 0 or self.grace_s < 0:
-            raise ValueError("request_timeout_s must be > 0 and grace_s >= 0")
-        if not self.health_period_s > 0:
-            raise ValueError(f"health_period_s must be > 0, got {self.health_period_s}")
-        if self.max_stop_strings < 0 or self.max_stop_bytes < 0:
-            raise ValueError(f"max_stop_strings and max_stop_bytes must be >= 0, got "
-                             f"{self.max_stop_strings} and {self.max_stop_bytes}")
-
-
-def write_port_file(path: str, port: int) -> None:
-    """Atomically write the bound port (a reader never sees a half-written file)."""
-    tmp = Path(f"{path}.tmp.{os.getpid()}")
-    tmp.write_text(f"{port}\n")
-    tmp.replace(path)
-
-
-def _stop_on_signals() -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
 
 
 async def follow_verifier(verifier: grpc.aio.Channel, health, period_s: float,
@@ -173,40 +106,58 @@ async def _start_http(config: GatewayConfig, pipeline: Pipeline, serving) -> Htt
     return http
 
 
+@dataclass(eq=False)
+class GatewayServer:
+    """A started gateway: what `stop` takes down (None: not started)."""
+
+    port: int = 0
+    server: grpc.aio.Server | None = None
+    health: object = None
+    verifier: grpc.aio.Channel | None = None
+    http: HttpListener | None = None
+    watcher: asyncio.Task | None = None
+    metrics_server: object = None
+    serving: dict = field(default_factory=lambda: {"now": False})  # HTTP /health reads it
+
+    async def stop(self, grace: float) -> None:
+        """NOT_SERVING, drain in-flight generations for `grace` s, then close everything."""
+        self.serving["now"] = False
+        if self.watcher is not None:
+            await _cancel(self.watcher)
+        if self.server is not None:
+            await self.health.enter_graceful_shutdown()
+            await asyncio.gather(self.server.stop(grace),
+                                 self.http.stop() if self.http is not None else asyncio.sleep(0))
+        if self.verifier is not None:
+            await self.verifier.close()
+        telemetry.stop_metrics_server(self.metrics_server)
+
+
+async def start(config: GatewayConfig) -> GatewayServer:
+    """Start the gRPC server, the HTTP API, metrics and the verifier watch (stopped again if
+    one of them fails)."""
+    gw = GatewayServer(verifier=channel(config.verifier, config.security,
+                                        VERIFIER_CHANNEL_OPTIONS))
+    try:
+        metrics = GatewayMetrics()
+        pipeline = _pipeline(config, gw.verifier, metrics)
+        gw.server, gw.port, gw.health = await start_server(
+            [(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(pipeline))],
+            [SERVICE_NAME], config.host, config.port, config.max_message_bytes,
+            security=config.security)
+        gw.http = await _start_http(config, pipeline, lambda: gw.serving["now"])
+        gw.metrics_server = telemetry.start_metrics_server(metrics.registry, config.host,
+                                                           config.metrics_port)
+        gw.watcher = asyncio.create_task(follow_verifier(
+            gw.verifier, gw.health, config.health_period_s, config.verifier,
+            lambda now: gw.serving.update(now=now)), name="gateway-health")
+    except BaseException:
+        await gw.stop(0)
+        raise
+    log.info("verifier at %s, tokenizer from %s", config.verifier, config.model)
+    return gw
+
+
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     """Run the gateway until `stop` is set (default: until SIGINT/SIGTERM)."""
-    verifier = channel(config.verifier, config.security, VERIFIER_CHANNEL_OPTIONS)
-    metrics = GatewayMetrics()
-    pipeline = _pipeline(config, verifier, metrics)
-    server, port, health = await start_server(
-        [(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(pipeline))],
-        [SERVICE_NAME], config.host, config.port, config.max_message_bytes,
-        security=config.security)
-    stop = stop if stop is not None else _stop_on_signals()
-    serving, http, watcher, metrics_server = {"now": False}, None, None, None
-    try:
-        http = await _start_http(config, pipeline, lambda: serving["now"])
-        metrics_server = telemetry.start_metrics_server(metrics.registry, config.host,
-                                                        config.metrics_port)
-        watcher = asyncio.create_task(follow_verifier(
-            verifier, health, config.health_period_s, config.verifier,
-            lambda now: serving.update(now=now)), name="gateway-health")
-        if config.port_file:
-            write_port_file(config.port_file, port)
-        print(f"specserve gateway listening on {config.host}:{port}", flush=True)
-        log.info("verifier at %s, tokenizer from %s", config.verifier, config.model)
-        await stop.wait()
-        log.info("shutting down: draining for up to %.1f s", config.grace_s)
-        serving["now"] = False
-        await health.enter_graceful_shutdown()
-        await asyncio.gather(server.stop(config.grace_s),
-                             http.stop() if http is not None else asyncio.sleep(0))
-    finally:
-        if watcher is not None:
-            await _cancel(watcher)
-        await server.stop(0)
-        if http is not None:
-            await http.stop()
-        await verifier.close()
-        telemetry.stop_metrics_server(metrics_server)
-        await telemetry.shutdown_tracing()
+    await run_service("gateway", lambda: start(config), config, stop)
