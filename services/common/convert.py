@@ -14,12 +14,13 @@ import torch
 
 from specserve.drafters.registry import DFLASH, NGRAM, NONE
 from specserve.errors import InvalidRequest
+from specserve.models.loader import DTYPES as MODEL_DTYPES
 from specserve.spec.metrics import RequestSpecStats
 from specserve.types import FinishReason, SamplingParams
 from specserve.v1 import common_pb2 as pb
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPES = MODEL_DTYPES  # the wire's tensor dtypes are the models'
+_ITEM_BYTES = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
 MAX_TENSOR_RANK = 8  # context rows are [rows, width]: anything far beyond is malformed
 _FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -125,7 +126,7 @@ def _checked_shape(msg: pb.Tensor, nbytes: int) -> tuple[int, ...]:
     integers: no product overflows here)."""
     if msg.dtype not in _DTYPES:
         raise InvalidRequest(f"unsupported tensor dtype {msg.dtype[:40]!r} "
-                             f"(float32, bfloat16 or float16)")
+                             f"({', '.join(_DTYPES)})")
     shape, item = tuple(msg.shape), _ITEM_BYTES[msg.dtype]
     if len(shape) > MAX_TENSOR_RANK:
         raise InvalidRequest(f"tensor rank {len(shape)} is over {MAX_TENSOR_RANK}")

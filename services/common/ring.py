@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
+from specserve.models.loader import DTYPES as MODEL_DTYPES
+
 HEADER_BYTES = 64
 NONCE_BYTES = 16
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = MODEL_DTYPES  # what a ring may hold: the models' dtypes
 
 
 @dataclass(frozen=True)

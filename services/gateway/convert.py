@@ -23,6 +23,7 @@ from specserve.cli.wire import TRACE_ID_KEY
 from specserve.cli.wire import Final as GatewayFinal  # what the client reads, as sent
 from specserve.errors import InvalidRequest
 from specserve.spec.metrics import RequestSpecStats
+from specserve.spec.tree import check_budget
 from specserve.types import FinishReason, SamplingParams
 from specserve.v1 import common_pb2, gateway_pb2, verifier_pb2
 
@@ -65,8 +66,9 @@ class VerifierFinal:
 
 # ---- server side ---------------------------------------------------------------------------
 def request_from_pb(msg: gateway_pb2.GenerateRequest, defaults=None) -> GatewayRequest:
-    """Raises InvalidRequest for an empty prompt, bad sampling params or an unknown drafter.
-    Sampling values the request leaves unset come from `defaults` (the model's)."""
+    """Raises InvalidRequest for an empty prompt, bad sampling params, an unknown drafter or a
+    budget outside [0, MAX_BUDGET]. Sampling values the request leaves unset come from
+    `defaults` (the model's)."""
     which = msg.WhichOneof("prompt")
     text = msg.text if which == "text" else None
     ids = tuple(int(t) for t in msg.token_ids.ids) if which == "token_ids" else None
@@ -75,14 +77,24 @@ def request_from_pb(msg: gateway_pb2.GenerateRequest, defaults=None) -> GatewayR
     if msg.spec.drafter not in DRAFTER_NAMES:
         raise InvalidRequest(f"unknown drafter kind {msg.spec.drafter}; expected one of "
                              f"{sorted(DRAFTER_NAMES)} (unspecified, dflash, ngram, none)")
-    budget = msg.spec.budget if msg.spec.HasField("budget") else None
-    if budget is not None and budget < 0:
-        raise InvalidRequest(f"budget must be >= 0, got {budget}")
+    budget = checked_budget(msg.spec.budget if msg.spec.HasField("budget") else None)
     params = sampling_from_pb(msg.sampling, defaults) if msg.HasField("sampling") else \
         sampling_from_pb(common_pb2.SamplingParams(max_tokens=SamplingParams().max_tokens),
                          defaults)
     return GatewayRequest(msg.request_id or uuid.uuid4().hex, text, ids, params,
                           DRAFTER_NAMES[msg.spec.drafter], budget)
+
+
+def checked_budget(budget: int | None) -> int | None:
+    """A request's budget (None: the verifier's default), checked at the edge against the core's
+    bound on any tree (`MAX_BUDGET`; the verifier caps it at its --max-draft-tokens, the engine
+    checks its own). Raises InvalidRequest."""
+    if budget is not None:
+        try:
+            check_budget(budget)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+    return budget
 
 
 def verify_request_to_pb(req: GatewayRequest, prompt_ids: list[int]) -> verifier_pb2.VerifyRequest:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.convert import DRAFTER_NAMES
-from services.gateway.convert import GatewayRequest
+from services.gateway.convert import GatewayRequest, checked_budget
 from specserve.engine.chat_template import ChatTemplate, normalize_messages
 from specserve.errors import InvalidRequest
 from specserve.types import SamplingParams
@@ -169,7 +169,7 @@ def _drafter(body: dict) -> str | None:
 
 
 def _budget(body: dict) -> int | None:
-    budget = _typed(body, "budget", int, None)
-    if budget is not None and budget < 0:
-        raise ApiError(400, f"budget must be >= 0, got {budget}", param="budget")
-    return budget
+    try:
+        return checked_budget(_typed(body, "budget", int, None))
+    except InvalidRequest as e:
+        raise ApiError(400, str(e), param="budget") from None

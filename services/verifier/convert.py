@@ -30,7 +30,7 @@ DRAFTER_KINDS = {name: kind for kind, name in DRAFTER_NAMES.items()}  # "ngram" 
 
 @dataclass(frozen=True)
 class SpecLimits:
-    """What the server allows: budgets are clamped to `max_draft_tokens`; no drafter → 0."""
+    """What the server allows: budgets are capped at `max_draft_tokens`; no drafter → 0."""
 
     default_budget: int
     max_draft_tokens: int
@@ -43,30 +43,35 @@ class GenerateArgs:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    budget: int
+    budget: int  # what the engine gets: `asked_budget` capped, 0 without a drafter
     drafter_kind: str | None  # "dflash" | "ngram" | None (the drafter's default)
+    asked_budget: int = 0  # the request's budget, else the server's default
+    capped: bool = False  # --max-draft-tokens cut `asked_budget` to `budget`
 
 
 def generate_args_from_pb(msg: verifier_pb2.VerifyRequest, limits: SpecLimits,
                           fallback_id: str) -> GenerateArgs:
     """Raises InvalidRequest for bad sampling parameters (a stop list over the default bounds
-    included), a negative budget or a bad kind."""
+    included), a negative budget or a bad kind. A budget over `max_draft_tokens` is capped
+    there (`GenerateArgs.capped`; the gateway already refused one over MAX_BUDGET); the engine
+    checks the capped one against its own bound."""
     params = sampling_from_pb(msg.sampling, limits.sampling_defaults)
     check_stop(params.stop)
     if msg.spec.drafter not in DRAFTER_NAMES:
         raise InvalidRequest(f"unknown drafter kind {msg.spec.drafter}")
     kind = DRAFTER_NAMES[msg.spec.drafter]
-    budget = msg.spec.budget if msg.spec.HasField("budget") else limits.default_budget
-    if budget < 0:
-        raise InvalidRequest(f"budget must be >= 0, got {budget}")
-    if kind == "none" or not limits.has_drafter:
-        budget = 0
+    asked = msg.spec.budget if msg.spec.HasField("budget") else limits.default_budget
+    if asked < 0:
+        raise InvalidRequest(f"budget must be >= 0, got {asked}")
+    speculates = kind != "none" and limits.has_drafter
     return GenerateArgs(
         request_id=msg.request_id or fallback_id,
         prompt_ids=[int(t) for t in msg.prompt_ids],
         params=params,
-        budget=min(budget, limits.max_draft_tokens),
+        budget=min(asked, limits.max_draft_tokens) if speculates else 0,
         drafter_kind=None if kind == "none" else kind,
+        asked_budget=asked,
+        capped=speculates and asked > limits.max_draft_tokens,
     )
 
 

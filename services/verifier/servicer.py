@@ -10,6 +10,7 @@ call metadata); the step loop hangs the request's prefill and step spans below i
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import grpc
@@ -21,6 +22,8 @@ from services.common.errors import status_for
 from services.verifier import convert
 from services.verifier.loop import StepEvent, StepLoop
 from specserve.v1 import verifier_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -49,8 +52,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                                      f"verify-{next(self._ids)}")
                 span.set_attributes({"request.id": args.request_id,
                                      "prompt_tokens": len(args.prompt_ids),
-                                     "budget": args.budget,
+                                     "budget": args.budget, "budget.asked": args.asked_budget,
                                      "drafter": args.drafter_kind or "default"})
+                if args.capped:
+                    log.debug("request %s: budget %d capped at %d (--max-draft-tokens)",
+                              args.request_id, args.asked_budget, args.budget)
                 events = await self.loop.submit(args.request_id, args.prompt_ids, args.params,
                                                 args.budget, args.drafter_kind,
                                                 trace.set_span_in_context(span))

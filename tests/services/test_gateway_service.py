@@ -270,3 +270,37 @@ def test_stop_limit_flags_and_environment(monkeypatch, model_dir):
     cfg = config_from_args(build_parser().parse_args(
         ["--model", str(model_dir), "--max-stop-strings", "3", "--max-stop-bytes", "99"]))
     assert (cfg.max_stop_strings, cfg.max_stop_bytes) == (3, 99)
+
+
+@pytest.mark.asyncio
+async def test_a_budget_outside_the_core_bound_is_refused_at_the_edge(model_dir, tmp_path):
+    from services.gateway import openai_api
+    from specserve.spec.tree import MAX_BUDGET
+
+    fake = FakeVerifier()
+    server, vport, _ = await start_verifier(fake)
+    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    try:
+        async with running_gateway(tmp_path, model=str(model_dir),
+                                   verifier=f"127.0.0.1:{vport}") as (addr, _):
+            async with channel(addr) as ch:
+                stub = gateway_pb2_grpc.GatewayStub(ch)
+                for bad in (-1, MAX_BUDGET + 1):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        async for _ in stub.Generate(convert.generate_request_to_pb(
+                                [12, 6], params, budget=bad), timeout=RPC_S):
+                            pass
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert f"budget must be in [0, {MAX_BUDGET}], got {bad}" in \
+                        err.value.details()
+                assert fake.requests == []  # refused before any verifier call
+                async for _ in stub.Generate(convert.generate_request_to_pb(
+                        [12, 6], params, budget=MAX_BUDGET), timeout=RPC_S):
+                    pass
+            assert fake.requests[0].spec.budget == MAX_BUDGET  # the verifier caps it
+    finally:
+        await server.stop(0)
+    with pytest.raises(openai_api.ApiError) as err:  # the HTTP front: the same check
+        openai_api.parse({"prompt": "x", "budget": MAX_BUDGET + 1}, False, "m", None)
+    assert (err.value.status, err.value.param) == (400, "budget")
+    assert f"budget must be in [0, {MAX_BUDGET}]" in err.value.message

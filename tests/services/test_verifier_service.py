@@ -316,3 +316,24 @@ async def _generate_with(stub, prompt, sampling):
     req = verifier_pb2.VerifyRequest(prompt_ids=prompt, sampling=sampling,
                                      spec=common_pb2.SpecOptions(budget=0))
     return [e async for e in stub.Generate(req, timeout=RPC_S)]
+
+
+@pytest.mark.parametrize("asked, drafter, kind, budget, capped", [
+    (100, True, common_pb2.DRAFTER_KIND_NGRAM, 16, True),  # over --max-draft-tokens: capped
+    (16, True, common_pb2.DRAFTER_KIND_NGRAM, 16, False),  # at it: as asked
+    (None, True, common_pb2.DRAFTER_KIND_UNSPECIFIED, 8, False),  # the default budget
+    (100, False, common_pb2.DRAFTER_KIND_NGRAM, 0, False),  # no drafter: plain decoding
+    (100, True, common_pb2.DRAFTER_KIND_NONE, 0, False),  # asked for none
+])
+def test_a_budget_over_max_draft_tokens_is_capped_and_says_so(asked, drafter, kind, budget,
+                                                              capped):
+    from services.verifier.convert import SpecLimits, generate_args_from_pb
+
+    spec = common_pb2.SpecOptions(drafter=kind)
+    if asked is not None:
+        spec.budget = asked
+    msg = verifier_pb2.VerifyRequest(prompt_ids=[1, 2], spec=spec,
+                                     sampling=common_pb2.SamplingParams(max_tokens=4))
+    args = generate_args_from_pb(msg, SpecLimits(8, 16, drafter), "r")
+    assert (args.budget, args.asked_budget, args.capped) == (budget, 8 if asked is None else
+                                                             asked, capped)
