@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from services.common import telemetry
-from services.common.settings import LOG_LEVEL, add_flags, config_flags, config_from_args
+from services.common.settings import (
+    LOG_LEVEL,
+    Flag,
+    add_flags,
+    config_flags,
+    config_from_args,
+)
 
 log = logging.getLogger("specserve.service")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -76,10 +82,15 @@ async def run_service(name: str, start: Callable[[], Awaitable[Running]], config
         await telemetry.shutdown_tracing()
 
 
+def service_flags(config_cls: type) -> list[Flag]:
+    """A service's flags: --log-level and its config's."""
+    return [LOG_LEVEL, *config_flags(config_cls)]
+
+
 def build_parser(name: str, description: str, config_cls: type) -> argparse.ArgumentParser:
-    """`specserve serve NAME`'s parser: --log-level and the config's flags."""
+    """`specserve serve NAME`'s parser: `service_flags(config_cls)`."""
     parser = argparse.ArgumentParser(prog=f"specserve serve {name}", description=description)
-    add_flags(parser, [LOG_LEVEL, *config_flags(config_cls)])
+    add_flags(parser, service_flags(config_cls))
     return parser
 
 

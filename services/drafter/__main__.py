@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from services.common import bootstrap, settings
 from services.drafter.config import DrafterConfig
 
+FLAGS = bootstrap.service_flags(DrafterConfig)  # the flag table (tests read it)
+
 
 def build_parser() -> argparse.ArgumentParser:
     return bootstrap.build_parser("drafter", "Serve the drafter (DFlash + DDTree, n-gram) over "

@@ -18,6 +18,9 @@ DESCRIPTION = ("The specserve gateway: text in, streamed text chunks + stats out
                "/v1/models, /health).")
 
 
+FLAGS = bootstrap.service_flags(GatewayConfig)  # the flag table (tests read it)
+
+
 def build_parser() -> argparse.ArgumentParser:
     return bootstrap.build_parser("gateway", DESCRIPTION, GatewayConfig)
 

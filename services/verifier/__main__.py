@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from services.common import bootstrap, settings
 from services.verifier.config import VerifierConfig
 
+FLAGS = bootstrap.service_flags(VerifierConfig)  # the flag table (tests read it)
+
 
 def build_parser() -> argparse.ArgumentParser:
     return bootstrap.build_parser("verifier", "the verifier service (target model)",
