@@ -89,6 +89,15 @@ def step_event_to_pb(token_ids, step) -> verifier_pb2.VerifyEvent:
     return event
 
 
+def verify_event_to_pb(item, wall_s: float) -> verifier_pb2.VerifyEvent:
+    """A request's `StepEvent` (services/verifier/loop.py): its step, and on the last one the
+    final (`wall_s`: the request's time so far)."""
+    event = step_event_to_pb(item.output.new_token_ids, item.step)
+    if item.output.finished:
+        final_to_pb(event, item.output, item.stats, wall_s)
+    return event
+
+
 def final_to_pb(event: verifier_pb2.VerifyEvent, output, stats, wall_s: float) -> None:
     """Fill `event.final` from the last RequestOutput and the request's RequestSpecStats."""
     event.final.finish_reason = finish_to_pb(output.finish_reason)
