@@ -45,6 +45,9 @@ class EngineConfig:
     # cost and the drafter's probabilities, the request's budget its bound; off = as asked
     adaptive: bool = False
     max_waiting: int | None = None  # queued requests past which add_request refuses (None: ∞)
+    # verifier tensor parallelism: ranks the target's weights are sharded over (this process
+    # rank 0, the others spawned by specserve.parallel; gloo on the CPU, NCCL on CUDA)
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         check_switch("cuda_graphs", self.cuda_graphs)
@@ -64,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.max_waiting is not None and self.max_waiting <= 0:
             raise ValueError(f"max_waiting must be positive or None, got {self.max_waiting}")
+        if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be an int >= 1, got {self.tensor_parallel!r}")
         if not 0 <= self.max_draft_tokens <= 1024:
             raise ValueError(f"max_draft_tokens must be in [0, 1024], got {self.max_draft_tokens}")
 

@@ -4,10 +4,18 @@ Turns a scheduled batch (host lists, each input with its page table) into one fo
 the `AttnBatch`, runs the model and returns logits only for the rows that need a token, plus the
 tapped features when asked. Which pages a request holds is the scheduler's (its BlockManager);
 the runner sizes the pool (`num_pages`) and reads the tables it is given.
+
+Tensor parallel (`config.tensor_parallel` = N > 1, `specserve.parallel`): this runner is rank
+0's; it starts the N − 1 workers (once per process), and each of them builds the same runner on
+its shard. Every rank holds its shard's weights and its own KV pool (its kv heads; the same page
+count, so one page table serves all); `forward` first broadcasts its host inputs, then every
+rank runs the same local forward and meets in the collectives; `kv.copy_slots` is broadcast
+too. Logits and tapped features come back whole on rank 0.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -38,17 +46,38 @@ class ForwardInput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: DecoderModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: DecoderModel | None = None, *,
+                 tp=None) -> None:
+        """`tp`: a worker's `parallel.TPGroup` (rank ≥ 1); rank 0 (tensor_parallel > 1 and no
+        `tp`) starts the workers itself and loads the checkpoint on every rank (no `model`)."""
         self.config = config
         self.device = torch.device(config.device)
         self.device_name = _device_name(self.device)  # for stats and the probe's plot
         self.dtype = resolve_dtype(config.dtype)
+        self.tp, self._tp_id = tp, None
+        if config.tensor_parallel > 1 and tp is None:  # rank 0
+            from specserve.models.config import load_config
+            from specserve.parallel import plan_for, start_workers, workers
+
+            if model is not None:
+                raise ValueError("tensor_parallel > 1 loads the checkpoint on every rank: "
+                                 "give model_dir, not a model")
+            plan_for(load_config(config.model_dir), config.tensor_parallel)  # ValueError here
+            self.tp = start_workers(config.tensor_parallel, config.device)
+            self._tp_id = workers.register(config)  # the workers build their shards meanwhile
+            weakref.finalize(self, workers.release, self._tp_id)
         self.model = model or load_model(config.model_dir, self.dtype, config.device)
+        if self.tp is not None:
+            from specserve.parallel import shard_model
+
+            shard_model(self.model, self.tp.rank, self.tp.world)
+            self.model.tp = self.tp
         self.model.attn_backend = backend_for(self.device)
         self.model.fuse_projections()  # q/k/v and gate/up as one GEMM each (idempotent)
         mc = self.model.config
         self.set_taps(config.tap_layers)
-        shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        local_kv = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's (TP: shard)
+        shape = KVShape(mc.num_layers, local_kv, mc.head_dim, self.dtype)
         num_pages = config.num_pages or num_pages_for_budget(
             shape, config.page_size, config.kv_memory_bytes or DEFAULT_KV_BYTES
         )
@@ -57,6 +86,8 @@ class ModelRunner:
         self.kv = KVPool(shape, num_pages + graphs, config.page_size, self.device,
                          config.poison_kv)
         self.num_pages = num_pages  # the scheduler's BlockManager hands these out
+        if self._tp_id is not None:  # rank 0: every rank's pool makes the same copies
+            self.kv.on_copy = self._send_copy
         self.graphs = StepGraphs(
             self.model, self.kv, config.page_size,
             config.max_model_len or mc.max_position_embeddings, config.max_draft_tokens + 1,
@@ -86,9 +117,27 @@ class ModelRunner:
         Returns logits `[len(logit_rows), V]` float32 for the flat rows asked for, and the tapped
         features `[T, n_taps * hidden]` of every row when `taps` (else None).
         """
+        tap_layers = self.tap_layers if taps else ()
+        if self._tp_id is not None:  # rank 0: the workers run the same forward on their shards
+            from specserve.parallel import workers
+
+            workers.leader().send("forward", self._tp_id, list(inputs), logit_rows, tap_layers)
+        return self.run_local(inputs, logit_rows, tap_layers)
+
+    def _send_copy(self, src, dst) -> None:
+        from specserve.parallel import workers
+
+        if isinstance(src, torch.Tensor):
+            src, dst = src.cpu().numpy(), dst.cpu().numpy()
+        workers.leader().send("copy", self._tp_id, src, dst)
+
+    @torch.inference_mode()
+    def run_local(self, inputs: Seq[ForwardInput], logit_rows: Seq[int],
+                  tap_layers: Seq[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` on this rank alone (a worker's part of rank 0's forward)."""
         if self.graphs is not None and self.graphs.fits(inputs):  # decode / verify only
             return self.graphs.run(inputs, [x.pages for x in inputs],
-                                   logit_rows, self.tap_layers if taps else ())
+                                   logit_rows, tuple(tap_layers))
         masks = [x.tree_mask for x in inputs]
         any_tree = any(m is not None for m in masks)
         ids = np.concatenate([np.asarray(x.token_ids, dtype=np.int64).reshape(-1)
@@ -106,7 +155,7 @@ class ModelRunner:
             device=self.device,
             extra=(ids,) if whole else (ids, rows),
         )
-        hidden, features = self.model(extra[0], batch, self.kv, self.tap_layers if taps else ())
+        hidden, features = self.model(extra[0], batch, self.kv, tuple(tap_layers))
         if not whole:  # only the rows that need a token go through the LM head
             hidden = hidden.index_select(0, extra[1])
         return self.model.logits(hidden), features

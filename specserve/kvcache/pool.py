@@ -67,6 +67,9 @@ class KVPool:
         self._flat_k = [t.view(rows) for t in self.k]  # [slots, Hkv, D] views (write)
         self._flat_v = [t.view(rows) for t in self.v]
         self._flat_all = self.kv.view(2 * shape.num_layers, *rows)  # [2L, slots, Hkv, D]
+        # tensor parallel: rank 0's pool tells the other ranks' pools to make the same copy
+        # (`copy_slots` calls it first with the host / device indices it was given)
+        self.on_copy = None
 
     @property
     def num_slots(self) -> int:
@@ -104,9 +107,13 @@ class KVPool:
                 raise ValueError(f"copy_slots: {len(src)} sources but {len(dst)} destinations")
             if len(src) == 0:
                 return
+            if self.on_copy is not None:  # host indices: sent on as they are (no device sync)
+                self.on_copy(src, dst)
             src, dst = to_device([np.asarray(src, dtype=np.int64),
                                   np.asarray(dst, dtype=np.int64)], self.kv.device)
-        if src.numel() == 0:
+        elif src.numel() == 0:
             return
+        elif self.on_copy is not None:
+            self.on_copy(src, dst)
         flat = self._flat_all
         flat.index_copy_(1, dst, flat.index_select(1, src))

@@ -161,6 +161,9 @@ class DecoderModel(FusedProjections, nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
         self.attn_backend: AttentionBackend = torch_ref_attention
+        # tensor parallel (`specserve.parallel`): this rank's group once the weights are
+        # sharded (`parallel.shard.shard_model`); None = the whole model here
+        self.tp = None
 
     def fusable_layers(self) -> nn.ModuleList:
         return self.model.layers
@@ -176,6 +179,8 @@ class DecoderModel(FusedProjections, nn.Module):
         names layers, their outputs concatenated `[T, len(taps) * hidden]` (else None)."""
         if not torch.is_grad_enabled():
             return self._forward_inference(input_ids, batch, kv, taps)
+        if self.tp is not None:
+            raise RuntimeError("a tensor-parallel shard runs inference only (autograd off)")
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary(batch.positions, x.dtype)
         tapped: dict[int, torch.Tensor] = {}
@@ -191,7 +196,8 @@ class DecoderModel(FusedProjections, nn.Module):
         """The same function as the module path with about half the kernel launches (module
         docstring); one python loop over layers, nothing recomputed per layer that is per step.
         On CUDA: the same math with each layer's small ops in 3 Triton kernels (fused_layer)."""
-        if input_ids.is_cuda:
+        reduce = self.tp.all_reduce if self.tp is not None else None
+        if input_ids.is_cuda and reduce is None:  # tensor parallel: the lean path (below)
             from specserve.models.fused_layer import forward_fused
 
             return forward_fused(self, input_ids, batch, kv, taps)
@@ -201,7 +207,8 @@ class DecoderModel(FusedProjections, nn.Module):
         tapped: dict[int, torch.Tensor] = {}
         wanted = set(taps) - {len(backbone.layers) - 1}  # the last one: after the final norm
         for i, layer in enumerate(backbone.layers):
-            x = _layer_inference(layer, self.fused_layer(i), x, cos, sin, batch, kv, attn_fn)
+            x = _layer_inference(layer, self.fused_layer(i), x, cos, sin, batch, kv, attn_fn,
+                                 reduce)
             if i in wanted:
                 tapped[i] = x
         norm = backbone.norm
@@ -209,4 +216,7 @@ class DecoderModel(FusedProjections, nn.Module):
         return normed, tap_features(tapped, taps, normed)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        if self.tp is not None:  # vocab-parallel head: every rank's rows, padding trimmed
+            local = F.linear(hidden, self.lm_head.weight)
+            return self.tp.all_gather_last(local)[:, : self.config.vocab_size].float()
         return self.lm_head(hidden).float()

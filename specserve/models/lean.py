@@ -81,7 +81,9 @@ def tap_features(tapped: dict[int, torch.Tensor], taps: Sequence[int],
     return torch.cat([tapped.get(i, normed) for i in taps], dim=-1)
 
 
-def _layer_inference(layer, f: _Fused | None, x, cos, sin, batch, kv, attn_fn):
+def _layer_inference(layer, f: _Fused | None, x, cos, sin, batch, kv, attn_fn, reduce=None):
+    """One layer. `reduce` (tensor parallel: the group's in-place all-reduce) sums the
+    row-parallel o_proj and down_proj outputs over the ranks before each residual add."""
     a, mlp = layer.self_attn, layer.mlp
     t, hq, hkv, d = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
     ln = layer.input_layernorm
@@ -105,7 +107,8 @@ def _layer_inference(layer, f: _Fused | None, x, cos, sin, batch, kv, attn_fn):
     q, k = apply_rotary_rolled(qk, cos, sin).split([hq, hkv], dim=1)  # all heads, one pass
     kv.write(a.layer, batch.slot_mapping, k, v)
     o = attn_fn(q, kv.k[a.layer], kv.v[a.layer], batch, a.scale, a.window)
-    x = x + F.linear(o.reshape(t, hq * d), a.o_proj.weight, a.o_proj.bias)
+    o = F.linear(o.reshape(t, hq * d), a.o_proj.weight, a.o_proj.bias)
+    x = x + (o if reduce is None else reduce(o))
     ln = layer.post_attention_layernorm
     h = rms_norm(x, ln.weight, ln.eps)
     if f is not None:  # one GEMM for gate and up
@@ -113,4 +116,5 @@ def _layer_inference(layer, f: _Fused | None, x, cos, sin, batch, kv, attn_fn):
     else:
         g = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
         u = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-    return x + F.linear(F.silu(g) * u, mlp.down_proj.weight, mlp.down_proj.bias)
+    y = F.linear(F.silu(g) * u, mlp.down_proj.weight, mlp.down_proj.bias)
+    return x + (y if reduce is None else reduce(y))
