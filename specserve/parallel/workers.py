@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import os
 import sys
 import traceback
@@ -28,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from specserve.parallel.comm import TPGroup, free_tcp_init_method, init_group, rank_device
+
+log = logging.getLogger(__name__)
 
 
 class _Leader:
@@ -120,6 +123,19 @@ def release(rid: int) -> None:
         _leader.dropped.append(rid)
 
 
+def _mirror(runner, msg) -> None:
+    """Run rank 0's forward / copy here. An input that raises (a bad token id, a page outside
+    the pool) raises on rank 0 at the same point, before any collective — the engine then
+    retries without the offending request (engine.isolation): this rank goes on too."""
+    try:
+        if msg[0] == "forward":
+            runner.run_local(*msg[2:])
+        else:
+            runner.kv.copy_slots(*msg[2:])
+    except Exception:
+        log.warning("tensor-parallel worker: %s raised (as on rank 0)", msg[0], exc_info=True)
+
+
 def _worker_main(rank: int, world: int, init: str, device: str, timeout_s: float,
                  threads: int) -> None:
     from specserve.engine.runner import ModelRunner
@@ -139,12 +155,8 @@ def _worker_main(rank: int, world: int, init: str, device: str, timeout_s: float
                 _, rid, config = msg
                 runners[rid] = ModelRunner(config.with_(device=rank_device(device, rank)),
                                            tp=tp)
-            elif op == "forward":
-                _, rid, inputs, logit_rows, taps = msg
-                runners[rid].run_local(inputs, logit_rows, taps)
-            elif op == "copy":
-                _, rid, src, dst = msg
-                runners[rid].kv.copy_slots(src, dst)
+            elif op in ("forward", "copy"):
+                _mirror(runners[msg[1]], msg)
             else:
                 raise RuntimeError(f"tensor-parallel worker: unknown message {op!r}")
     except BaseException:

@@ -128,3 +128,31 @@ def test_unsplittable_models_raise(checkpoint_cache):
         EngineConfig(str(path), tensor_parallel=0)
     with pytest.raises(ValueError, match="not a model"):
         ModelRunner(EngineConfig(str(path), tensor_parallel=2), model=object())
+
+
+def test_tp2_static_graph_path(tp2, checkpoint_cache, make_engine):
+    """cuda_graphs="on" on the CPU: each rank runs its padded static decode / verify step (the
+    CUDA graphs' eager twin; on CUDA each rank captures its own graphs, collectives inside)."""
+    path, _ = checkpoint_cache("llama-gqa4-llama3")
+    prompts = random_prompts(2, 211, [11, 30], seed=5)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ar, _ = _generate(make_engine(path), prompts, params, 0)
+    spec = make_engine(path, max_draft_tokens=8, tensor_parallel=2, cuda_graphs="on",
+                       max_model_len=128)
+    assert spec.runner.graphs is not None
+    spec.set_drafter(NgramDrafter())
+    assert _generate(spec, prompts, params, 8)[0] == ar
+
+
+def test_tp2_bad_input_raises_and_the_group_goes_on(tp2, checkpoint_cache):
+    """An input that raises on rank 0 raises on the worker at the same point (before any
+    collective); the worker goes on, so the engine's retry without that request works."""
+    path, _ = checkpoint_cache("llama-gqa4-llama3")
+    cfg = EngineConfig(str(path), num_pages=8)
+    vocab = load_config(path).vocab_size
+    runner = ModelRunner(cfg.with_(tensor_parallel=2))
+    with pytest.raises(IndexError):
+        runner.forward([ForwardInput("x", [vocab + 5], [0], 0, pages=[1])], [0])
+    whole = _run_steps(ModelRunner(cfg), vocab)
+    for (l1, _), (l2, _) in zip(whole, _run_steps(runner, vocab), strict=True):
+        torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-5)
