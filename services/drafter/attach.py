@@ -19,8 +19,7 @@ from services.common import lane
 from services.common.ring import map_ring
 from services.drafter import convert
 from services.drafter.core import DrafterCore
-from services.drafter.steps import BatchRunner, error_text
-from specserve.errors import SpecServeError
+from services.drafter.steps import BatchRunner
 
 log = logging.getLogger(__name__)
 MAX_RINGS = 8
@@ -83,13 +82,10 @@ class Attachments:
 
         def handle(kind: int, payload: bytes):
             if kind == lane.BATCH:
-                batch = convert.batch_from_bytes(payload)
-                drafted.update(convert.request_ids(batch))
-                try:
-                    reply, record = self.runner.run(core, batch, owner)
-                except SpecServeError as e:
-                    reply, record = convert.error_batch_to_pb(batch, error_text(e)), None
-                return lane.TREES, reply.SerializeToString(), record
+                batch = convert.read_batch_bytes(payload)
+                drafted.update(batch.request_ids)
+                reply, record = self.runner.reply(core, batch, owner)
+                return lane.TREES, convert.tree_batch_bytes(reply), record
             if kind == lane.RELEASE:
                 ids = convert.release_from_bytes(payload)
                 core.release(ids, owner)

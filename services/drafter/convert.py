@@ -1,14 +1,16 @@
 """Drafter wire messages (drafter.proto) to and from the drafter core's types.
 
-The only module of the drafter service that touches pb2 messages: a `DraftEntry` becomes a core
-`Entry` (its context features decoded straight onto the drafter's device and dtype, or read in
-place from an attached ring), results become `Tree`s of one `TreeBatch` per step; `Attach`'s
-RingSpec becomes a `RingInfo`.
+The only module of the drafter service that touches pb2 messages: a `DraftBatch` becomes a
+`Batch` (its header read at once; `Batch.entries` decodes each `DraftEntry` into a core `Entry`,
+its context features straight onto the drafter's device and dtype or read in place from an
+attached ring), results become `Tree`s of one `TreeBatch` per step; `Attach`'s RingSpec becomes
+a `RingInfo`, its reply is built here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +20,49 @@ from services.drafter.core import DraftTimes, Entry, Result
 from specserve.drafters.base import DraftRequest
 from specserve.errors import InvalidRequest
 from specserve.v1 import drafter_pb2 as pb
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """A DraftBatch read: its header in core terms; its entries decoded on demand (`entries`:
+    context rows are copied onto the device, so a worker thread does it)."""
+
+    step_id: int
+    release: tuple[str, ...]  # requests to release before the entries are drafted
+    request_ids: tuple[str, ...]  # the entries', in order
+    feed: bool  # a prefill context feed: every entry budget 0, no new history (no tree wanted)
+    in_ring: bool  # some entry's rows are read in place from an attached ring
+    _msg: pb.DraftBatch = field(repr=False)
+
+    def entries(self, device: torch.device, dtype: torch.dtype,
+                rings: dict[int, torch.Tensor] | None = None) -> list[Entry | Exception]:
+        """Each entry as a core `Entry`, or the exception that decoding it raised (an entry
+        fails alone: InvalidRequest for a malformed one, see `entry_from_pb`)."""
+        out: list[Entry | Exception] = []
+        for msg in self._msg.entries:
+            try:
+                out.append(entry_from_pb(msg, device, dtype, rings))
+            except Exception as e:  # the caller decides what each one means
+                out.append(e)
+        return out
+
+    def trace_contexts(self) -> list[dict[str, str]]:
+        """Each entry's W3C trace context ({} where the verifier did not trace that step)."""
+        return [dict(e.trace_context) for e in self._msg.entries]
+
+
+def read_batch(msg: pb.DraftBatch) -> Batch:
+    entries = msg.entries
+    return Batch(step_id=msg.step_id, release=tuple(msg.release),
+                 request_ids=tuple(e.request_id for e in entries),
+                 feed=bool(entries) and all(e.budget == 0 and not e.new_history
+                                            for e in entries),
+                 in_ring=any(e.HasField("context_ref") for e in entries), _msg=msg)
+
+
+def read_batch_bytes(data: bytes) -> Batch:
+    """A lane BATCH frame's batch."""
+    return read_batch(batch_from_bytes(data))
 
 
 def drafter_name(kind: int) -> str | None:
@@ -88,32 +133,21 @@ def tree_to_pb(request_id: str, result: Result) -> pb.Tree:
                    scores=[] if result.scores is None else result.scores.tolist())
 
 
-def tree_batch_to_pb(batch: pb.DraftBatch, results: Sequence[Result],
+def tree_batch_to_pb(batch: Batch | pb.DraftBatch, results: Sequence[Result],
                      times: DraftTimes | None = None) -> pb.TreeBatch:
     """One tree per entry of `batch`, in order, under the batch's step_id."""
+    batch = read_batch(batch) if isinstance(batch, pb.DraftBatch) else batch
     times = times or DraftTimes()
-    trees = [tree_to_pb(e.request_id, r) for e, r in zip(batch.entries, results, strict=True)]
+    trees = [tree_to_pb(rid, r) for rid, r in zip(batch.request_ids, results, strict=True)]
     return pb.TreeBatch(step_id=batch.step_id, trees=trees, forward_s=times.forward_s,
                         tree_build_s=times.tree_build_s)
 
 
-def error_batch_to_pb(batch: pb.DraftBatch, error: str) -> pb.TreeBatch:
+def error_batch_to_pb(batch: Batch, error: str) -> pb.TreeBatch:
     """Every entry of `batch` failed with `error`."""
-    return tree_batch_to_pb(batch, [error] * len(batch.entries))
+    return tree_batch_to_pb(batch, [error] * len(batch.request_ids))
 
 
-def trace_contexts(batch: pb.DraftBatch) -> list[dict[str, str]]:
-    """Each entry's W3C trace context ({} where the verifier did not trace that step)."""
-    return [dict(e.trace_context) for e in batch.entries]
-
-
-def request_ids(batch: pb.DraftBatch) -> list[str]:
-    return [e.request_id for e in batch.entries]
-
-
-
-
-def is_feed(batch: pb.DraftBatch) -> bool:
-    """A prefill context feed: every entry budget 0 with no new history (no tree wanted)."""
-    return bool(batch.entries) and all(e.budget == 0 and not e.new_history
-                                       for e in batch.entries)
+def tree_batch_bytes(reply: pb.TreeBatch) -> bytes:
+    """A lane TREES frame's payload."""
+    return reply.SerializeToString()

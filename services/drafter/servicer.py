@@ -1,4 +1,5 @@
-"""The Drafter gRPC servicer: thin — convert, call the core in a worker thread, convert back.
+"""The Drafter gRPC servicer: thin — convert, call the core in a worker thread, convert back
+(every protobuf field is read in convert.py: a DraftBatch arrives as a `convert.Batch`).
 
 Owns the stream lifecycle: each `Draft` stream owns the requests it drafted for (another
 connection cannot draft or release them), releases the ones a batch names (`release`) before
@@ -27,7 +28,6 @@ from services.drafter import convert
 from services.drafter.attach import Attachments
 from services.drafter.core import DrafterCore
 from services.drafter.steps import BatchRunner, error_text
-from specserve.errors import SpecServeError
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -51,12 +51,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         owner = object()  # this stream: its requests are its own
         drafted: set[str] = set()
         try:
-            async for batch in request_iterator:
+            async for msg in request_iterator:
+                batch = convert.read_batch(msg)
                 if batch.release:
                     await asyncio.to_thread(core.release, list(batch.release), owner)
                     drafted.difference_update(batch.release)
                     self.runner.observe_cache(core)
-                drafted.update(convert.request_ids(batch))
+                drafted.update(batch.request_ids)
                 reply, record = await self._draft_batch(core, batch, owner, context)
                 yield reply
                 if record is not None:  # spans and metrics once the reply is on its way
@@ -77,14 +78,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is loading its models")
         return self.core
 
-    async def _draft_batch(self, core: DrafterCore, batch: drafter_pb2.DraftBatch, owner,
+    async def _draft_batch(self, core: DrafterCore, batch: convert.Batch, owner,
                            context: grpc.aio.ServicerContext):
         """(the reply, what records its spans and metrics or None)."""
         try:
-            return await asyncio.to_thread(self.runner.run, core, batch, owner)
-        except SpecServeError as e:
-            return convert.error_batch_to_pb(batch, error_text(e)), None
+            return await asyncio.to_thread(self.runner.reply, core, batch, owner)
         except Exception as e:
             log.exception("draft step %d failed for requests %s", batch.step_id,
-                          convert.request_ids(batch))
+                          list(batch.request_ids))
             await context.abort(status_for(e), f"draft step {batch.step_id} failed: {e}")

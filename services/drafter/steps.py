@@ -1,5 +1,8 @@
 """One DraftBatch → one TreeBatch on the drafter: decode, draft, encode, spans and metrics.
 
+Reads no protobuf itself: the batch comes read (`convert.Batch`), the reply goes out through
+convert.
+
 Owns what the gRPC stream (servicer.py) and the same-host lane (attach.py) both do with a
 batch, so the two transports cannot drift: entries are decoded (context rows from the message,
 or read in place from an attached ring; an entry that fails to decode fails alone), the core
@@ -21,7 +24,7 @@ from services.common import telemetry
 from services.common.errors import status_for
 from services.drafter import convert
 from services.drafter.core import DFLASH, DrafterCore, DraftTimes, Entry, Result
-from specserve.errors import InvalidRequest
+from specserve.errors import InvalidRequest, SpecServeError
 from specserve.v1 import drafter_pb2
 
 log = logging.getLogger(__name__)
@@ -41,55 +44,62 @@ class BatchRunner:
         self.rings: dict[int, torch.Tensor] = {}
         self._tracer = telemetry.tracer("specserve.drafter")
 
-    def run(self, core: DrafterCore, batch: drafter_pb2.DraftBatch, owner: object = None
-            ) -> tuple[drafter_pb2.TreeBatch, Callable[[], None]]:
-        """Decode the entries, draft, encode the trees (an entry that fails to decode, for
-        whatever reason, fails alone). Returns the reply and what records its spans and metrics:
-        call it once the reply is sent, so the verifier does not wait for them. `owner`: the
-        connection the batch came on."""
+    def reply(self, core: DrafterCore, batch: convert.Batch, owner: object = None
+              ) -> tuple[drafter_pb2.TreeBatch, Callable[[], None] | None]:
+        """The batch's TreeBatch (every entry failed with the error when the core refuses the
+        whole batch) and what records its spans and metrics (None then): call it once the
+        reply is sent, so the verifier does not wait for them. `owner`: the connection the
+        batch came on."""
+        try:
+            results, times, record = self.run(core, batch, owner)
+        except SpecServeError as e:
+            return convert.error_batch_to_pb(batch, error_text(e)), None
+        return convert.tree_batch_to_pb(batch, results, times), record
+
+    def run(self, core: DrafterCore, batch: convert.Batch, owner: object = None
+            ) -> tuple[list[Result], DraftTimes, Callable[[], None]]:
+        """Decode the entries, draft (an entry that fails to decode, for whatever reason, fails
+        alone): the results, their times and what records the spans and metrics. Raises what
+        the core raises for the whole batch (SpecServeError)."""
         t0 = time.perf_counter()
-        device, dtype = core.context_device, core.context_dtype
-        entries: list[Entry | str] = []
-        in_ring = False
-        for msg in batch.entries:
-            entries.append(self._decode(msg, device, dtype))
-            in_ring = in_ring or msg.HasField("context_ref")
+        device = core.context_device
+        entries = [self._decoded(rid, e) for rid, e in zip(
+            batch.request_ids, batch.entries(device, core.context_dtype, self.rings),
+            strict=True)]
         results, times = core.draft_timed(entries, owner)
-        if in_ring and device.type == "cuda":  # every ring read done before the reply
+        if batch.in_ring and device.type == "cuda":  # every ring read done before the reply
             torch.cuda.current_stream(device).synchronize()
-        reply = convert.tree_batch_to_pb(batch, results, times)
         batch_s = time.perf_counter() - t0
-        return reply, lambda: self._record(core, batch, results, times, batch_s)
+        return results, times, lambda: self._record(core, batch, results, times, batch_s)
 
     def observe_cache(self, core: DrafterCore) -> None:
         """The context cache's page gauges (after a batch or a release)."""
         if self.metrics is not None:
             self.metrics.set_cache_pages(core.cache_pages())
 
-    def _decode(self, msg: drafter_pb2.DraftEntry, device: torch.device,
-                dtype: torch.dtype) -> Entry | str:
+    @staticmethod
+    def _decoded(request_id: str, entry: Entry | Exception) -> Entry | str:
         """The entry, or why it fails alone: an InvalidRequest's message, or for anything else
         (say the device out of memory) a generic error, the details only in the log."""
-        try:
-            return convert.entry_from_pb(msg, device, dtype, self.rings)
-        except InvalidRequest as e:
-            return error_text(e)
-        except Exception:
-            log.exception("decoding the entry of request %r failed", msg.request_id)
-            return f"INTERNAL: the entry of request {msg.request_id!r} could not be decoded"
+        if isinstance(entry, InvalidRequest):
+            return error_text(entry)
+        if isinstance(entry, Exception):
+            log.error("decoding the entry of request %r failed", request_id, exc_info=entry)
+            return f"INTERNAL: the entry of request {request_id!r} could not be decoded"
+        return entry
 
     def _record(self, core: DrafterCore, batch, results: Sequence[Result], times: DraftTimes,
                 batch_s: float) -> None:
         self.observe_cache(core)
         self._spans(batch, results, times)
-        if self.metrics is not None and convert.is_feed(batch):
-            self.metrics.feeds.inc(len(batch.entries))
+        if self.metrics is not None and batch.feed:
+            self.metrics.feeds.inc(len(batch.request_ids))
         elif self.metrics is not None:
             self._metrics(results, times, batch_s)
 
-    def _spans(self, batch: drafter_pb2.DraftBatch, results: Sequence[Result],
+    def _spans(self, batch: convert.Batch, results: Sequence[Result],
                times: DraftTimes) -> None:
-        contexts = convert.trace_contexts(batch)
+        contexts = batch.trace_contexts()
         if not any(contexts):
             return
         for g in times.groups:
@@ -99,8 +109,8 @@ class BatchRunner:
                 if not contexts[i]:
                     continue
                 parent = telemetry.extract_map(contexts[i])
-                attrs = {"request.id": batch.entries[i].request_id, "drafter": g.kind,
-                         "batch.entries": len(batch.entries), "batch.step_id": batch.step_id}
+                attrs = {"request.id": batch.request_ids[i], "drafter": g.kind,
+                         "batch.entries": len(batch.request_ids), "batch.step_id": batch.step_id}
                 if g.kind == DFLASH:
                     self._span("draft.forward", parent, attrs, g.start_ns, forward_end)
                     self._span("ddtree.build", parent, attrs, forward_end, tree_end,

@@ -199,6 +199,54 @@ async def test_bad_entries_fail_alone_and_the_stream_goes_on(svc):
     await _close(call)
 
 
+@aio
+async def test_the_lane_answers_as_the_stream_and_releases_on_close(svc):
+    """The same batch on the same-host lane (found by Attach) and on the stream: the same
+    trees, a bad entry failing alone; a RELEASE frame and the lane's close free the cache."""
+    from services.common import lane
+
+    attach = await svc.stub.Attach(drafter_pb2.AttachRequest(), timeout=RPC_S)
+    assert attach.lane_path and attach.lane_token and not attach.ring_attached
+    rows = torch.randn(5, WIDTH)
+
+    def batch(step_id, prefix):
+        bad = _entry(f"{prefix}-bad", 4, 3)
+        bad.context.CopyFrom(common_pb2.Tensor(data=b"\0" * 12, dtype="float32", shape=[3, 2]))
+        return drafter_pb2.DraftBatch(step_id=step_id, entries=[
+            _entry(f"{prefix}-ok", 4, 5, rows), bad,
+            _entry(f"{prefix}-ng", 3, 8, budget=4, kind=NGRAM, history=[1, 2, 3, 4, 5, 1, 2, 3])])
+
+    call = svc.stub.Draft(timeout=RPC_S)
+    await call.write(batch(4, "s"))
+    streamed = await call.read()
+
+    def on_the_lane():
+        client = lane.LaneClient(attach.lane_path, attach.lane_token, 5.0)
+        try:
+            client.send(lane.BATCH, batch(4, "l").SerializeToString())
+            kind, payload = client.recv(RPC_S)
+            held = svc.core.dflash.cache.length("l-ok")
+            client.send(lane.RELEASE, drafter_pb2.ReleaseRequest(
+                request_ids=["l-ng"]).SerializeToString())
+            return kind, drafter_pb2.TreeBatch.FromString(payload), held
+        finally:
+            client.close()
+
+    kind, laned, held = await asyncio.to_thread(on_the_lane)
+    assert kind == lane.TREES and laned.step_id == streamed.step_id == 4
+    assert [t.request_id for t in laned.trees] == ["l-ok", "l-bad", "l-ng"]
+    for a, b in zip(laned.trees, streamed.trees, strict=True):
+        assert (_tree(a), a.error.replace("l-", "s-")) == (_tree(b), b.error)
+    assert laned.trees[1].error.startswith("INVALID_ARGUMENT:") and held == 5
+    await _close(call)
+    for _ in range(100):  # the lane's thread releases what it drafted once it sees the close
+        if svc.core.dflash.cache.length("l-ok") == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert svc.core.dflash.cache.length("l-ok") == 0 and svc.core.history("l-ng") == []
+    assert _pages_free(svc.core) == [PAGES, PAGES]
+
+
 def test_core_isolates_a_failing_drafter_and_an_unloaded_one(checkpoints):
     small = DrafterCore(dflash=_dflash(checkpoints, num_pages=2))  # 32 slots: 40 rows can't fit
     big = DraftRequest("big", 3, 40, 4, 15, context=torch.randn(40, WIDTH))
