@@ -64,7 +64,7 @@ class ModelRunner:
                                  "give model_dir, not a model")
             plan_for(load_config(config.model_dir), config.tensor_parallel)  # ValueError here
             self.tp = start_workers(config.tensor_parallel, config.device)
-            self._tp_id = workers.register(config)  # the workers build their shards meanwhile
+            self._tp_id = workers.register(type(self), config)  # workers build shards meanwhile
             weakref.finalize(self, workers.release, self._tp_id)
         self.model = model or load_model(config.model_dir, self.dtype, config.device)
         if self.tp is not None:

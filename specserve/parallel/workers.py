@@ -5,7 +5,7 @@ builds and runs the same forwards.
 Per message rank 0 broadcasts one pickled tuple over the control group (gloo), then every rank
 does the same local work and meets in the forward's collectives:
 
-    ("build", id, EngineConfig)                 build runner `id`'s shard (`ModelRunner`)
+    ("build", id, cls, EngineConfig)            build runner `id`'s shard: `cls(config, tp=...)`
     ("forward", id, inputs, logit_rows, taps)   `ModelRunner.forward`'s host inputs
     ("copy", id, src, dst)                      `KVPool.copy_slots` (KV compaction)
     ("stop",)                                   leave the loop and the group
@@ -109,11 +109,12 @@ def leader() -> _Leader:
     return _leader
 
 
-def register(config) -> int:
-    """Rank 0: a new runner's id; the workers start building their shards of it now."""
+def register(cls, config) -> int:
+    """Rank 0: a new runner's id; the workers start building their shards of it now, as
+    `cls(config, tp=group)` (`cls` is the runner's class: this package never imports it)."""
     lead = leader()
     rid = next(lead.ids)
-    lead.send("build", rid, config)
+    lead.send("build", rid, cls, config)
     return rid
 
 
@@ -138,11 +139,9 @@ def _mirror(runner, msg) -> None:
 
 def _worker_main(rank: int, world: int, init: str, device: str, timeout_s: float,
                  threads: int) -> None:
-    from specserve.engine.runner import ModelRunner
-
     torch.set_num_threads(threads)
     tp = init_group(rank, world, init, device, timeout_s)
-    runners: dict[int, ModelRunner] = {}
+    runners: dict = {}  # id -> its ModelRunner shard
     try:
         while True:
             dropped, msg = tp.broadcast()
@@ -152,9 +151,8 @@ def _worker_main(rank: int, world: int, init: str, device: str, timeout_s: float
             if op == "stop":
                 break
             if op == "build":
-                _, rid, config = msg
-                runners[rid] = ModelRunner(config.with_(device=rank_device(device, rank)),
-                                           tp=tp)
+                _, rid, cls, config = msg
+                runners[rid] = cls(config.with_(device=rank_device(device, rank)), tp=tp)
             elif op in ("forward", "copy"):
                 _mirror(runners[msg[1]], msg)
             else:
