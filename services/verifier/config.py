@@ -128,6 +128,11 @@ class VerifierConfig:
         "costs and the drafter's probabilities — DDTree of a rows bucket, the chain, or no "
         "drafting when plain decoding is faster; a request's budget is its bound | off: every "
         "step drafts the budget asked", default="off")
+    tensor_parallel: int = flag_field(
+        "--tensor-parallel", "SPECSERVE_TENSOR_PARALLEL",
+        "shard the target over N ranks (this process drives N-1 workers it spawns; gloo on "
+        "cpu, NCCL on cuda: rank r on cuda:k+r); --kv-memory-gb is per rank", default=1,
+        type=int)
     port_file: str | None = port_file_field()
 
     def __post_init__(self) -> None:
@@ -146,7 +151,8 @@ class VerifierConfig:
         if not 0 <= self.default_budget <= self.max_draft_tokens <= MAX_BUDGET:
             raise ValueError(f"need 0 <= default_budget <= max_draft_tokens <= {MAX_BUDGET}, "
                              f"got {self.default_budget}, {self.max_draft_tokens}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
+                     "tensor_parallel"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.drafter_timeout_s <= 0 or self.grace_s < 0:
@@ -180,7 +186,7 @@ class VerifierConfig:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_draft_tokens=self.max_draft_tokens, cuda_graphs=self.cuda_graphs,
             overlap=self.overlap == "on", adaptive=self.adaptive == "on",
-            max_waiting=self.max_waiting)
+            max_waiting=self.max_waiting, tensor_parallel=self.tensor_parallel)
 
     def target_layer_ids(self) -> tuple[int, ...]:
         """Target layers whose outputs feed the drafter ((): no context, n-gram only)."""
