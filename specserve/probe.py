@@ -59,6 +59,7 @@ class ProbeRow:
     verdict: str = ""
     trace_id: str | None = None  # the request's trace (when the services export spans)
     device: str = ""  # where the verifier ran the target
+    verifier: str = ""  # the verifier replica that served it (its address)
 
     @property
     def ttft_other_s(self) -> float:
@@ -144,13 +145,18 @@ def prompt_ids(tokenizer, text: str, n: int) -> list[int]:
 
 
 def table(rows: list[ProbeRow]) -> str:
+    """The markdown table; a `verifier` column when the rows were served by several replicas."""
+    several = len({r.verifier for r in rows}) > 1
     head = ("| text | context | commit len | depth | drafts | followed | lossless | fails at "
             "| prefill s | TTFT other s | 1st step ms | steady step ms | fallbacks | verdict |"
-            "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            + (" verifier |" if several else "")
+            + "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+            + ("---|" if several else ""))
     lines = [f"| {r.text} | {r.context:,} | {r.commit_len:.2f} | {r.depth:.2f} | "
              f"{r.drafts:.2f} | {_opt(r.followed)} | {_yes(r.lossless)} | "
              f"{r.fail_position or '-'} | {r.prefill_s:.2f} | {r.ttft_other_s:.2f} | "
              f"{r.first_step_ms:.1f} | {r.steady_step_ms:.1f} | {r.fallbacks} | {r.verdict} |"
+             + (f" {r.verifier} |" if several else "")
              for r in rows]
     return "\n".join([head, *lines])
 

@@ -22,6 +22,7 @@ from services.common.settings import (
     port_field,
     port_file_field,
 )
+from services.gateway.replicas import parse_addresses
 
 MIN_MESSAGE_BYTES = 1024
 
@@ -40,7 +41,8 @@ class GatewayConfig:
         "--model", "SPECSERVE_MODEL", "target model directory (its tokenizer.json)",
         cli_default=None)
     verifier: str = flag_field("--verifier", "SPECSERVE_VERIFIER_ADDR",
-                               "verifier address HOST:PORT",
+                               "verifier address HOST:PORT, or several comma-separated "
+                               "(replicas: each request goes to the least-loaded healthy one)",
                                default=f"{DEFAULT_HOST}:{VERIFIER_PORT}")
     host: str = host_field()
     port: int = port_field("SPECSERVE_GATEWAY_PORT", GATEWAY_PORT)
@@ -78,12 +80,15 @@ class GatewayConfig:
         "--served-model-name", "SPECSERVE_SERVED_MODEL_NAME",
         "model id of the HTTP API (default: the model directory's name)", default=None)
 
+    @property
+    def verifiers(self) -> tuple[str, ...]:
+        return parse_addresses(self.verifier)
+
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must name a directory with tokenizer.json "
                              "(--model or SPECSERVE_MODEL)")
-        if not self.verifier or ":" not in self.verifier:
-            raise ValueError(f"verifier must be HOST:PORT, got {self.verifier!r}")
+        parse_addresses(self.verifier)  # ValueError: not HOST:PORT[,HOST:PORT...]
         for name in ("port", "http_port", "metrics_port"):
             check_port(name, getattr(self, name))
         if self.served_model_name is not None and not self.served_model_name.strip():

@@ -137,7 +137,7 @@ def final_to_pb(f: GatewayFinal) -> gateway_pb2.GenerateResponse:
         usage=common_pb2.Usage(prompt_tokens=f.prompt_tokens,
                                completion_tokens=f.completion_tokens),
         stats=spec_stats_to_pb(f.stats, f.other_s), request_id=f.request_id,
-        ttft_s=f.ttft_s, wall_s=f.wall_s))
+        ttft_s=f.ttft_s, wall_s=f.wall_s, verifier=f.verifier))
 
 
 def spec_stats_from_pb(msg: common_pb2.SpecStats) -> tuple[RequestSpecStats, float]:
@@ -179,7 +179,7 @@ def response_from_pb(msg: gateway_pb2.GenerateResponse) -> tuple[str, Step] | Ga
     stats, other_s = spec_stats_from_pb(f.stats)
     return GatewayFinal(finish_from_pb(f.finish_reason), f.usage.prompt_tokens,
                         f.usage.completion_tokens, stats, other_s, f.request_id, f.ttft_s,
-                        f.wall_s)
+                        f.wall_s, f.verifier)
 
 
 def trace_id_from_metadata(metadata) -> str | None:

@@ -4,7 +4,9 @@ the metrics.
 
 The gateway owns what needs text: tokenizing the prompt, incremental detokenization and stop
 strings (a completed stop string cancels the verifier stream, which frees the request there; a
-stop list over `StopLimits` is refused before the verifier is called). Verifier errors keep
+stop list over `StopLimits` is refused before the verifier is called). Each request goes to
+the least-loaded healthy verifier replica (services/gateway/replicas.py; its address is the
+span's `verifier` attribute and the final's `verifier`). Verifier errors keep
 their status code and message, but UNAVAILABLE's (it can name the verifier's address) goes to
 the log and the client reads "verifier unavailable". Cancelling the consumer (a gRPC client's
 cancel, an HTTP client's disconnect) cancels the verifier call. A call whose deadline passed is
@@ -33,11 +35,11 @@ from services.common.convert import MAX_STOP_BYTES, MAX_STOP_STRINGS, check_stop
 from services.common.errors import status_for
 from services.gateway import convert
 from services.gateway.convert import GatewayFinal, GatewayRequest, Step, VerifierFinal
+from services.gateway.replicas import Replica, Replicas
 from specserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from specserve.errors import InvalidRequest, SpecServeError
 from specserve.spec.metrics import RequestSpecStats
 from specserve.types import FinishReason
-from specserve.v1 import verifier_pb2_grpc
 
 log = logging.getLogger("specserve.gateway")
 _TOKENIZE_OFF_LOOP_CHARS = 16_384  # longer prompts are tokenized in a worker thread
@@ -80,6 +82,7 @@ class _RequestState:
         self.t0 = time.perf_counter()
         self.ttft_s = 0.0
         self.final_: GatewayFinal | None = None  # what the client was sent last
+        self.verifier = ""  # the replica serving it
 
     def push(self, step: Step) -> tuple[str, bool]:
         """Text for a step's tokens (cut at a stop string) and whether a stop string completed."""
@@ -107,22 +110,21 @@ class _RequestState:
             if v is None else (v.stats, v.prompt_tokens, v.completion_tokens)
         phases = stats.prefill_s + stats.draft_s + stats.verify_s + stats.commit_s
         self.final_ = GatewayFinal(reason, prompt, completion, stats, max(0.0, wall - phases),
-                                   self.req.request_id, self.ttft_s, wall)
+                                   self.req.request_id, self.ttft_s, wall, self.verifier)
         return self.final_
 
 
 class Pipeline:
     """What the gateway's fronts share: the tokenizer, the verifier, defaults, limits, metrics."""
 
-    def __init__(self, tokenizer: Tokenizer, verifier: grpc.aio.Channel,
-                 default_timeout_s: float, metrics=None, *, verifier_address: str = "",
+    def __init__(self, tokenizer: Tokenizer, replicas: Replicas,
+                 default_timeout_s: float, metrics=None, *,
                  stop_limits: StopLimits | None = None,
                  peer_metadata: tuple[tuple[str, str], ...] = (), defaults=None) -> None:
         self.tokenizer = tokenizer
         self.defaults = defaults  # the model's GenerationDefaults (None: greedy)
         self._peer_metadata = peer_metadata  # the token the verifier wants, if any
-        self._verifier = verifier_pb2_grpc.VerifierStub(verifier)
-        self._verifier_address = verifier_address  # for the log only
+        self.replicas = replicas  # the verifiers; each request goes to the least loaded
         self.default_timeout_s = default_timeout_s
         self._stop_limits = stop_limits or StopLimits()
         self.metrics = metrics  # GatewayMetrics | None
@@ -138,21 +140,19 @@ class Pipeline:
         """The request `parse()` returns, generated: text chunks, then one GatewayFinal.
         Raises GenerationFailed; `timeout_s` None: the default deadline. `on_done` (gRPC's
         `context.add_done_callback`) also cancels the verifier call when the caller's call ends."""
-        t0, code, state = time.perf_counter(), grpc.StatusCode.CANCELLED, None
+        t0, code, state, replica = time.perf_counter(), grpc.StatusCode.CANCELLED, None, None
         deadline = time.monotonic() + (timeout_s or self.default_timeout_s)
         try:
             try:
                 req = parse()
                 prompt_ids = await self._admit(req, span)
+                replica = self._pick(span)
             except SpecServeError as e:
                 code = status_for(e)
                 raise GenerationFailed(code, str(e)) from None
             state = _RequestState(self.tokenizer, prompt_ids, req)
-            call = self._verifier.Generate(
-                convert.verify_request_to_pb(req, prompt_ids),
-                timeout=max(deadline - time.monotonic(), 0.001),
-                metadata=(*telemetry.inject_metadata(trace.set_span_in_context(span)),
-                          *self._peer_metadata))
+            state.verifier = replica.address
+            call = self._call(replica, req, prompt_ids, deadline, span)
             if on_done is not None:
                 on_done(lambda _ctx: call.cancel())
             try:
@@ -160,7 +160,7 @@ class Pipeline:
                     yield event
             except grpc.aio.AioRpcError as e:
                 code = e.code()
-                raise GenerationFailed(code, self._verifier_error(req, e)) from None
+                raise GenerationFailed(code, self._verifier_error(req, replica, e)) from None
             except SpecServeError as e:
                 code = status_for(e)
                 raise GenerationFailed(code, str(e)) from None
@@ -168,6 +168,8 @@ class Pipeline:
                 call.cancel()
             code = grpc.StatusCode.OK
         finally:
+            if replica is not None:
+                self.replicas.release(replica)
             if code is grpc.StatusCode.CANCELLED and time.monotonic() >= deadline:
                 code = grpc.StatusCode.DEADLINE_EXCEEDED
             self._finish(span, code, state, time.perf_counter() - t0, api)
@@ -201,11 +203,29 @@ class Pipeline:
                 return
         raise SpecServeError("the verifier stream ended without a final event")
 
-    def _verifier_error(self, req: GatewayRequest, e: grpc.aio.AioRpcError) -> str:
-        """The client's message for a failed verifier call; the log keeps the details."""
+    def _pick(self, span) -> Replica:
+        """The request's verifier replica."""
+        replica = self.replicas.pick()
+        span.set_attribute("verifier", replica.address)
+        return replica
+
+    def _call(self, replica: Replica, req: GatewayRequest, prompt_ids: list[int],
+              deadline: float, span):
+        """The verifier's Generate stream for the request, with the trace and peer metadata."""
+        return replica.stub.Generate(
+            convert.verify_request_to_pb(req, prompt_ids),
+            timeout=max(deadline - time.monotonic(), 0.001),
+            metadata=(*telemetry.inject_metadata(trace.set_span_in_context(span)),
+                      *self._peer_metadata))
+
+    def _verifier_error(self, req: GatewayRequest, replica: Replica,
+                        e: grpc.aio.AioRpcError) -> str:
+        """The client's message for a failed verifier call; the log keeps the details. An
+        UNAVAILABLE replica takes no new requests until its health check passes again."""
         if e.code() is grpc.StatusCode.UNAVAILABLE:
             log.warning("request %s: verifier at %s unavailable: %s", req.request_id,
-                        self._verifier_address, e.details())
+                        replica.address, e.details())
+            self.replicas.mark_down(replica, f"UNAVAILABLE: {e.details()}")
             return "verifier unavailable"
         log.info("request %s: verifier %s: %s", req.request_id, e.code().name, e.details())
         return e.details() or e.code().name

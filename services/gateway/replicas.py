@@ -8,7 +8,9 @@ requests this gateway has open on it or its queue, whichever is more (the queue 
 gateways' requests; the open count is current between polls), then the KV fill, then the one
 picked longest ago. A replica whose call fails UNAVAILABLE is marked down at once (`mark_down`):
 that request fails with UNAVAILABLE, new ones go elsewhere until its health check passes again.
-The gateway is SERVING while at least one replica is.
+While no replica is healthy (before the first check, or all down) a request still goes to the
+least loaded, whose call then fails fast with UNAVAILABLE if it is really down. The gateway is
+SERVING while at least one replica is.
 """
 
 from __future__ import annotations
@@ -22,16 +24,11 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specserve.errors import SpecServeError
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
 VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 SERVING = health_pb2.HealthCheckResponse.ServingStatus.Value("SERVING")
-
-
-class NoReplica(SpecServeError):
-    """No verifier replica is serving (the request fails UNAVAILABLE)."""
 
 
 @dataclass(eq=False)
@@ -77,10 +74,9 @@ class Replicas:
         return any(r.healthy for r in self.replicas)
 
     def pick(self) -> Replica:
-        """The least-loaded healthy replica; counts the request as open on it (`release`)."""
-        healthy = [r for r in self.replicas if r.healthy]
-        if not healthy:
-            raise NoReplica("no verifier is serving")
+        """The least-loaded healthy replica (none healthy: the least loaded); counts the
+        request as open on it (`release`)."""
+        healthy = [r for r in self.replicas if r.healthy] or self.replicas
         best = min(healthy, key=Replica.load)
         best.open += 1
         best.last_pick = next(self._picks)
@@ -102,19 +98,29 @@ class Replicas:
             reply = await health_pb2_grpc.HealthStub(replica.channel).Check(
                 health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE), timeout=timeout_s)
             replica.healthy = reply.status == SERVING
-            if replica.healthy:
-                s = await replica.stub.Stats(verifier_pb2.StatsRequest(), timeout=timeout_s)
-                replica.queue = s.active_requests + s.waiting_requests
-                replica.kv_fill = s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0
         except grpc.aio.AioRpcError as e:
             replica.healthy = False
             why = f"{e.code().name}: {e.details()}"
         else:
             why = "SERVING" if replica.healthy else "not serving"
+        if replica.healthy:
+            await self._load(replica, timeout_s)
         if replica.healthy != was:
             log.log(logging.INFO if replica.healthy else logging.WARNING, "verifier at %s: %s",
                     replica.address, why)
         return replica.healthy != was
+
+    @staticmethod
+    async def _load(replica: Replica, timeout_s: float) -> None:
+        """Its queue and KV fill from Stats (kept as they were when Stats fails: health alone
+        decides whether it takes requests)."""
+        try:
+            s = await replica.stub.Stats(verifier_pb2.StatsRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            log.debug("verifier at %s: Stats failed: %s", replica.address, e.code().name)
+            return
+        replica.queue = s.active_requests + s.waiting_requests
+        replica.kv_fill = s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0
 
     async def follow(self, period_s: float, timeout_s: float,
                      on_change: Callable[[bool], object] | None = None) -> None:

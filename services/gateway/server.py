@@ -1,14 +1,14 @@
-"""Gateway process: tokenizer, one long-lived verifier channel, server lifecycle.
+"""Gateway process: tokenizer, a long-lived channel per verifier replica, server lifecycle.
 
 `start` loads the target's tokenizer (and its chat template), starts the OpenAI HTTP listener
 on `http_port` (None: none) and the gRPC server (health + reflection), both over one pipeline,
 writes the HTTP API's bound port to `http_port_file`; `serve` runs it through the services'
 common lifecycle (services/common/bootstrap.run_service: the port file, SIGINT/SIGTERM or `stop`),
 and `GatewayServer.stop` turns health to NOT_SERVING and drains in-flight generations for
-`grace_s` before cancelling. While it runs, `follow_verifier` checks the verifier's health every
-`health_period_s`: the gateway's named service (and HTTP /health) is SERVING while the
-verifier's is, NOT_SERVING while it is unreachable or not serving. Prometheus metrics are served
-on `metrics_port` (0: none); buffered spans are flushed at exit.
+`grace_s` before cancelling. While it runs, `Replicas.follow` (services/gateway/replicas.py)
+checks every verifier's health and Stats each `health_period_s`: the gateway's named service
+(and HTTP /health) is SERVING while at least one verifier is, NOT_SERVING while none is.
+Prometheus metrics are served on `metrics_port` (0: none); buffered spans are flushed at exit.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from services.common import telemetry
 from services.common.bootstrap import run_service, write_port_file
@@ -31,14 +31,14 @@ from services.gateway.config import GatewayConfig
 from services.gateway.http_server import HttpListener
 from services.gateway.openai_http import OpenAIFront
 from services.gateway.pipeline import Pipeline, StopLimits
+from services.gateway.replicas import Replicas
 from services.gateway.servicer import GatewayServicer
 from specserve.engine.chat_template import ChatTemplate
 from specserve.engine.tokenizer import Tokenizer
 from specserve.models.config import load_generation_defaults
-from specserve.v1 import gateway_pb2_grpc, verifier_pb2
+from specserve.v1 import gateway_pb2_grpc
 
 SERVICE_NAME = "specserve.v1.Gateway"
-VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 CHECK_TIMEOUT_S = 1.0  # one verifier health check (at least the period)
 # a restarted verifier is found within a second (grpc's default reconnect backoff reaches 120 s);
 # meanwhile requests fail fast with UNAVAILABLE rather than wait
@@ -48,30 +48,12 @@ VERIFIER_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_m
 log = logging.getLogger("specserve.gateway")
 
 
-async def follow_verifier(verifier: grpc.aio.Channel, health, period_s: float,
-                          address: str, on_change=None) -> None:
-    """Set the gateway's health from the verifier's, checked every `period_s` (until cancelled):
-    SERVING while it reports SERVING, NOT_SERVING while it is unreachable or not serving;
-    `on_change(serving)` hears each change."""
-    stub = health_pb2_grpc.HealthStub(verifier)
-    request = health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE)
+async def _set_health(health, serving: bool, state: dict) -> None:
+    state["now"] = serving
     status = health_pb2.HealthCheckResponse.ServingStatus
-    serving = None
-    while True:
-        try:
-            reply = await stub.Check(request, timeout=max(period_s, CHECK_TIMEOUT_S))
-            now, why = reply.status == status.Value("SERVING"), status.Name(reply.status)
-        except grpc.aio.AioRpcError as e:
-            now, why = False, f"{e.code().name}: {e.details()}"
-        if now != serving:
-            serving = now
-            mine = "SERVING" if now else "NOT_SERVING"
-            await health.set(SERVICE_NAME, status.Value(mine))
-            if on_change is not None:
-                on_change(now)
-            log.log(logging.INFO if now else logging.WARNING, "verifier at %s: %s; gateway %s",
-                    address, why, mine)
-        await asyncio.sleep(period_s)
+    await health.set(SERVICE_NAME, status.Value("SERVING" if serving else "NOT_SERVING"))
+    log.log(logging.INFO if serving else logging.WARNING, "gateway %s",
+            "SERVING" if serving else "NOT_SERVING: no verifier is serving")
 
 
 async def _cancel(task: asyncio.Task) -> None:
@@ -80,10 +62,9 @@ async def _cancel(task: asyncio.Task) -> None:
         await task
 
 
-def _pipeline(config: GatewayConfig, verifier, metrics) -> Pipeline:
+def _pipeline(config: GatewayConfig, replicas: Replicas, metrics) -> Pipeline:
     return Pipeline(
-        Tokenizer.from_dir(config.model), verifier, config.request_timeout_s, metrics,
-        verifier_address=config.verifier,
+        Tokenizer.from_dir(config.model), replicas, config.request_timeout_s, metrics,
         stop_limits=StopLimits(config.max_stop_strings, config.max_stop_bytes),
         peer_metadata=config.security.peer_metadata(),
         defaults=load_generation_defaults(config.model))
@@ -113,7 +94,7 @@ class GatewayServer:
     port: int = 0
     server: grpc.aio.Server | None = None
     health: object = None
-    verifier: grpc.aio.Channel | None = None
+    replicas: Replicas | None = None
     http: HttpListener | None = None
     watcher: asyncio.Task | None = None
     metrics_server: object = None
@@ -128,19 +109,19 @@ class GatewayServer:
             await self.health.enter_graceful_shutdown()
             await asyncio.gather(self.server.stop(grace),
                                  self.http.stop() if self.http is not None else asyncio.sleep(0))
-        if self.verifier is not None:
-            await self.verifier.close()
+        if self.replicas is not None:
+            await self.replicas.close()
         telemetry.stop_metrics_server(self.metrics_server)
 
 
 async def start(config: GatewayConfig) -> GatewayServer:
     """Start the gRPC server, the HTTP API, metrics and the verifier watch (stopped again if
     one of them fails)."""
-    gw = GatewayServer(verifier=channel(config.verifier, config.security,
-                                        VERIFIER_CHANNEL_OPTIONS))
+    gw = GatewayServer(replicas=Replicas({
+        a: channel(a, config.security, VERIFIER_CHANNEL_OPTIONS) for a in config.verifiers}))
     try:
         metrics = GatewayMetrics()
-        pipeline = _pipeline(config, gw.verifier, metrics)
+        pipeline = _pipeline(config, gw.replicas, metrics)
         gw.server, gw.port, gw.health = await start_server(
             [(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(pipeline))],
             [SERVICE_NAME], config.host, config.port, config.max_message_bytes,
@@ -148,13 +129,13 @@ async def start(config: GatewayConfig) -> GatewayServer:
         gw.http = await _start_http(config, pipeline, lambda: gw.serving["now"])
         gw.metrics_server = telemetry.start_metrics_server(metrics.registry, config.host,
                                                            config.metrics_port)
-        gw.watcher = asyncio.create_task(follow_verifier(
-            gw.verifier, gw.health, config.health_period_s, config.verifier,
-            lambda now: gw.serving.update(now=now)), name="gateway-health")
+        gw.watcher = asyncio.create_task(gw.replicas.follow(
+            config.health_period_s, max(config.health_period_s, CHECK_TIMEOUT_S),
+            lambda now: _set_health(gw.health, now, gw.serving)), name="gateway-health")
     except BaseException:
         await gw.stop(0)
         raise
-    log.info("verifier at %s, tokenizer from %s", config.verifier, config.model)
+    log.info("verifiers at %s, tokenizer from %s", ", ".join(config.verifiers), config.model)
     return gw
 
 

@@ -42,6 +42,7 @@ class Final:
     request_id: str
     ttft_s: float
     wall_s: float
+    verifier: str = ""  # the replica that served it ("": not known)
 
 
 def generate_request(prompt: str | list[int], params: SamplingParams, drafter: str | None = None,
@@ -79,7 +80,7 @@ def event(msg: gateway_pb2.GenerateResponse) -> Chunk | Final:
         shapes=Counter(s.shapes), prefill_s=s.phases.prefill_s, draft_s=s.phases.draft_s,
         verify_s=s.phases.verify_s, commit_s=s.phases.commit_s, device=s.device)
     return Final(FINISH.get(f.finish_reason), f.usage.prompt_tokens, f.usage.completion_tokens,
-                 stats, s.phases.other_s, f.request_id, f.ttft_s, f.wall_s)
+                 stats, s.phases.other_s, f.request_id, f.ttft_s, f.wall_s, f.verifier)
 
 
 def trace_id(metadata) -> str | None:

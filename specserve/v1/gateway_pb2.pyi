@@ -48,17 +48,19 @@ class Chunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., commit_len: _Optional[int] = ..., accepted_depth: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "usage", "stats", "request_id", "ttft_s", "wall_s")
+    __slots__ = ("finish_reason", "usage", "stats", "request_id", "ttft_s", "wall_s", "verifier")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     WALL_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     stats: _common_pb2.SpecStats
     request_id: str
     ttft_s: float
     wall_s: float
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., wall_s: _Optional[float] = ...) -> None: ...
+    verifier: str
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., verifier: _Optional[str] = ...) -> None: ...

@@ -7,7 +7,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.gateway.replicas import VERIFIER_SERVICE, NoReplica, Replicas, parse_addresses
+from services.gateway.replicas import VERIFIER_SERVICE, Replicas, parse_addresses
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
 
@@ -72,21 +72,26 @@ def test_the_least_loaded_healthy_replica_is_picked_and_open_calls_count():
     asyncio.run(main())
 
 
-def test_a_replica_that_goes_down_is_skipped_and_none_left_is_an_error():
+def test_a_replica_that_goes_down_is_skipped_until_its_health_check_passes():
     async def main():
         servers, reps = await _replicas(FakeVerifier(0, 0, 5), FakeVerifier(0, 0, 50))
         first, second = reps.replicas
-        assert reps.pick() is first  # equal queues: the lower KV fill
+
+        def pick():  # one request picked and done
+            replica = reps.pick()
+            reps.release(replica)
+            return replica
+        assert pick() is first  # equal queues: the lower KV fill
         reps.mark_down(first, "UNAVAILABLE")
-        assert reps.pick() is second
+        assert pick() is second
         await servers[1].stop(0)
         changed = await reps.poll(second, 0.5)
         assert changed and not second.healthy
         assert await reps.poll(first, 2.0) and first.healthy  # its health check passes again
-        assert reps.pick() is first
+        assert pick() is first
         reps.mark_down(first, "UNAVAILABLE")
-        with pytest.raises(NoReplica):
-            reps.pick()
+        assert not reps.any_healthy
+        assert pick() is first  # none healthy: the least loaded (its call fails fast)
         seen = []
         task = asyncio.create_task(reps.follow(0.05, 0.5, seen.append))
         await asyncio.sleep(0.3)
@@ -96,3 +101,22 @@ def test_a_replica_that_goes_down_is_skipped_and_none_left_is_an_error():
         await servers[0].stop(0)
 
     asyncio.run(main())
+
+
+def test_the_probe_table_names_the_replica_when_there_are_several():
+    from dataclasses import replace
+
+    from specserve import probe
+
+    row = probe.ProbeRow(text="code", context=1024, new_tokens=32, steps=9, commit_len=3.6,
+                         depth=2.6, drafts=15.0, wall_s=0.4, prefill_s=0.1, ttft_s=0.12,
+                         step_ms=31.0, first_step_ms=40.0, steady_step_ms=29.5, fallbacks=0,
+                         stream_commit_len=3.6, verifier="10.0.0.1:50052")
+    one = probe.table([row, replace(row, text="prose")])
+    assert "verifier" not in one and "10.0.0.1" not in one
+    two = probe.table([row, replace(row, verifier="10.0.0.2:50052")])
+    head, rule, *lines = two.splitlines()
+    assert head.endswith("| verifier |") and rule.count("---") == 15
+    assert [ln.rsplit("|", 2)[1].strip() for ln in lines] == ["10.0.0.1:50052",
+                                                               "10.0.0.2:50052"]
+    assert probe.rows_as_json([row])[0]["verifier"] == "10.0.0.1:50052"
