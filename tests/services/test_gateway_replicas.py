@@ -1,4 +1,5 @@
-"""One gateway in front of two (fake) verifier replicas: requests spread by load, the final
+"""One gateway in front of two verifier replicas (fakes, then real ones on a tiny target):
+requests spread by load, the final
 names the replica that served it, and a replica that goes down is drained — its in-flight
 request fails UNAVAILABLE, new ones go to the other, and it takes requests again once back."""
 
@@ -62,3 +63,36 @@ async def test_requests_spread_over_replicas_and_a_dead_one_is_drained(model_dir
     finally:
         for server, *_ in started.values():
             await server.stop(0)
+
+
+@pytest.mark.asyncio
+async def test_two_real_verifiers_behind_one_gateway_serve_the_engine_tokens(
+        model_dir, tmp_path, target, expected):
+    from services.verifier.server import VerifierConfig, serve
+    from tests.helpers import random_prompts
+
+    config = VerifierConfig(model=str(target), port=0, device="cpu", dtype="float32",
+                            kv_memory_gb=0.0015, grace_s=0.2)
+    (s1, p1), (s2, p2) = await serve(config), await serve(config)
+    addresses = {f"127.0.0.1:{p1}": s1, f"127.0.0.1:{p2}": s2}
+    prompts = random_prompts(6, 211, [5, 8, 11], seed=21)
+    try:
+        async with running_gateway(tmp_path, model=str(model_dir), health_period_s=0.1,
+                                   verifier=",".join(addresses)) as (addr, _):
+            await until_status(addr, SERVING, 10.0)
+            served = [_served(r) for r in await asyncio.gather(*(generate(addr, p)
+                                                                 for p in prompts))]
+            assert [tokens for _, tokens in served] == [expected(p, 9) for p in prompts]
+            assert {v for v, _ in served} == set(addresses)  # both took requests
+            gone, left = list(addresses)
+            await addresses[gone].stop(0)
+            after = []
+            for i, p in enumerate(prompts[:3]):
+                try:
+                    after.append(_served(await generate(addr, p)))
+                except grpc.aio.AioRpcError as e:  # only one that went there before it was seen
+                    assert i == 0 and e.code() == grpc.StatusCode.UNAVAILABLE, e
+            assert [tokens for _, tokens in after[-2:]] == [expected(p, 9) for p in prompts[1:3]]
+            assert {v for v, _ in after} == {left}  # drained: new requests go elsewhere
+    finally:
+        await asyncio.gather(*(s.stop(0) for s in addresses.values()))
