@@ -1,7 +1,6 @@
 """One gateway in front of two verifier replicas (fakes, then real ones on a tiny target):
-requests spread by load, the final
-names the replica that served it, and a replica that goes down is drained — its in-flight
-request fails UNAVAILABLE, new ones go to the other, and it takes requests again once back."""
+requests spread by load, the final names the replica that served it, and a replica that goes
+down is drained — its in-flight request fails UNAVAILABLE and new ones go to the other."""
 
 from __future__ import annotations
 
