@@ -11,7 +11,7 @@ DEV=${DEVICE:-cuda}; TMP=$(mktemp -d); CK=${CKPT:-$TMP/ckpt}; T="$CK/demo-target
 if [ -z "${CKPT:-}" ]; then
   steps=(); [ -n "${1:-}" ] && steps+=(--target-steps "$1"); [ -n "${2:-}" ] && steps+=(--drafter-steps "$2")
   echo "== train ${steps[*]:-recipe steps} $(date -u)"
-  python3 -m specserve.cli train-demo --recipe cpu --out "$CK" --device "$DEV" --seed 0 \
+  python3 -m services.cli train-demo --recipe cpu --out "$CK" --device "$DEV" --seed 0 \
     "${steps[@]}" 2>&1 | tee "$OUT/train.log" | grep -v "step .*[1-9]0/" || true
 fi
 ls -la "$T" "$D"
@@ -28,7 +28,7 @@ start verifier --model "$T" --draft-model "$D" --drafter "127.0.0.1:$(cat "$TMP/
   --max-num-batched-tokens 8192
 start gateway --model "$T" --verifier "127.0.0.1:$(cat "$TMP/verifier.port")"
 echo "== probe $(date -u)"
-python3 -m specserve.cli probe --gateway "127.0.0.1:$(cat "$TMP/gateway.port")" --model "$T" \
+python3 -m services.cli probe --gateway "127.0.0.1:$(cat "$TMP/gateway.port")" --model "$T" \
   --contexts "${CONTEXTS:-1k,16k,64k,128k}" --new-tokens 64 --drafter dflash --budget 16 \
   --json "$OUT/probe.json" --plot "$OUT/probe.png" 2>&1 | tee "$OUT/probe.log"
 kill %1 %2 %3 2>/dev/null || true

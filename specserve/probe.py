@@ -13,8 +13,7 @@ Each row also says whose fault a low commit_len is (`verdict`): whether the targ
 continued the predictable text (its continuation is known), whether the same request without
 speculation gives the same tokens (the losslessness spot check), how often the drafter could not
 serve, and where along the tree the drafts fail (`accepted_per_position`). The gateway calls are
-`probe_client.py`'s, the plot `probe_plot.py`'s; grpc is imported lazily (this module is part
-of the grpc-free core's namespace).
+`services/cli/probe_client.py`'s, the plot `probe_plot.py`'s; this module imports no grpc.
 """
 
 from __future__ import annotations

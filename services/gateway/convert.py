@@ -11,6 +11,8 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from services.cli.wire import TRACE_ID_KEY
+from services.cli.wire import Final as GatewayFinal  # what the client reads, as sent
 from services.common.convert import (
     DRAFTER_NAMES,
     finish_from_pb,
@@ -19,8 +21,6 @@ from services.common.convert import (
     sampling_to_pb,
     spec_stats_to_pb,
 )
-from specserve.cli.wire import TRACE_ID_KEY
-from specserve.cli.wire import Final as GatewayFinal  # what the client reads, as sent
 from specserve.errors import InvalidRequest
 from specserve.spec.metrics import RequestSpecStats
 from specserve.spec.tree import check_budget

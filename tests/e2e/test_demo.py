@@ -25,7 +25,7 @@ def test_up_and_probe_default_to_the_demo_pair(tmp_path):
     env = {k: val for k, val in ENV.items() if k not in ("SPECSERVE_MODEL",
                                                           "SPECSERVE_DRAFT_MODEL")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "specserve.cli", "up", "--device", "cpu", "--gateway-port",
+        [sys.executable, "-m", "services.cli", "up", "--device", "cpu", "--gateway-port",
          str(g), "--verifier-port", str(v), "--drafter-port", str(d)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     lines = []
@@ -37,7 +37,7 @@ def test_up_and_probe_default_to_the_demo_pair(tmp_path):
         assert lines and lines[-1].startswith("specserve up: ready"), "".join(lines)
         out = tmp_path / "probe.json"
         probe = subprocess.run(
-            [sys.executable, "-m", "specserve.cli", "probe", "--gateway", f"127.0.0.1:{g}",
+            [sys.executable, "-m", "services.cli", "probe", "--gateway", f"127.0.0.1:{g}",
              "--contexts", "1k", "--new-tokens", "48", "--budget", "16", "--json", str(out)],
             capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
         assert probe.returncode == 0, probe.stderr[-3000:]

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 def test_probe_table_json_and_plot(stack, checkpoints, tmp_path):  # noqa: F811
     out, png = tmp_path / "probe.json", tmp_path / "probe.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "specserve.cli", "probe", "--gateway", stack.addr("gateway"),
+        [sys.executable, "-m", "services.cli", "probe", "--gateway", stack.addr("gateway"),
          "--model", str(checkpoints[0]), "--contexts", "40,200", "--new-tokens", "24",
          "--drafter", "ngram", "--budget", "8", "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=240)

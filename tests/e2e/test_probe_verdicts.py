@@ -48,7 +48,7 @@ def stack(tmp_path_factory):
 def test_probe_says_the_target_stopped_following(stack, tmp_path):
     out = tmp_path / "probe.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "specserve.cli", "probe", "--gateway", stack.addr("gateway"),
+        [sys.executable, "-m", "services.cli", "probe", "--gateway", stack.addr("gateway"),
          "--model", str(stack.model), "--contexts", "100,1500", "--texts", "predictable",
          "--new-tokens", "32", "--drafter", "dflash", "--budget", "15", "--json", str(out),
          "--plot", str(tmp_path / "probe.png")],

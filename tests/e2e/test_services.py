@@ -337,7 +337,7 @@ def test_health_and_reflection_list_the_services(stack):
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specserve.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
                           text=True, env=ENV, cwd=ROOT, timeout=timeout)
 
 
@@ -464,7 +464,7 @@ def test_up_serves_then_stops_cleanly_on_sigterm(checkpoints, expected, prompts)
     tdir, ddir = map(str, checkpoints)
     g, v, d = _free_ports(3)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "specserve.cli", "up", "--model", tdir, "--draft-model", ddir,
+        [sys.executable, "-m", "services.cli", "up", "--model", tdir, "--draft-model", ddir,
          "--device", "cpu", "--gateway-port", str(g), "--verifier-port", str(v),
          "--drafter-port", str(d)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=ROOT)

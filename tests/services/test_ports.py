@@ -87,7 +87,7 @@ async def test_up_refuses_a_used_port_before_starting_anything(model_dir):
             free.append(s.getsockname()[1])
     try:
         out = await asyncio.to_thread(subprocess.run, [
-            sys.executable, "-m", "specserve.cli", "up", "--model", str(model_dir), "--device",
+            sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--device",
             "cpu", "--gateway-port", str(port), "--verifier-port", str(free[0]),
             "--drafter-port", str(free[1])], capture_output=True, text=True, env=ENV,
             cwd=ROOT, timeout=60)

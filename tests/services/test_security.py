@@ -165,7 +165,7 @@ async def test_gateway_tls_and_token_with_the_cli(target, pki, tmp_path):
         while not port_file.exists():
             await asyncio.sleep(0.02)
         address = f"127.0.0.1:{int(port_file.read_text())}"
-        cli = [sys.executable, "-m", "specserve.cli", "generate", "--gateway", address,
+        cli = [sys.executable, "-m", "services.cli", "generate", "--gateway", address,
                "--token-ids", ",".join(map(str, PROMPT)), "--max-tokens", "12",
                "--tls-ca", str(pki["ca"]), "--json"]
         ok, denied = [await asyncio.to_thread(subprocess.run, cmd, capture_output=True,

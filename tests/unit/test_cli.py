@@ -14,16 +14,16 @@ from concurrent import futures
 import grpc
 import pytest
 
+from services.cli import main, wire
 from services.gateway import convert
 from services.gateway.convert import GatewayFinal, Step
-from specserve.cli import main, wire
 from specserve.spec.metrics import RequestSpecStats
 from specserve.types import FinishReason, SamplingParams
 from specserve.v1 import gateway_pb2_grpc
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specserve.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
                           text=True, timeout=120)
 
 
@@ -123,7 +123,7 @@ def test_the_client_wire_is_the_gateways():
 
 
 def test_the_generate_client_imports_no_torch():
-    code = ("import sys; from specserve.cli import main; "
+    code = ("import sys; from services.cli import main; "
             "rc = main(['generate', '--prompt', 'x', '--gateway', '127.0.0.1:1', "
             "'--timeout-s', '5']); "
             "print(rc, sorted(m for m in ('torch', 'numpy', 'specserve.engine') "

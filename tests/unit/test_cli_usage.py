@@ -8,9 +8,9 @@ import argparse
 
 import pytest
 
-from specserve.cli import build_parser, main, usage
-from specserve.cli.client import gateway_address
-from specserve.cli.services import _up_plan
+from services.cli import build_parser, main, usage
+from services.cli.client import gateway_address
+from services.cli.services import _up_plan
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from specserve.cli import main as cli_main
+from services.cli import main as cli_main
 from specserve.demo import train
 from specserve.models.dflash import load_dflash
 from specserve.models.loader import load_model

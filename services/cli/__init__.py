@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from specserve.cli import bench, generate, probe, services, train, usage
+from services.cli import bench, generate, probe, services, train, usage
 
 
 def build_parser() -> tuple[usage.Parser, dict[str, usage.Parser]]:

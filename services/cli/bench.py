@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from specserve.cli import usage
+from services.cli import usage
 
 BENCHES = {
     "kernel": "bench_kernel.py",  # tree-verify kernel vs baselines and the floor (GPU)

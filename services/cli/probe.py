@@ -9,9 +9,9 @@ import os
 import sys
 from pathlib import Path
 
+from services.cli import usage
+from services.cli.client import add_gateway_flags, gateway_channel
 from specserve import probe
-from specserve.cli import usage
-from specserve.cli.client import add_gateway_flags, gateway_channel
 from specserve.drafters import registry
 
 
@@ -58,7 +58,8 @@ def _contexts(value: str) -> list[int]:
 def _probe(args) -> int:
     import grpc
 
-    from specserve import probe_client, probe_plot
+    from services.cli import probe_client
+    from specserve import probe_plot
     from specserve.engine.tokenizer import Tokenizer
     from specserve.v1 import gateway_pb2_grpc
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specserve.cli import usage
+from services.cli import usage
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

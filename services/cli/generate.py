@@ -11,8 +11,8 @@ import json
 import sys
 import time
 
-from specserve.cli import usage
-from specserve.cli.client import add_gateway_flags, gateway_channel
+from services.cli import usage
+from services.cli.client import add_gateway_flags, gateway_channel
 from specserve.drafters import registry
 
 
@@ -101,7 +101,7 @@ def _generate(args) -> int:
 def _generate_remote(args, params) -> int:
     import grpc
 
-    from specserve.cli import wire
+    from services.cli import wire
     from specserve.v1 import gateway_pb2_grpc
 
     req = wire.generate_request(_prompt(args), params, args.drafter, args.budget,

@@ -2,7 +2,7 @@
 spot check (the same request, speculation off, must give the same tokens) and the row's verdict.
 
 grpc is imported lazily (this module is part of the grpc-free core's namespace); the messages are
-built and read by `specserve.cli.wire` (no torch).
+built and read by `services.cli.wire` (no torch).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Generation:
 
 def generate(stub, ids: list[int], new_tokens: int, drafter: str | None, budget: int | None,
              timeout_s: float, metadata=(), label: str = "") -> Generation:
-    from specserve.cli import wire
+    from services.cli import wire
     from specserve.types import SamplingParams
 
     req = wire.generate_request(ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True),

@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from specserve.cli import usage
+from services.cli import usage
 
 SERVICES = ("drafter", "verifier", "gateway")  # the start order of `up`
 OFFSET = {"gateway": 0, "verifier": 1, "drafter": 2}  # ports from a base: --ports, --metrics-ports
@@ -153,7 +153,7 @@ async def _start(name: str, addr: str, flags: list[str], timeout_s: float, procs
     from services.common.server import wait_serving
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "specserve.cli", "serve", name, *flags,
+        sys.executable, "-m", "services.cli", "serve", name, *flags,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     procs[name] = proc
