@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 from services.common.metrics import fallback_kind
@@ -189,12 +189,8 @@ class StepLoop:
             for request_id in list(self._requests):
                 self._fail(request_id, e)
             return
-        drafter = self.engine.drafter
-        entry_errors = drafter.take_entry_errors() if drafter is not None else {}
         with self._lock:
             self._steps += 1
-        for out in outputs:
-            self._attribute_entry_error(out, entry_errors.get(out.request_id))
         t1 = time.perf_counter()
         finished = {}  # request id -> when its final event was handed over
         for out in outputs:
@@ -205,12 +201,6 @@ class StepLoop:
         self._observe(outputs, finished)  # after delivery: off the tokens' path
         self.profile.update(engine_step=t1 - t0, deliver=t2 - t1,
                             observe=time.perf_counter() - t2)
-
-    def _attribute_entry_error(self, out: RequestOutput, reason: str | None) -> None:
-        o = out.stats
-        if o is not None and reason and o.step.fallback is None and o.step.tree_size == 0:
-            o.step = replace(o.step, fallback=reason)  # this entry failed, only
-            o.request.fallbacks[reason] += 1
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.error is not None:  # the engine already ended it; the others go on
