@@ -117,3 +117,17 @@ def random_tree(rng: np.random.Generator, n: int, vocab: int | None = None) -> D
     tokens = (np.arange(n, dtype=np.int64) if vocab is None
               else rng.choice(vocab, size=n, replace=False).astype(np.int64))  # [n]
     return DraftTree(tokens, parents, depths)
+
+
+def run_together(engine, prompts, params_list, budget: int = 0) -> tuple[list[list[int]], int]:
+    """Queue every prompt (request ids r0, r1, ...; one params each), step the engine until
+    all finish: (each request's generated ids, the number of steps)."""
+    for i, (p, params) in enumerate(zip(prompts, params_list, strict=True)):
+        engine.add_request(f"r{i}", p, params, budget)
+    got = {f"r{i}": [] for i in range(len(prompts))}
+    steps = 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+        steps += 1
+    return [got[f"r{i}"] for i in range(len(prompts))], steps

@@ -6,7 +6,7 @@ import pytest
 
 from specserve.errors import CapacityExhausted, InvalidRequest
 from specserve.types import FinishReason, SamplingParams
-from tests.helpers import random_prompts
+from tests.helpers import random_prompts, run_together
 
 LENGTHS = [37, 5, 61, 18, 44, 2, 29, 53]
 
@@ -16,15 +16,7 @@ def _run_alone(engine, prompts, params_list):
 
 
 def _run_together(engine, prompts, params_list):
-    for i, (p, params) in enumerate(zip(prompts, params_list, strict=True)):
-        engine.add_request(f"r{i}", p, params)
-    got = {f"r{i}": [] for i in range(len(prompts))}
-    steps = 0
-    while engine.has_unfinished:
-        for out in engine.step():
-            got[out.request_id].extend(out.new_token_ids)
-        steps += 1
-    return [got[f"r{i}"] for i in range(len(prompts))], steps
+    return run_together(engine, prompts, params_list)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -19,7 +19,7 @@ from specserve.engine.runner import ForwardInput, ModelRunner
 from specserve.models.config import load_config
 from specserve.parallel import plan_for, start_workers, stop_workers
 from specserve.types import SamplingParams
-from tests.helpers import prefill_then_tree_steps, random_prompts
+from tests.helpers import prefill_then_tree_steps, random_prompts, run_together
 
 # (checkpoint, overrides): kv heads split (4 q / 2 kv, intermediate 168 = 2 · 84), one kv head
 # replicated on both ranks (4 q / 1 kv), o_proj / down_proj / q/k/v biases (6 q / 2 kv), tied
@@ -84,16 +84,7 @@ def test_tp2_forward_equals_tp1(tp2, checkpoint_cache, name, overrides):
 
 
 def _generate(engine, prompts, params, budget):
-    got = {}
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params, budget)
-        got[f"r{i}"] = []
-    steps = 0
-    while engine.has_unfinished:
-        for out in engine.step():
-            got[out.request_id].extend(out.new_token_ids)
-        steps += 1
-    return [got[f"r{i}"] for i in range(len(prompts))], steps
+    return run_together(engine, prompts, [params] * len(prompts), budget)
 
 
 def test_tp2_engine_greedy_lossless(tp2, checkpoint_cache, make_engine):
