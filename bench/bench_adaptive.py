@@ -32,9 +32,9 @@ from specserve.config import EngineConfig
 from specserve.demo.evaluate import novel_ids, predictable_ids
 from specserve.drafters.dflash import DFlashDrafter
 from specserve.engine.engine import Engine
-from specserve.engine.tokenizer import Tokenizer
 from specserve.engine.warmup import warm_up_drafter, warm_up_engine
 from specserve.models.dflash import load_dflash
+from specserve.tokenizer import Tokenizer
 from specserve.types import SamplingParams
 
 

@@ -86,7 +86,7 @@ def stop_mps() -> None:
 
 
 def workload(args, target: str) -> list[tuple[str, int, list[list[int]]]]:
-    from specserve.engine.tokenizer import Tokenizer
+    from specserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(target)
     base = tok.encode(TEXT * 64)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from specserve.demo.evaluate import commit_len, make_engine, novel_ids
-from specserve.engine.tokenizer import Tokenizer
+from specserve.tokenizer import Tokenizer
 
 
 def main() -> int:

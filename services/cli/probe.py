@@ -60,7 +60,7 @@ def _probe(args) -> int:
 
     from services.cli import probe_client
     from specserve import probe_plot
-    from specserve.engine.tokenizer import Tokenizer
+    from specserve.tokenizer import Tokenizer
     from specserve.v1 import gateway_pb2_grpc
 
     if not args.model:

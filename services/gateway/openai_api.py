@@ -16,7 +16,7 @@ import grpc
 
 from services.common.convert import DRAFTER_NAMES
 from services.gateway.convert import GatewayRequest, checked_budget
-from specserve.engine.chat_template import ChatTemplate, normalize_messages
+from specserve.chat_template import ChatTemplate, normalize_messages
 from specserve.errors import InvalidRequest
 from specserve.types import SamplingParams
 

@@ -36,9 +36,9 @@ from services.common.errors import status_for
 from services.gateway import convert
 from services.gateway.convert import GatewayFinal, GatewayRequest, Step, VerifierFinal
 from services.gateway.replicas import Replica, Replicas
-from specserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from specserve.errors import InvalidRequest, SpecServeError
 from specserve.spec.metrics import RequestSpecStats
+from specserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from specserve.types import FinishReason
 
 log = logging.getLogger("specserve.gateway")

@@ -33,9 +33,9 @@ from services.gateway.openai_http import OpenAIFront
 from services.gateway.pipeline import Pipeline, StopLimits
 from services.gateway.replicas import Replicas
 from services.gateway.servicer import GatewayServicer
-from specserve.engine.chat_template import ChatTemplate
-from specserve.engine.tokenizer import Tokenizer
+from specserve.chat_template import ChatTemplate
 from specserve.models.config import load_generation_defaults
+from specserve.tokenizer import Tokenizer
 from specserve.v1 import gateway_pb2_grpc
 
 SERVICE_NAME = "specserve.v1.Gateway"

@@ -20,8 +20,8 @@ from specserve.config import EngineConfig
 from specserve.demo import data
 from specserve.drafters.dflash import DFlashDrafter
 from specserve.engine.engine import Engine
-from specserve.engine.tokenizer import Tokenizer
 from specserve.models.dflash import load_dflash
+from specserve.tokenizer import Tokenizer
 from specserve.types import SamplingParams
 
 PREDICTABLE = "The cat sat on the mat."

@@ -108,7 +108,7 @@ class Engine:
             spec_stats=RequestSpecStats(device=self.runner.device_name),
         )
         if self.tokenizer is not None:
-            from specserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
+            from specserve.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
             seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
             seq.stopper = StopStringMatcher(params.stop) if params.stop else None
@@ -286,7 +286,7 @@ class Engine:
 def _maybe_tokenizer(config: EngineConfig):
     if not (Path(config.model_dir) / "tokenizer.json").exists():
         return None
-    from specserve.engine.tokenizer import Tokenizer
+    from specserve.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(config.model_dir)
 

@@ -35,7 +35,7 @@ TEXTS = ["The cat sat on the mat. " * 12,
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    from specserve.engine.tokenizer import Tokenizer
+    from specserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(TARGET)
     return [tok.encode(t) for t in TEXTS]

@@ -94,7 +94,7 @@ def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def tokenizer(checkpoints):
-    from specserve.engine.tokenizer import Tokenizer
+    from specserve.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(checkpoints[0])
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.engine.chat_template import ChatTemplate, normalize_messages
+from specserve.chat_template import ChatTemplate, normalize_messages
 from specserve.errors import InvalidRequest, ModelError
 from tests.helpers import save_tokenizer
 

@@ -10,7 +10,7 @@ import pytest
 from services.gateway import openai_responses as out
 from services.gateway.convert import GatewayFinal
 from services.gateway.openai_api import ApiError, parse
-from specserve.engine.chat_template import ChatTemplate
+from specserve.chat_template import ChatTemplate
 from specserve.models.config import GenerationDefaults
 from specserve.spec.metrics import RequestSpecStats
 from specserve.types import FinishReason, SamplingParams

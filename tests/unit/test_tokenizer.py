@@ -1,4 +1,4 @@
-"""Tests for specserve.engine.tokenizer: loading, incremental detokenization, stop strings."""
+"""Tests for specserve.tokenizer: loading, incremental detokenization, stop strings."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from specserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from specserve.errors import InvalidRequest, ModelError
+from specserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 FFFD = "\ufffd"
 SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|pad|>"]
