@@ -56,22 +56,29 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype)
         self.tp, self._tp_id = tp, None
         if config.tensor_parallel > 1 and tp is None:  # rank 0
-            from specserve.models.config import load_config
-            from specserve.parallel import plan_for, start_workers, workers
-
-            if model is not None:
-                raise ValueError("tensor_parallel > 1 loads the checkpoint on every rank: "
-                                 "give model_dir, not a model")
-            plan_for(load_config(config.model_dir), config.tensor_parallel)  # ValueError here
-            self.tp = start_workers(config.tensor_parallel, config.device)
-            self._tp_id = workers.register(type(self), config)  # workers build shards meanwhile
-            weakref.finalize(self, workers.release, self._tp_id)
+            self._lead_workers(config, model)
         self.model = model or load_model(config.model_dir, self.dtype, config.device)
         if self.tp is not None:
             from specserve.parallel import shard_model
 
             shard_model(self.model, self.tp.rank, self.tp.world)
             self.model.tp = self.tp
+        self._build_pool_and_graphs(config)
+
+    def _lead_workers(self, config: EngineConfig, model: DecoderModel | None) -> None:
+        """Rank 0: check the model splits, start the workers, have them build their shards."""
+        from specserve.models.config import load_config
+        from specserve.parallel import plan_for, start_workers, workers
+
+        if model is not None:
+            raise ValueError("tensor_parallel > 1 loads the checkpoint on every rank: "
+                             "give model_dir, not a model")
+        plan_for(load_config(config.model_dir), config.tensor_parallel)  # ValueError here
+        self.tp = start_workers(config.tensor_parallel, config.device)
+        self._tp_id = workers.register(type(self), config)  # workers build shards meanwhile
+        weakref.finalize(self, workers.release, self._tp_id)
+
+    def _build_pool_and_graphs(self, config: EngineConfig) -> None:
         self.model.attn_backend = backend_for(self.device)
         self.model.fuse_projections()  # q/k/v and gate/up as one GEMM each (idempotent)
         mc = self.model.config
