@@ -318,7 +318,7 @@ def host_costs(a, res, model, runner) -> None:
         "KVPool.write (K and V)": lambda: kv.write(0, batch.slot_mapping, k, k),
         "attention backend (launcher + 2 kernels)": lambda: model.attn_backend(
             q, kv.k[0], kv.v[0], batch, c.head_dim**-0.5),
-        "one decoder layer (inference path)": lambda: lean._layer_inference(
+        "one decoder layer (inference path)": lambda: lean.layer_inference(
             layer, fused, x, cos, sin, batch, kv, model.attn_backend),
         "whole model forward (all layers)": lambda: model(
             torch.as_tensor(lay.token_ids, device=dev), batch, kv),

@@ -27,7 +27,7 @@ from specserve.attention.base import AttentionBackend, AttnBatch
 from specserve.attention.torch_ref import torch_ref_attention
 from specserve.kvcache.pool import KVPool
 from specserve.models.config import ModelConfig
-from specserve.models.lean import _Fused, _layer_inference, tap_features
+from specserve.models.lean import FusedWeights, layer_inference, tap_features
 from specserve.models.norm import RMSNorm, rms_norm
 from specserve.models.rope import Rotary, apply_rotary
 
@@ -104,11 +104,11 @@ class Backbone(nn.Module):
 
 class FusedProjections:
     """Mixin of a model whose layers have `self_attn.{q,k,v}_proj` (+ q/k norms) and
-    `mlp.{gate,up}_proj`: their fused weights (`_Fused`, one per layer), kept valid through
+    `mlp.{gate,up}_proj`: their fused weights (`FusedWeights`, one per layer), kept valid through
     `.to()` and weight replacement. The target (`DecoderModel`) and the DFlash drafter
     (`models/dflash.py`) share it; `fused_layer.py` runs their layers on it."""
 
-    _fused: list[_Fused | None] | None = None
+    _fused: list[FusedWeights | None] | None = None
 
     def fusable_layers(self) -> nn.ModuleList:
         raise NotImplementedError
@@ -130,7 +130,7 @@ class FusedProjections:
             for i, layer in enumerate(layers):
                 if self._fused[i] is None or not self._fused[i].valid(layer):
                     self._fused[i] = None  # let the old tensors go before the new ones exist
-                    self._fused[i] = _Fused(layer)
+                    self._fused[i] = FusedWeights(layer)
 
     def _apply(self, fn, recurse=True):
         fused, self._fused = getattr(self, "_fused", None), None  # old fused tensors can go
@@ -139,7 +139,7 @@ class FusedProjections:
             self.fuse_projections()
         return out
 
-    def fused_layer(self, i: int) -> _Fused | None:
+    def fused_layer(self, i: int) -> FusedWeights | None:
         """Layer i's fused weights (None before `fuse_projections`); fused again first if the
         weights were replaced since."""
         f = self._fused[i] if self._fused is not None else None
@@ -207,7 +207,7 @@ class DecoderModel(FusedProjections, nn.Module):
         tapped: dict[int, torch.Tensor] = {}
         wanted = set(taps) - {len(backbone.layers) - 1}  # the last one: after the final norm
         for i, layer in enumerate(backbone.layers):
-            x = _layer_inference(layer, self.fused_layer(i), x, cos, sin, batch, kv, attn_fn,
+            x = layer_inference(layer, self.fused_layer(i), x, cos, sin, batch, kv, attn_fn,
                                  reduce)
             if i in wanted:
                 tapped[i] = x

@@ -1,5 +1,5 @@
 """The inference forward with each layer's small ops fused: 3 kernels (specserve/kernels/fused)
-in place of the ~18 elementwise / norm / RoPE / index_copy kernels of `lean._layer_inference`.
+in place of the ~18 elementwise / norm / RoPE / index_copy kernels of `lean.layer_inference`.
 
 Same math and rounding as that torch path (its CPU twin), restructured around one idea: the
 residual add waits. A layer returns its MLP output and the stream before it, unadded; the next
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from specserve.attention.base import AttnBatch
 from specserve.kernels.fused import FusedOps, fused_ops
 from specserve.kvcache.pool import KVPool
-from specserve.models.lean import _Fused, _layer_inference, tap_features
+from specserve.models.lean import FusedWeights, layer_inference, tap_features
 
 if TYPE_CHECKING:
     from specserve.models.decoder import DecoderModel
@@ -58,7 +58,7 @@ def forward_fused(
             x, res = layer_fused(ops, layer, f, x, res, cos, sin, batch,
                                  (kv.k[a.layer], kv.v[a.layer]), a.window, attn_fn)
         else:
-            x, res = _layer_inference(layer, f, _added(x, res), cos, sin, batch, kv, attn_fn), None
+            x, res = layer_inference(layer, f, _added(x, res), cos, sin, batch, kv, attn_fn), None
         if i in wanted:
             x, res = _added(x, res), None
             tapped[i] = x
@@ -71,7 +71,7 @@ def _added(x: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
     return x if res is None else x + res
 
 
-def covered(layer, f: _Fused | None, cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+def covered(layer, f: FusedWeights | None, cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
     """Whether the fused kernels cover this layer (else it runs its torch path)."""
     a, mlp = layer.self_attn, layer.mlp
     return (f is not None and (a.q_norm is None or f.qk_norm_w is not None)
@@ -79,7 +79,7 @@ def covered(layer, f: _Fused | None, cache_dtype: torch.dtype, dtype: torch.dtyp
             and all(m.bias is None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
 
 
-def layer_fused(ops: FusedOps, layer, f: _Fused, x, res, cos, sin, batch: AttnBatch,
+def layer_fused(ops: FusedOps, layer, f: FusedWeights, x, res, cos, sin, batch: AttnBatch,
                 caches: tuple[torch.Tensor, torch.Tensor], window: int | None,
                 attn_fn) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer (a `DecoderLayer` or a DFlash drafter layer: the same module names) on the

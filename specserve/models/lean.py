@@ -1,6 +1,6 @@
 """The lean inference layer: one decoder layer's forward with autograd off, as
 `DecoderModel` runs it off CUDA (and `fused_layer` around its fused kernels), the fused
-projection weights it reads (`_Fused`) and the drafter's tap features.
+projection weights it reads (`FusedWeights`) and the drafter's tap features.
 
 Below both `decoder` (the modules) and `fused_layer` (the CUDA path), so neither imports the
 other's internals back. `layer` is a `decoder.DecoderLayer` (attribute access only).
@@ -17,7 +17,7 @@ from specserve.models.norm import rms_norm
 from specserve.models.rope import apply_rotary_rolled
 
 
-class _Fused:
+class FusedWeights:
     """One layer's fused weights. q/k/v and gate/up: the nn.Linear weights are views into them.
     q/k norm: a `[Hq + Hkv, D]` copy of the two weights stacked per head (tiny), so all heads
     are scaled in one multiply; it is rebuilt when either weight changes (`_version`)."""
@@ -81,7 +81,7 @@ def tap_features(tapped: dict[int, torch.Tensor], taps: Sequence[int],
     return torch.cat([tapped.get(i, normed) for i in taps], dim=-1)
 
 
-def _layer_inference(layer, f: _Fused | None, x, cos, sin, batch, kv, attn_fn, reduce=None):
+def layer_inference(layer, f: FusedWeights | None, x, cos, sin, batch, kv, attn_fn, reduce=None):
     """One layer. `reduce` (tensor parallel: the group's in-place all-reduce) sums the
     row-parallel o_proj and down_proj outputs over the ranks before each residual add."""
     a, mlp = layer.self_attn, layer.mlp

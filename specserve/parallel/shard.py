@@ -3,7 +3,7 @@
 Per layer: q/k/v and gate/up column-parallel (each rank its heads / its slice of the
 intermediate), o_proj and down_proj row-parallel (each rank the matching input columns; their
 biases on rank 0 only, so the all-reduce adds them once). One all-reduce after attention and one
-after the MLP (`lean._layer_inference`'s `reduce`). Key/value heads: with Hkv ≥ N each rank
+after the MLP (`lean.layer_inference`'s `reduce`). Key/value heads: with Hkv ≥ N each rank
 holds Hkv / N of them; with Hkv < N (N a multiple of Hkv) each rank holds the one kv head its
 query heads read — kv heads replicated over N / Hkv ranks, as transformers' and vLLM's TP do.
 q/k RMSNorm weights (per head_dim) are replicated. Embedding and final norm are replicated; the

@@ -1,4 +1,4 @@
-"""The torch formulas the fused kernels replace: what `lean._layer_inference` computes.
+"""The torch formulas the fused kernels replace: what `lean.layer_inference` computes.
 
 Owns nothing new: each function is the lean inference path's own sequence of torch ops
 (`norm.rms_norm`, the stacked q/k RMSNorm, `rope.apply_rotary_rolled`, `KVPool.write`,
