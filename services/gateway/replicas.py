@@ -1,6 +1,6 @@
 """Several verifier replicas behind one gateway: which one takes the next request.
 
-Each replica (`--verifier` given more than once, or a comma-separated list) has its own
+Each replica (an address of the comma-separated `--verifier` list) has its own
 long-lived channel. `follow` checks every replica's gRPC health and `Stats` each period: a
 replica is *healthy* while it reports SERVING, and its load is the latest `Stats` (running +
 waiting requests, KV pages used / total). `pick` takes the healthy replica with the least load:
