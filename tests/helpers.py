@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specserve.drafters.ngram import NgramDrafter
 from specserve.spec.tree import DraftTree
 
 # name -> (transformers config class name, kwargs). GQA ratios 1, 4, 7; head_dim 64 and 128;
@@ -131,3 +132,27 @@ def run_together(engine, prompts, params_list, budget: int = 0) -> tuple[list[li
             got[out.request_id].extend(out.new_token_ids)
         steps += 1
     return [got[f"r{i}"] for i in range(len(prompts))], steps
+
+
+class AheadDrafter(NgramDrafter):
+    """The n-gram drafter (trees from the history alone) that can also draft ahead: `submit`
+    drafts at once and hands the trees back when collected; it logs what each call held."""
+
+    asynchronous = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[str, ...]]] = []
+        self.step = 0  # the engine step running (set by the test)
+        self.sent_ahead: dict[int, tuple[str, ...]] = {}  # step -> ids sent ahead during it
+
+    def draft(self, requests):
+        self.calls.append(("draft", tuple(r.request_id for r in requests)))
+        return super().draft(requests)
+
+    def submit(self, requests, ahead=False):
+        self.calls.append(("ahead" if ahead else "submit", tuple(r.request_id for r in requests)))
+        if ahead:
+            self.sent_ahead[self.step] = self.calls[-1][1]
+        trees = super().draft(requests)
+        return lambda: trees

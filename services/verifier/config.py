@@ -122,6 +122,12 @@ class VerifierConfig:
         "on: speculating requests form two groups that take turns, the drafter drafting one "
         "while the target verifies the other (lossless; pays when drafting does not slow the "
         "verify, BENCHMARKS.md) | off", default="off")
+    draft_ahead: str = _switch(
+        "--draft-ahead", "SPECSERVE_DRAFT_AHEAD",
+        "on: each step's next drafts are sent as soon as its acceptance is known, so the "
+        "rest of the commit, streaming and scheduling run while the drafter drafts (lossless; "
+        "not with --overlap or --adaptive on) | off: sent when the next step starts",
+        default="on")
     adaptive: str = _switch(
         "--adaptive", "SPECSERVE_ADAPTIVE",
         "on: each step's draft tree chosen by expected tokens per second from measured step "
@@ -167,7 +173,7 @@ class VerifierConfig:
         if self.drafter_transport not in ("auto", "grpc"):
             raise ValueError(f"drafter_transport must be auto or grpc, got "
                              f"{self.drafter_transport!r}")
-        for name in ("overlap", "adaptive"):
+        for name in ("overlap", "draft_ahead", "adaptive"):
             if getattr(self, name) not in ("on", "off"):
                 raise ValueError(f"{name} must be on or off, got {getattr(self, name)!r}")
         if self.keep_context not in ("auto", "on", "off"):
@@ -185,7 +191,8 @@ class VerifierConfig:
             page_size=self.page_size, kv_memory_bytes=max(1, int(gb * (1 << 30))),
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_draft_tokens=self.max_draft_tokens, cuda_graphs=self.cuda_graphs,
-            overlap=self.overlap == "on", adaptive=self.adaptive == "on",
+            overlap=self.overlap == "on", draft_ahead=self.draft_ahead == "on",
+            adaptive=self.adaptive == "on",
             max_waiting=self.max_waiting, tensor_parallel=self.tensor_parallel)
 
     def target_layer_ids(self) -> tuple[int, ...]:

@@ -165,9 +165,11 @@ class RemoteDrafter(Drafter):
     def draft(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         return self.submit(requests)()
 
-    def submit(self, requests: Sequence[DraftRequest]) -> Callable[[], list[DraftTree]]:
+    def submit(self, requests: Sequence[DraftRequest], ahead: bool = False
+               ) -> Callable[[], list[DraftTree]]:
         """Send the step's batch now; the returned call waits for its trees (engine/overlap.py
-        verifies another group meanwhile). Raises (and so does the call) as `draft` does."""
+        works on meanwhile: the last step's commit when `ahead`, another group's verify).
+        Raises (and so does the call) as `draft` does."""
         stream = self.stream
         if stream.loop is None or stream.closed:
             raise DrafterUnavailable("the drafter client is not running")
@@ -177,7 +179,8 @@ class RemoteDrafter(Drafter):
         new = self.entries.absorb_all(requests, link)
         for req in requests:
             st = self.entries.states[req.request_id]
-            if self.entries.entry(req, st, epoch, release, batch, link, new.get(req.request_id)):
+            if self.entries.entry(req, st, epoch, release, batch, link, new.get(req.request_id),
+                                  ahead_ns=called_ns if ahead else None):
                 marks[req.request_id] = (st.num_rows, len(req.history or ()))
         if link.ring is not None:
             link.ring.publish()

@@ -82,9 +82,11 @@ class DraftEntries:
         return {rid: New(rows, fused.get(rid), host.get(rid)) for rid, rows in new.items()}
 
     def entry(self, req: DraftRequest, st: RequestRows, epoch: int, release: list[str], batch,
-               link, new: New | None, traced: bool = True) -> bool:
+               link, new: New | None, traced: bool = True, ahead_ns: int | None = None
+               ) -> bool:
         """Append the request's DraftEntry to `batch`; False (with an entry error, nothing
-        appended) if it cannot be drafted."""
+        appended) if it cannot be drafted. `ahead_ns`: when a draft for the next step was
+        asked for (traces: StepTracer.open_draft)."""
         if req.request_id in self.errors:  # a context gap, found by _absorb_all
             return False
         if req.request_id in self.feed_failed:
@@ -116,7 +118,7 @@ class DraftEntries:
             return False
         st.sent_once = True
         history = list(req.history[st.history_sent:]) if req.history is not None else []
-        trace_context = (self.tracing.open_draft(req.request_id)
+        trace_context = (self.tracing.open_draft(req.request_id, ahead_ns)
                          if self.tracing and traced else None)
         entry = convert.add_draft_entry(batch, req, st.kind, rows, history, trace_context,
                                         fused=fused)

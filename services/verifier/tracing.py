@@ -8,7 +8,11 @@ be children of the request's `draft` span, so that span has to exist *before* th
 `RemoteDrafter.draft` (engine thread) asks `open_draft` for each request it sends, which starts
 its `step` and `draft` spans and returns the `draft` span's W3C context for the entry. After the
 step, `end_step` ends them with the engine's timestamps; requests that did not draft (budget 0,
-no drafter) get all their spans created there, after the fact.
+no drafter) get all their spans created there, after the fact. A draft sent ahead (during a
+step's commit, for the next step: engine/overlap.Ahead) opens the next step's `step` and
+`draft` spans at that moment, and the step that sent it (its `commit`, or the prompt's
+`prefill`) ends there: what the verifier does after sending it — the KV compaction, streaming,
+the next schedule — runs while the drafter drafts, inside the next step's `draft`.
 
 A step is draft → verify → commit → stream, so a `step` span (and `prefill`)
 ends when the loop starts its next step — or, for a request's last one, once its outputs are
@@ -42,6 +46,9 @@ class _Traced:
     prefill_start_ns: int = 0
     chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (time, start, tokens)
     open: tuple | None = None  # (step span, draft span) opened by `open_draft` this step
+    ahead: tuple | None = None  # the same, opened during this step for the next (draft ahead)
+    ahead_ns: int = 0  # when `ahead` was opened: where this step's spans end
+    decoding: bool = False  # its first token is out: a draft sent ahead is for step steps + 1
     tail: object = None  # its last prefill / step span: ends when the next step begins
 
 
@@ -69,14 +76,16 @@ class StepTracer:
         if traced is None:
             return
         self._end_open(traced, "the request ended mid-step")
+        self._end_open(traced, "the request ended with a draft in flight", ahead=True)
         self._end_tail(traced, end_ns or time.time_ns())
 
     def __contains__(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._requests
 
-    def _traces_step(self, traced: _Traced) -> bool:
-        return self.trace_steps > 0 and traced.steps % self.trace_steps == 0
+    def _traces_step(self, traced: _Traced, later: int = 0) -> bool:
+        """Whether the request's step `later` steps after this one is traced."""
+        return self.trace_steps > 0 and (traced.steps + later) % self.trace_steps == 0
 
     # ---- one engine step -------------------------------------------------------------------
     def begin_step(self, start_ns: int) -> None:
@@ -86,21 +95,28 @@ class StepTracer:
             for traced in self._requests.values():
                 self._end_tail(traced, start_ns)
 
-    def open_draft(self, request_id: str) -> dict[str, str]:
-        """Start the request's `step` and `draft` spans now (if this step is traced); returns the
-        `draft` span's W3C context for its DraftEntry ({} if untraced)."""
+    def open_draft(self, request_id: str, ahead_ns: int | None = None) -> dict[str, str]:
+        """Start the request's `step` and `draft` spans (if that step is traced); returns the
+        `draft` span's W3C context for its DraftEntry ({} if untraced). `ahead_ns`: the draft
+        is for the next step, sent during this one's commit at that wall-clock time, where
+        its spans start."""
+        ahead = ahead_ns is not None
         with self._lock:
             traced = self._requests.get(request_id)
-            if traced is None or not self._traces_step(traced):
+            if traced is None or not self._traces_step(traced, int(ahead and traced.decoding)):
                 return {}
-            if traced.open is None:
-                step = self._tracer.start_span("step", traced.parent,
-                                               start_time=self._step_start_ns)
+            spans = traced.ahead if ahead else traced.open
+            if spans is None:
+                start = ahead_ns if ahead else self._step_start_ns
+                step = self._tracer.start_span("step", traced.parent, start_time=start)
                 draft = self._tracer.start_span("draft", trace.set_span_in_context(step),
-                                                kind=SpanKind.CLIENT,
-                                                start_time=self._step_start_ns)
-                traced.open = (step, draft)
-            return telemetry.traceparent(traced.open[1].get_span_context())
+                                                kind=SpanKind.CLIENT, start_time=start)
+                spans = (step, draft)
+                if ahead:
+                    traced.ahead, traced.ahead_ns = spans, ahead_ns
+                else:
+                    traced.open = spans
+            return telemetry.traceparent(spans[1].get_span_context())
 
     def note_draft(self, request_ids, events: list[tuple[str, int]]) -> None:
         """Events (name, wall clock ns) on the open `draft` span of each of `request_ids`."""
@@ -127,20 +143,25 @@ class StepTracer:
                 traced = self._requests.get(out.request_id)
                 if traced is None:
                     continue
+                traced.decoding = True
                 if out.stats is None:  # the token sampled at the end of prefill
                     self._prefill_span(traced, times.end_ns)
                     continue
-                if self._traces_step(traced):
+                if traced.open is not None or self._traces_step(traced):
                     self._step_spans(traced, out.request_id, out.stats, times, t0)
                 traced.steps += 1
         self.abandon_step("no output for the request this step")
 
     def abandon_step(self, why: str) -> None:
-        """End spans opened for a step that did not finish (the engine raised)."""
+        """End the step: spans still open for it end with `why` (the engine raised, or the
+        request had no output); the drafts sent ahead during it become the next step's."""
         with self._lock:
             opened = [t for t in self._requests.values() if t.open is not None]
         for traced in opened:
             self._end_open(traced, why)
+        with self._lock:
+            for traced in self._requests.values():
+                traced.open, traced.ahead = traced.ahead, None
 
     # ---- spans -------------------------------------------------------------------------------
     def _prefill_span(self, traced: _Traced, end_ns: int) -> None:
@@ -150,8 +171,8 @@ class StepTracer:
         span.set_attribute("prefill.tokens", sum(n for _, _, n in traced.chunks))
         for t, first, n in traced.chunks:
             span.add_event("chunk", {"tokens": n, "start": first}, timestamp=t)
-        traced.tail = span
         traced.chunks.clear()
+        self._set_tail(traced, span)
 
     def _step_spans(self, traced: _Traced, request_id: str, outcome: StepOutcome,
                     times: StepTimes, t0: int) -> None:
@@ -177,9 +198,20 @@ class StepTracer:
         ctx = trace.set_span_in_context(step_span)
         self._tracer.start_span("verify", ctx, start_time=times.draft_end_ns).end(
             end_time=times.verify_end_ns)
+        commit_end = traced.ahead_ns if traced.ahead is not None else times.end_ns
         self._tracer.start_span("commit", ctx, start_time=times.verify_end_ns).end(
-            end_time=times.end_ns)
-        traced.tail = step_span
+            end_time=max(commit_end, times.verify_end_ns))
+        self._set_tail(traced, step_span)
+
+    @staticmethod
+    def _set_tail(traced: _Traced, span) -> None:
+        """`span` (the request's prefill or step) ends where its next step begins: when the
+        next draft was sent ahead (the rest of this step's commit is the next one's draft
+        wait), or else when the loop starts its next step (`begin_step`)."""
+        if traced.ahead is not None:
+            span.end(end_time=traced.ahead_ns)
+        else:
+            traced.tail = span
 
     @staticmethod
     def _end_tail(traced: _Traced, end_ns: int) -> None:
@@ -188,10 +220,12 @@ class StepTracer:
             traced.tail = None
 
     @staticmethod
-    def _end_open(traced: _Traced, why: str) -> None:
-        if traced.open is None:
-            return
-        for span in reversed(traced.open):
+    def _end_open(traced: _Traced, why: str, ahead: bool = False) -> None:
+        spans = traced.ahead if ahead else traced.open
+        for span in reversed(spans or ()):
             span.set_status(Status(StatusCode.ERROR, why))
             span.end()
-        traced.open = None
+        if ahead:
+            traced.ahead = None
+        else:
+            traced.open = None

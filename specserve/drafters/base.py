@@ -44,7 +44,7 @@ class Drafter(ABC):
 
     needs_context = False  # True: requests carry the target's tap-layer features
     graphs = None  # the drafter's CUDA-graph runner (warm-up captures it), or None
-    asynchronous = False  # True: `submit` drafts while the caller verifies (engine/overlap.py)
+    asynchronous = False  # True: `submit` drafts while the caller works on (engine/overlap.py)
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
@@ -55,8 +55,10 @@ class Drafter(ABC):
     def draft(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         """One tree per request, in order; an empty tree for a request it cannot serve."""
 
-    def submit(self, requests: Sequence[DraftRequest]) -> Callable[[], list[DraftTree]]:
-        """Start drafting now; the returned call waits for the trees (`asynchronous` only)."""
+    def submit(self, requests: Sequence[DraftRequest], ahead: bool = False
+               ) -> Callable[[], list[DraftTree]]:
+        """Start drafting now; the returned call waits for the trees (`asynchronous` only).
+        `ahead`: asked during the previous step's commit, for the next step (traces)."""
         raise NotImplementedError(f"{type(self).__name__} drafts synchronously")
 
     def feed(self, requests: Sequence[DraftRequest]) -> bool:

@@ -66,6 +66,8 @@ class Engine:
                             f"{type(drafter).__name__}")
         self.drafter = drafter
         self._alternation = overlap.Alternation()  # a new drafter: nothing in flight
+        early = self.config.draft_ahead and not (self.config.overlap or self.adaptive)
+        self._ahead = overlap.Ahead() if early and drafter and drafter.asynchronous else None
         self._needs_context = drafter is not None and drafter.needs_context
         taps = tuple(drafter.target_layer_ids) if self._needs_context else ()
         self.runner.set_taps(taps or self.config.tap_layers)
@@ -179,8 +181,12 @@ class Engine:
         t_draft = time.time_ns()
         batch, outputs, verify_s = self._run(plans, chunks)
         t_verify = time.time_ns()
-        outputs += postprocess.commit_trees(self, batch, draft_s, verify_s)
+        committed = postprocess.commit_trees(self, batch)
+        outputs += committed.outputs
         outputs += postprocess.end_chunks(self, batch, verify_s)
+        if self._ahead is not None:  # the next drafts, while the rest of the commit runs
+            self._ahead.send(self.scheduler.running, self.drafter, self.max_model_len)
+        postprocess.settle_trees(self, batch, committed, draft_s, verify_s)
         self.last_step = StepTimes(t_start, t_draft, t_verify, time.time_ns(), tuple(
             (w.seq.request_id, w.start, w.num_tokens) for w in batch.chunks))
         self._observe_cost(batch, draft_s, span)
@@ -214,9 +220,12 @@ class Engine:
         return batch, failed, time.perf_counter() - t0
 
     def _plan(self, decoding: list[Sequence]) -> tuple[list[speculative.Planned], float]:
-        """The step's trees: drafted now, or with `overlap` one group's, drafted last step;
-        with adaptive speculation, cut to (or skipped for) the step's choice."""
+        """The step's trees: drafted now, sent for during the last step's commit
+        (`draft_ahead`), or with `overlap` one group's, drafted last step; with adaptive
+        speculation, cut to (or skipped for) the step's choice."""
         args = (self.drafter, self.max_model_len, self.model_config.vocab_size)
+        if self._ahead is not None:
+            return self._ahead.plan(decoding, *args)
         if self.config.overlap and self.drafter is not None and self.drafter.asynchronous:
             plans, draft_s = self._alternation.plan(decoding, *args)[:2]
         elif self.adaptive is not None and self.drafter is not None:

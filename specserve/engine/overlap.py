@@ -1,17 +1,25 @@
-"""Drafting overlapped with verification: two groups of decoding requests take turns.
+"""Drafting overlapped with the verifier's own work: the next drafts asked for early, or two
+groups of decoding requests taking turns.
 
-Owns the turn-taking. Speculating requests are split into two sticky groups (a new one joins
-the smaller). Each step verifies one group with the trees drafted for it during the previous
-step, and first sends the other group's draft, so the drafter (another process, or another
-GPU stream) works on it while the target verifies: the step costs about max(verify, draft)
-instead of their sum — when the drafter's work overlaps the verify without slowing it.
+`Ahead` (the default with an asynchronous drafter): a step's drafts for the next step are sent
+as soon as its acceptance is known, before the KV compaction, the step records, streaming the
+tokens and scheduling the next step, so that host work runs while the drafter drafts. The
+draft asked for is exactly the serial loop's (nothing it depends on changes before the next
+step), so it is lossless by construction; a request whose state changed meanwhile (aborted,
+preempted, or not scheduled) drops its tree, and one that was not in the batch is drafted then.
 
-Lossless by construction: a request's draft is made from exactly the state it has when its
-trees are used (it is not verified in between), so each request sees the same drafts, trees
-and acceptance as in the serial loop; only which requests share a forward changes. A request
+`Alternation` (`overlap`): speculating requests are split into two sticky groups (a new one
+joins the smaller). Each step verifies one group with the trees drafted for it during the
+previous step, and first sends the other group's draft, so the drafter (another process, or
+another GPU stream) works on it while the target verifies: the step costs about
+max(verify, draft) instead of their sum — when the drafter's work overlaps the verify without
+slowing it. Lossless by construction too: a request's draft is made from exactly the state it
+has when its trees are used (it is not verified in between), so each request sees the same
+drafts, trees and acceptance as in the serial loop; only which requests share a forward
+changes. A request
 whose group's draft was sent before it started decoding waits one step for its group's next
-turn; with only one group (one speculating request) every step is serial. Needs a drafter with
-`submit(requests) -> collect` (services/verifier/drafter_client.RemoteDrafter).
+turn; with only one group (one speculating request) every step is serial. Both need a drafter
+with `submit(requests) -> collect` (services/verifier/drafter_client.RemoteDrafter).
 """
 
 from __future__ import annotations
@@ -77,11 +85,12 @@ class Alternation:
                 [s for s in seqs if self.group[s.request_id] == 1])
 
     @staticmethod
-    def _submit(group: int, seqs: list[Sequence], drafter, max_len: int) -> _InFlight:
+    def _submit(group: int, seqs: list[Sequence], drafter, max_len: int,
+                ahead: bool = False) -> _InFlight:
         reqs = speculative.draft_requests(seqs, max_len)
         wanted = [r for r in reqs if r.budget > 0]
         try:
-            collect = drafter.submit(wanted)
+            collect = drafter.submit(wanted, ahead=ahead)
         except Exception as e:  # noqa: BLE001 — the group verifies root-only trees
             collect = e
         return _InFlight(group, list(seqs), reqs, wanted, collect)
@@ -107,3 +116,33 @@ class Alternation:
         ready = [s for s in ready if s.request_id in by_id]
         reqs = [by_id[s.request_id] for s in ready]
         return speculative.planned(ready, reqs, wanted, got, drafter, vocab)
+
+
+class Ahead:
+    """The next step's drafts, sent when this step's acceptance is known (engine thread)."""
+
+    def __init__(self) -> None:
+        self.in_flight: _InFlight | None = None
+
+    def send(self, running: Seq[Sequence], drafter, max_len: int) -> None:
+        """Ask now for the next drafts of the speculating decoding requests of `running` (the
+        scheduler's, after this step's commit)."""
+        seqs = [s for s in running if s.budget and not s.in_prefill]
+        if seqs:
+            self.in_flight = Alternation._submit(0, seqs, drafter, max_len, ahead=True)
+
+    def plan(self, seqs: Seq[Sequence], drafter, max_len: int, vocab: int
+             ) -> tuple[list[speculative.Planned], float]:
+        """This step's plans (the trees sent ahead where they still hold, the others drafted
+        now) and the time spent here (s)."""
+        t0 = time.perf_counter()
+        flight, self.in_flight = self.in_flight, None
+        sent = {} if flight is None else {
+            s.request_id: r.start for s, r in zip(flight.seqs, flight.reqs, strict=True)}
+        held = {s.request_id for s in seqs if s.budget and sent.get(s.request_id) == s.num_computed}
+        ready = [s for s in seqs if s.request_id in held]
+        rest = [s for s in seqs if s.request_id not in held]
+        plans = speculative.plan(rest, drafter, max_len, vocab)[0] if rest else []
+        if flight is not None:  # collected even when none is ready: nothing left unread
+            plans += Alternation._collect(flight, ready, drafter, vocab)
+        return plans, time.perf_counter() - t0

@@ -1,16 +1,18 @@
 """A step's last phase: what the forward's logits become — accepted tokens, compacted KV,
 outputs.
 
-For each verified tree: the accept walk (`spec.accept`), the KV compaction of its accepted path
-(one batched slot copy for the step), the commit of its tokens and the step record. For each
-prefill chunk: its tokens booked as computed, its tapped features queued for the drafter, and
-where a prompt ends its first token sampled. A request whose accept, sampling or commit raises
-ends alone (`isolation.fail`); the others go on.
+For each verified tree: the accept walk (`spec.accept`) and the commit of its tokens
+(`commit_trees`), then the KV compaction of its accepted path (one batched slot copy for the
+step) and the step record (`settle_trees`) — split so that the engine can ask for the next
+drafts in between. For each prefill chunk: its tokens booked as computed, its tapped features
+queued for the drafter, and where a prompt ends its first token sampled. A request whose
+accept, sampling or commit raises ends alone (`isolation.fail`); the others go on.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,34 +28,53 @@ if TYPE_CHECKING:
     from specserve.engine.engine import Engine
 
 
-def commit_trees(engine: Engine, batch: StepBatch, draft_s: float,
-                 verify_s: float) -> list[RequestOutput]:
-    """Accept, compact KV and commit every tree of the step."""
+@dataclass(eq=False)
+class Committed:
+    """The trees of a step after `commit_trees`: what `settle_trees` still owes them."""
+
+    outputs: list[RequestOutput]  # every tree's output (an error output where it failed)
+    done: list[tuple]  # (plan, acceptance, output, cut, first logit row) of each committed tree
+    src: list[int]  # KV slots to copy from (the accepted paths' scratch rows) ...
+    dst: list[int]  # ... and to
+    seconds: float  # the commit's time so far
+
+
+def commit_trees(engine: Engine, batch: StepBatch) -> Committed:
+    """The accept walk and the tokens' commit of every tree of the step: after this, each
+    request's next draft can be asked for (`Engine` may send it before `settle_trees`)."""
     t0 = time.perf_counter()
-    outputs, src, dst, row0, done = [], [], [], 0, []
+    c, row0 = Committed([], [], [], [], 0.0), 0
     for p, end in zip(batch.plans, batch.ends, strict=False):
         n = p.layout.num_rows
         try:
             acc, out, s, d = _commit_tree(engine, p, batch.logits[row0 : row0 + n], batch, end)
         except Exception as e:  # this request's failure ends it alone: no copies for it
-            outputs.append(isolation.fail(engine, p.seq, e))
+            c.outputs.append(isolation.fail(engine, p.seq, e))
         else:
             if not out.finished:  # a finished request's pages are already free
-                src, dst = src + s, dst + d
-            done.append((p, acc, out, len(out.new_token_ids) < len(acc.token_ids), row0))
-            outputs.append(out)
+                c.src, c.dst = c.src + s, c.dst + d
+            c.done.append((p, acc, out, len(out.new_token_ids) < len(acc.token_ids), row0))
+            c.outputs.append(out)
         row0 += n
-    engine.runner.kv.copy_slots(src, dst)  # host lists: one transfer, no sync
-    commit_s = time.perf_counter() - t0
+    c.seconds = time.perf_counter() - t0
+    return c
+
+
+def settle_trees(engine: Engine, batch: StepBatch, c: Committed, draft_s: float,
+                 verify_s: float) -> None:
+    """The rest of the trees' commit: the KV compaction of the accepted paths (one batched
+    slot copy), each request's pages cut to its tokens, the step records."""
+    t0 = time.perf_counter()
+    engine.runner.kv.copy_slots(c.src, c.dst)  # host lists: one transfer, no sync
+    commit_s = c.seconds + time.perf_counter() - t0
     if engine.adaptive is not None:
-        engine.adaptive.observe_step([(p, acc.rows, row) for p, acc, *_, row in done],
+        engine.adaptive.observe_step([(p, acc.rows, row) for p, acc, *_, row in c.done],
                                      batch.logits)
-    for p, acc, out, cut, _row in done:
+    for p, acc, out, cut, _row in c.done:
         engine.scheduler.settle(p.seq)
         step = speculative.record(p, acc, out, cut, (draft_s, verify_s, commit_s))
         if engine.on_step is not None:
             engine.on_step(p.seq.request_id, step)
-    return outputs
 
 
 def _commit_tree(engine: Engine, p: Planned, logits: torch.Tensor, batch: StepBatch, end: int):

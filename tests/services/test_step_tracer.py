@@ -78,6 +78,53 @@ def test_every_nth_step_is_traced(spans, every):
     assert (prefill.start_time, prefill.end_time) == (T0, T0 + 20 * MS)
 
 
+@pytest.mark.parametrize("every", [1, 3])
+def test_drafts_sent_ahead_open_the_next_steps_spans(spans, every):
+    """`draft_ahead`: each step's next draft is sent during its commit (6.5 ms in), the first
+    during the step that ends the prompt; the next step's spans start there, and the step (or
+    the prefill) that sent it ends there when that next step is traced."""
+    otel, exporter = spans
+    tracer = StepTracer(every, otel)
+    parent = otel.start_span("verifier.request", start_time=T0)
+    tracer.add("r", trace.set_span_in_context(parent))
+    contexts, sent, t = [], [], T0
+    for k in range(-1, STEPS):  # -1: the prompt's only chunk, its first token sampled
+        tracer.begin_step(t)
+        if k + 1 < STEPS:
+            sent.append(t + 6 * MS + MS // 2)
+            contexts.append(tracer.open_draft("r", ahead_ns=sent[-1]))
+        if k < 0:
+            out = RequestOutput("r", [5])
+            times = StepTimes(t, t, t + 6 * MS, t + 7 * MS, (("r", 0, 8),))
+        else:
+            step = StepRecord(8, 8, k % 3, k % 3 + 1, False)
+            out = RequestOutput("r", [1] * step.commit_len,
+                                stats=StepOutcome(step, RequestSpecStats(), 9 + k))
+            times = StepTimes(t, t + 2 * MS, t + 6 * MS, t + 7 * MS)
+        tracer.end_step([out], times)
+        t += 10 * MS
+    tracer.remove("r", t)
+    parent.end(end_time=t)
+    got = exporter.get_finished_spans()
+    steps = sorted((s for s in got if s.name == "step"), key=lambda s: s.start_time)
+    assert [s.attributes["step.index"] for s in steps] == list(range(0, STEPS, every))
+    assert [bool(c) for c in contexts] == [k % every == 0 for k in range(STEPS)]
+    assert all(s.status.status_code is not StatusCode.ERROR for s in got)
+    for step, ctx in zip(steps, [c for c in contexts if c], strict=True):
+        k = step.attributes["step.index"]
+        kids = {s.name: s for s in got if s.parent and s.parent.span_id ==
+                step.context.span_id}
+        draft_ctx = trace.get_current_span(telemetry.extract_map(ctx)).get_span_context()
+        assert draft_ctx.span_id == kids["draft"].context.span_id
+        assert step.start_time == kids["draft"].start_time == sent[k]  # in the last commit
+        begin = T0 + 10 * MS * (k + 1)
+        assert kids["draft"].end_time == kids["verify"].start_time == begin + 2 * MS
+        end = sent[k + 1] if k + 1 < STEPS and (k + 1) % every == 0 else begin + 10 * MS
+        assert step.end_time == end and kids["commit"].end_time == min(end, begin + 7 * MS)
+    (prefill,) = [s for s in got if s.name == "prefill"]
+    assert prefill.end_time == sent[0]
+
+
 def test_trace_steps_0_keeps_prefill_only_and_late_spans_without_drafting(spans):
     otel, exporter = spans
     _, contexts = _drive(StepTracer(0, otel), otel)

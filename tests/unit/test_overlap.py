@@ -1,39 +1,19 @@
-"""Drafting overlapped with verification (engine/overlap.py): two groups take turns, and every
-request sees exactly the trees, acceptance and tokens of the serial loop — greedy and seeded
-sampling, with a request that does not speculate, one that is aborted while its draft is in
-flight and one that starts decoding late."""
+"""Drafting overlapped with the verifier's work (engine/overlap.py) — the next drafts sent
+during the commit (`draft_ahead`), or two groups taking turns (`overlap`): every request sees
+exactly the trees, acceptance and tokens of the serial loop — greedy and seeded sampling, with a
+request that does not speculate, one that is aborted while its draft is in flight and one that
+starts decoding late."""
 
 from __future__ import annotations
 
 import pytest
 
 from specserve.config import EngineConfig
-from specserve.drafters.ngram import NgramDrafter
 from specserve.engine.engine import Engine
 from specserve.types import SamplingParams
-from tests.helpers import random_prompts
+from tests.helpers import AheadDrafter, random_prompts
 
 PAGE = 8
-
-
-class AheadDrafter(NgramDrafter):
-    """The n-gram drafter (trees from the history alone) that can also draft ahead: `submit`
-    drafts at once and hands the trees back when collected; it logs what each call held."""
-
-    asynchronous = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, tuple[str, ...]]] = []
-
-    def draft(self, requests):
-        self.calls.append(("draft", tuple(r.request_id for r in requests)))
-        return super().draft(requests)
-
-    def submit(self, requests):
-        self.calls.append(("submit", tuple(r.request_id for r in requests)))
-        trees = super().draft(requests)
-        return lambda: trees
 
 
 def _requests(vocab: int):
@@ -47,9 +27,11 @@ def _requests(vocab: int):
                                                                    strict=True))]
 
 
-def _run(path, requests, overlap: bool, abort_at: int | None = None):
+def _run(path, requests, mode: str, abort_at: int | None = None):
+    """`mode`: serial | ahead | overlap."""
     engine = Engine(EngineConfig(str(path), page_size=PAGE, max_draft_tokens=16,
-                                 max_num_batched_tokens=64, overlap=overlap))
+                                 max_num_batched_tokens=64, overlap=mode == "overlap",
+                                 draft_ahead=mode == "ahead"))
     drafter = AheadDrafter()
     engine.set_drafter(drafter)
     steps: dict[str, list[tuple[int, int, int]]] = {rid: [] for rid, *_ in requests}
@@ -66,19 +48,21 @@ def _run(path, requests, overlap: bool, abort_at: int | None = None):
         if abort_at is not None and n == abort_at:
             engine.abort("r4")
         per_step.append(set())
+        drafter.step = n
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
         n += 1
     assert engine.blocks.num_used_pages == 0
-    return tokens, steps, per_step, drafter.calls
+    return tokens, steps, per_step, drafter
 
 
 @pytest.mark.parametrize("abort_at", [None, 9])
 def test_two_groups_give_the_serial_loop_exactly(checkpoint_cache, abort_at):
     path, hf = checkpoint_cache("qwen3-gqa4-yarn")
     requests = _requests(hf.config.vocab_size)
-    ref_tokens, ref_steps, _, _ = _run(path, requests, overlap=False, abort_at=abort_at)
-    tokens, steps, per_step, calls = _run(path, requests, overlap=True, abort_at=abort_at)
+    ref_tokens, ref_steps, _, _ = _run(path, requests, mode="serial", abort_at=abort_at)
+    tokens, steps, per_step, drafter = _run(path, requests, mode="overlap", abort_at=abort_at)
+    calls = drafter.calls
     if abort_at is None:
         assert tokens == ref_tokens and steps == ref_steps
     else:  # r4's tokens stop wherever its abort caught it; everyone else is exact
@@ -98,7 +82,28 @@ def test_one_speculating_request_runs_serially(checkpoint_cache):
     path, hf = checkpoint_cache("qwen3-gqa4-yarn")
     requests = _requests(hf.config.vocab_size)[:2]
     requests = [requests[0], (requests[1][0], requests[1][1], requests[1][2], 0)]
-    ref_tokens, ref_steps, _, _ = _run(path, requests, overlap=False)
-    tokens, steps, _, calls = _run(path, requests, overlap=True)
+    ref_tokens, ref_steps, _, _ = _run(path, requests, mode="serial")
+    tokens, steps, _, drafter = _run(path, requests, mode="overlap")
+    calls = drafter.calls
     assert tokens == ref_tokens and steps == ref_steps
     assert all(kind == "draft" for kind, _ in calls)  # nothing to overlap with
+
+
+@pytest.mark.parametrize("abort_at", [None, 9])
+def test_drafts_sent_ahead_give_the_serial_loop_exactly(checkpoint_cache, abort_at):
+    path, hf = checkpoint_cache("qwen3-gqa4-yarn")
+    requests = _requests(hf.config.vocab_size)
+    ref_tokens, ref_steps, _, ref = _run(path, requests, mode="serial", abort_at=abort_at)
+    tokens, steps, _, drafter = _run(path, requests, mode="ahead", abort_at=abort_at)
+    ref_calls, calls = ref.calls, drafter.calls
+    assert tokens == ref_tokens and steps == ref_steps  # the same steps: r4's abort too
+    assert max(c for s in ref_steps.values() for _, _, c in s) > 2  # drafts were accepted
+    assert {kind for kind, _ in ref_calls} == {"draft"}
+    ahead = [ids for kind, ids in calls if kind == "ahead"]
+    # every step but the first of each request is drafted ahead, all requests in one batch
+    assert len(ahead) > 20 and max(len(ids) for ids in ahead) == 5
+    assert len(ahead) > 4 * sum(1 for kind, _ in calls if kind == "draft")
+    assert all("r3" not in ids for ids in ahead)  # budget 0: never drafted
+    if abort_at is not None:  # r4's next draft was in flight when it was aborted
+        assert "r4" in drafter.sent_ahead[abort_at - 1]
+        assert all("r4" not in ids for n, ids in drafter.sent_ahead.items() if n >= abort_at)

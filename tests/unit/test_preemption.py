@@ -12,16 +12,17 @@ from specserve.drafters.ngram import NgramDrafter
 from specserve.engine.engine import Engine
 from specserve.errors import CapacityExhausted
 from specserve.types import SamplingParams
-from tests.helpers import random_prompts
+from tests.helpers import AheadDrafter, random_prompts
 
 PAGE = 8
 
 
-def _engine(path, num_pages: int, max_waiting: int | None = None) -> Engine:
+def _engine(path, num_pages: int, max_waiting: int | None = None, drafter=NgramDrafter
+            ) -> Engine:
     engine = Engine(EngineConfig(str(path), page_size=PAGE, num_pages=num_pages,
                                  max_draft_tokens=8, max_num_batched_tokens=48,
                                  max_waiting=max_waiting))
-    engine.set_drafter(NgramDrafter())
+    engine.set_drafter(drafter())
     return engine
 
 
@@ -48,12 +49,15 @@ def _alone(path, req) -> list[int]:
     return tokens
 
 
-def test_a_pool_sized_request_does_not_starve_the_rest(checkpoint_cache):
+@pytest.mark.parametrize("drafter", [NgramDrafter, AheadDrafter])
+def test_a_pool_sized_request_does_not_starve_the_rest(checkpoint_cache, drafter):
+    """Also with the next drafts sent ahead (AheadDrafter): a preempted request's draft in
+    flight is dropped, and its recomputed output is still the same."""
     path, hf = checkpoint_cache("qwen3-gqa4-yarn")
     reqs = _requests(hf.config.vocab_size)
     want = {r[0]: _alone(path, r) for r in reqs}
     # the big one alone needs (42 + 300 + 9) / 8 = 44 pages of the 56
-    engine = _engine(path, num_pages=56)
+    engine = _engine(path, num_pages=56, drafter=drafter)
     for req in reqs:
         engine.add_request(*req)
     got, finished = {r[0]: [] for r in reqs}, []
@@ -67,6 +71,8 @@ def test_a_pool_sized_request_does_not_starve_the_rest(checkpoint_cache):
     assert finished[-1] == "big" and len(finished) == len(reqs)
     assert engine.scheduler.num_preempted > 0  # the pool ran out on the way
     assert engine.blocks.num_used_pages == engine.blocks.num_reserved_pages == 0
+    if drafter is AheadDrafter:
+        assert sum(kind == "ahead" for kind, _ in engine.drafter.calls) > 50
 
 
 def test_the_waiting_queue_is_bounded(checkpoint_cache):
