@@ -3,9 +3,10 @@
 The engine is synchronous and single-threaded, so every call into it (add, abort, step) happens
 on a dedicated thread. The asyncio side talks to it through a thread-safe inbox of commands;
 the thread drains the inbox, runs `engine.step()` while there is work (sleeping on the inbox
-when idle) and hands each request's outputs to that request's asyncio queue with
-`call_soon_threadsafe`. Per-request queues are bounded by the request's max_tokens (the engine
-thread must never block on one slow client). No grpc here.
+when idle) and hands the step's outputs to their requests' asyncio queues with one
+`call_soon_threadsafe` (one wake-up of the event loop a step). Per-request queues are bounded
+by the request's max_tokens (the engine thread must never block on one slow client). No grpc
+here.
 
 A request that fails inside the engine (an output with `error`) gets that exception on its
 queue and nothing else happens to the others; only a step that raises fails every request.
@@ -193,16 +194,18 @@ class StepLoop:
             self._steps += 1
         t1 = time.perf_counter()
         finished = {}  # request id -> when its final event was handed over
+        events = []  # (queue, event): handed to the event loop at once, one wake-up a step
         for out in outputs:
             if out.finished:
                 finished[out.request_id] = time.time_ns()
-            self._deliver(out)
+            self._deliver(out, events)
+        self._post_all(events)
         t2 = time.perf_counter()
         self._observe(outputs, finished)  # after delivery: off the tokens' path
         self.profile.update(engine_step=t1 - t0, deliver=t2 - t1,
                             observe=time.perf_counter() - t2)
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, out: RequestOutput, events: list) -> None:
         if out.error is not None:  # the engine already ended it; the others go on
             self._fail(out.request_id, out.error)
             return
@@ -216,7 +219,7 @@ class StepLoop:
         if self.metrics is not None and step is None:  # prefill done: its first token
             self.metrics.phase.labels(phase="prefill").observe(req.spec_stats.prefill_s)
         snapshot = copy.deepcopy(req.spec_stats) if out.finished else None
-        self._post(req.queue, StepEvent(out, step, snapshot))
+        events.append((req.queue, StepEvent(out, step, snapshot)))
 
     def _observe(self, outputs: list[RequestOutput], finished: dict[str, int]) -> None:
         """The step's spans and metrics (engine thread, after the outputs went out)."""
@@ -258,6 +261,16 @@ class StepLoop:
         if req is not None:
             self._post(req.queue, error)
 
+    def _post_all(self, events: list[tuple[asyncio.Queue, object]]) -> None:
+        if events:
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                self._loop.call_soon_threadsafe(_put_all, events)
+
     def _post(self, q: asyncio.Queue, item) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens any more
             self._loop.call_soon_threadsafe(q.put_nowait, item)
+
+
+def _put_all(events: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in events:
+        q.put_nowait(item)
