@@ -2,8 +2,9 @@
 groups of decoding requests taking turns.
 
 `Ahead` (the default with an asynchronous drafter): a step's drafts for the next step are sent
-as soon as its acceptance is known, before the KV compaction, the step records, streaming the
-tokens and scheduling the next step, so that host work runs while the drafter drafts. The
+as soon as its acceptance is known and its GPU work launched, before the step records,
+streaming the tokens and scheduling the next step, so that host work runs while the drafter
+drafts. The
 draft asked for is exactly the serial loop's (nothing it depends on changes before the next
 step), so it is lossless by construction; a request whose state changed meanwhile (aborted,
 preempted, or not scheduled) drops its tree, and one that was not in the batch is drafted then.

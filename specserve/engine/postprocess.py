@@ -1,9 +1,9 @@
 """A step's last phase: what the forward's logits become — accepted tokens, compacted KV,
 outputs.
 
-For each verified tree: the accept walk (`spec.accept`) and the commit of its tokens
-(`commit_trees`), then the KV compaction of its accepted path (one batched slot copy for the
-step) and the step record (`settle_trees`) — split so that the engine can ask for the next
+For each verified tree: the accept walk (`spec.accept`), the commit of its tokens and the KV
+compaction of its accepted path (one batched slot copy for the step: `commit_trees`), then its
+pages cut and the step record (`settle_trees`) — split so that the engine can ask for the next
 drafts in between. For each prefill chunk: its tokens booked as computed, its tapped features
 queued for the drafter, and where a prompt ends its first token sampled. A request whose
 accept, sampling or commit raises ends alone (`isolation.fail`); the others go on.
@@ -34,16 +34,15 @@ class Committed:
 
     outputs: list[RequestOutput]  # every tree's output (an error output where it failed)
     done: list[tuple]  # (plan, acceptance, output, cut, first logit row) of each committed tree
-    src: list[int]  # KV slots to copy from (the accepted paths' scratch rows) ...
-    dst: list[int]  # ... and to
-    seconds: float  # the commit's time so far
+    seconds: float  # the commit's time
 
 
 def commit_trees(engine: Engine, batch: StepBatch) -> Committed:
-    """The accept walk and the tokens' commit of every tree of the step: after this, each
-    request's next draft can be asked for (`Engine` may send it before `settle_trees`)."""
+    """The accept walk, the tokens' commit and the KV compaction (one batched slot copy) of
+    every tree of the step: after this, each request's next draft can be asked for (`Engine`
+    may send it before `settle_trees`; the verifier's GPU work is all launched by then)."""
     t0 = time.perf_counter()
-    c, row0 = Committed([], [], [], [], 0.0), 0
+    c, row0, src, dst = Committed([], [], 0.0), 0, [], []
     for p, end in zip(batch.plans, batch.ends, strict=False):
         n = p.layout.num_rows
         try:
@@ -52,21 +51,20 @@ def commit_trees(engine: Engine, batch: StepBatch) -> Committed:
             c.outputs.append(isolation.fail(engine, p.seq, e))
         else:
             if not out.finished:  # a finished request's pages are already free
-                c.src, c.dst = c.src + s, c.dst + d
+                src, dst = src + s, dst + d
             c.done.append((p, acc, out, len(out.new_token_ids) < len(acc.token_ids), row0))
             c.outputs.append(out)
         row0 += n
+    engine.runner.kv.copy_slots(src, dst)  # host lists: one transfer, no sync
     c.seconds = time.perf_counter() - t0
     return c
 
 
 def settle_trees(engine: Engine, batch: StepBatch, c: Committed, draft_s: float,
                  verify_s: float) -> None:
-    """The rest of the trees' commit: the KV compaction of the accepted paths (one batched
-    slot copy), each request's pages cut to its tokens, the step records."""
-    t0 = time.perf_counter()
-    engine.runner.kv.copy_slots(c.src, c.dst)  # host lists: one transfer, no sync
-    commit_s = c.seconds + time.perf_counter() - t0
+    """The rest of the trees' commit, host work only: each request's pages cut to its
+    tokens, the step records."""
+    commit_s = c.seconds
     if engine.adaptive is not None:
         engine.adaptive.observe_step([(p, acc.rows, row) for p, acc, *_, row in c.done],
                                      batch.logits)
