@@ -51,8 +51,7 @@ class _Static:
                 spec[f"mask_{g.name}"] = ((bb * n, -(-n // 32)), np.int32)
         self.buf = Staging(spec, graphs.device)
         self.views = self.buf.views
-        fc = graphs.model.fc.weight
-        self.feats = torch.zeros(bb * c, fc.shape[1], dtype=fc.dtype, device=graphs.device)
+        self.feats = graphs.feats(bb)  # [bb·C, taps·hidden], one per bucket (replays are serial)
         self.views["cu"][1][:] = np.arange(bb + 1, dtype=np.int32) * n
         self.batches = {key: self._batch(graphs, *key) for key in graphs.batch_keys}
         self.graph, self.logits = None, None
@@ -94,7 +93,30 @@ class DraftGraphs:
         self.fused = fused and all(model.fused_covers(g.pool.shape.dtype)
                                    for g in cache.groups.values())
         self._graphs: dict[tuple[int, int], _Static] = {}
+        self._feats: dict[int, torch.Tensor] = {}
         self._pool = None
+
+    def feats(self, bb: int) -> torch.Tensor:
+        """Batch bucket `bb`'s static context rows `[bb · context_rows, taps · hidden]`, shared
+        by its graphs of every block length (a replay fills the rows it writes)."""
+        if bb not in self._feats:
+            fc = self.model.fc.weight
+            self._feats[bb] = torch.zeros(bb * self.context_rows, fc.shape[1], dtype=fc.dtype,
+                                          device=self.device)
+        return self._feats[bb]
+
+    def warm(self, max_batch: int) -> int:
+        """Build (on CUDA: capture) the graph of every batch bucket up to `max_batch` requests
+        and every block length not built yet, so that no step builds one inside a request: a
+        batch whose requests are near their max_tokens at different steps replays several
+        lengths, each of its own bucket. Returns how many."""
+        top = bucket_of(min(max_batch, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
+        keys = [(bb, n) for bb in BATCH_BUCKETS if bb <= top
+                for n in range(2, self.model.config.block_size + 1)]
+        todo = [k for k in keys if k not in self._graphs]
+        for key in todo:
+            self._build(*key)
+        return len(todo)
 
     def fits(self, block_lens) -> bool:
         """Whether a call with these block lengths can replay: ≤ the last batch bucket of

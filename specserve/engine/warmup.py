@@ -128,12 +128,13 @@ def warm_up_causal_chunks(mc, dtype: torch.dtype, device: torch.device, page_siz
     return len(shapes)
 
 
-def warm_up_drafter(drafter, context_rows: int = 300) -> float:
+def warm_up_drafter(drafter, context_rows: int = 300, max_batch: int = 64) -> float:
     """Warm a DFlash drafter (`DFlashDrafter`): a context chunk, then a draft per depth class
     — with its CUDA graphs, per depth 1 … block size − 1: every block length has its own graph,
     and a request's last steps before max_tokens shrink its block a token a step (captured
     lazily, each was a slow step on the H200: BENCHMARKS.md, "DFlash decode: the steps before
-    max_tokens, and the fused-layer drafter")."""
+    max_tokens, and the fused-layer drafter") — then the graphs of every batch bucket up to
+    `max_batch` requests and block length (`DraftGraphs.warm`)."""
     t0, cfg = time.perf_counter(), drafter.model.config
     weight = drafter.model.fc.weight
     gen = torch.Generator().manual_seed(0)
@@ -147,6 +148,8 @@ def warm_up_drafter(drafter, context_rows: int = 300) -> float:
             context = None
     finally:
         drafter.release(WARMUP_ID)
+    if drafter.graphs is not None:
+        drafter.graphs.warm(max_batch)
     seconds = time.perf_counter() - t0
     log.info("drafter warm-up: %d context rows, %.1f s", context_rows, seconds)
     return seconds

@@ -86,19 +86,25 @@ def test_fused_layers_through_the_triton_kernels_equal_their_torch_twins(monkeyp
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
-def test_warm_up_builds_a_graph_per_block_length():
-    """The services' drafter warm-up builds batch bucket 1's graph of every block length, so
-    the shrinking blocks of requests near max_tokens (and the one-request groups of mixed
-    calls) replay; it leaves no request behind."""
+def test_warm_up_builds_a_graph_per_batch_bucket_and_block_length():
+    """The services' drafter warm-up builds the graph of every batch bucket up to `max_batch`
+    and every block length, so the shrinking blocks of requests near max_tokens and the groups
+    of mixed calls replay without building one inside a request; it leaves no request behind,
+    and the graphs built ahead (a bucket's graphs share its context rows) draft as the others."""
     from specserve.engine.warmup import WARMUP_ID, warm_up_drafter
 
-    drafter = DFlashDrafter(tiny_model(), num_pages=60, page_size=4, graphs=True, capture=False)
-    warm_up_drafter(drafter, context_rows=9)
+    want = run_calls(DFlashDrafter(tiny_model(), num_pages=60, page_size=4, poison=True))
+    drafter = DFlashDrafter(tiny_model(), num_pages=60, page_size=4, poison=True, graphs=True,
+                            capture=False)
+    warm_up_drafter(drafter, context_rows=9, max_batch=3)
     warmed = set(drafter.graphs._graphs)
-    assert warmed == {(1, n) for n in range(2, BLOCK + 1)}
+    assert warmed == {(bb, n) for bb in (1, 2, 4) for n in range(2, BLOCK + 1)}
+    assert drafter.graphs.warm(4) == 0 and drafter.graphs.warm(5) == BLOCK - 1
     assert drafter.cache.length(WARMUP_ID) == 0
-    run_calls(drafter)
-    assert set(drafter.graphs._graphs) - warmed == {(2, BLOCK), (4, BLOCK)}
+    got = run_calls(drafter)
+    assert set(drafter.graphs._graphs) == warmed | {(8, n) for n in range(2, BLOCK + 1)}
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_trash_pages_are_never_handed_out():
