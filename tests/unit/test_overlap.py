@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from specserve.config import EngineConfig
+from specserve.drafters.ngram import NgramDrafter
 from specserve.engine.engine import Engine
 from specserve.types import SamplingParams
 from tests.helpers import AheadDrafter, random_prompts
@@ -27,13 +28,14 @@ def _requests(vocab: int):
                                                                    strict=True))]
 
 
-def _run(path, requests, mode: str, abort_at: int | None = None):
-    """`mode`: serial | ahead | overlap."""
+def _run(path, requests, mode: str, abort_at: int | None = None, switch_at: int | None = None):
+    """`mode`: serial | ahead | overlap; `switch_at`: the drafter (stateless: trees from the
+    history) is set at that step, the steps before draft with a synchronous one."""
     engine = Engine(EngineConfig(str(path), page_size=PAGE, max_draft_tokens=16,
                                  max_num_batched_tokens=64, overlap=mode == "overlap",
                                  draft_ahead=mode == "ahead"))
     drafter = AheadDrafter()
-    engine.set_drafter(drafter)
+    engine.set_drafter(drafter if switch_at is None else NgramDrafter())
     steps: dict[str, list[tuple[int, int, int]]] = {rid: [] for rid, *_ in requests}
     per_step: list[set[str]] = []
     engine.on_step = lambda rid, s: (steps[rid].append((s.tree_size, s.accepted_depth,
@@ -47,6 +49,8 @@ def _run(path, requests, mode: str, abort_at: int | None = None):
             engine.add_request(*requests[-1])
         if abort_at is not None and n == abort_at:
             engine.abort("r4")
+        if n == switch_at:
+            engine.set_drafter(drafter)
         per_step.append(set())
         drafter.step = n
         for out in engine.step():
@@ -100,10 +104,24 @@ def test_drafts_sent_ahead_give_the_serial_loop_exactly(checkpoint_cache, abort_
     assert max(c for s in ref_steps.values() for _, _, c in s) > 2  # drafts were accepted
     assert {kind for kind, _ in ref_calls} == {"draft"}
     ahead = [ids for kind, ids in calls if kind == "ahead"]
-    # every step but the first of each request is drafted ahead, all requests in one batch
+    # every step is drafted ahead — a request's first too (sent when its prompt's last chunk
+    # is done) — all speculating requests in one batch
+    assert {kind for kind, _ in calls} == {"ahead"}
     assert len(ahead) > 20 and max(len(ids) for ids in ahead) == 5
-    assert len(ahead) > 4 * sum(1 for kind, _ in calls if kind == "draft")
     assert all("r3" not in ids for ids in ahead)  # budget 0: never drafted
     if abort_at is not None:  # r4's next draft was in flight when it was aborted
         assert "r4" in drafter.sent_ahead[abort_at - 1]
         assert all("r4" not in ids for n, ids in drafter.sent_ahead.items() if n >= abort_at)
+
+
+def test_requests_decoding_when_drafts_ahead_begin_are_drafted_at_once(checkpoint_cache):
+    """A drafter that drafts ahead set while requests decode: nothing was sent for them, so
+    that step drafts them serially, and the steps after are sent ahead — tokens and steps as
+    in the serial loop."""
+    path, hf = checkpoint_cache("qwen3-gqa4-yarn")
+    requests = _requests(hf.config.vocab_size)
+    ref_tokens, ref_steps, _, _ = _run(path, requests, mode="serial")
+    tokens, steps, _, drafter = _run(path, requests, mode="ahead", switch_at=10)
+    assert tokens == ref_tokens and steps == ref_steps
+    assert drafter.calls[0][0] == "draft" and len(drafter.calls[0][1]) > 1
+    assert {kind for kind, _ in drafter.calls[1:]} == {"ahead"}
