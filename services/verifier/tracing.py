@@ -11,7 +11,7 @@ step, `end_step` ends them with the engine's timestamps; requests that did not d
 no drafter) get all their spans created there, after the fact. A draft sent ahead (during a
 step's commit, for the next step: engine/overlap.Ahead) opens the next step's `step` and
 `draft` spans at that moment, and the step that sent it (its `commit`, or the prompt's
-`prefill`) ends there: what the verifier does after sending it — the KV compaction, streaming,
+`prefill`) ends there: what the verifier does after sending it — the step records, streaming,
 the next schedule — runs while the drafter drafts, inside the next step's `draft`.
 
 A step is draft → verify → commit → stream, so a `step` span (and `prefill`)
