@@ -4,10 +4,10 @@ groups of decoding requests taking turns.
 `Ahead` (the default with an asynchronous drafter): a step's drafts for the next step are sent
 as soon as its acceptance is known and its GPU work launched, before the step records,
 streaming the tokens and scheduling the next step, so that host work runs while the drafter
-drafts. The
-draft asked for is exactly the serial loop's (nothing it depends on changes before the next
-step), so it is lossless by construction; a request whose state changed meanwhile (aborted,
-preempted, or not scheduled) drops its tree, and one that was not in the batch is drafted then.
+drafts. The draft asked for is exactly the serial loop's (nothing it depends on changes before
+the next step), so it is lossless by construction; a request whose state changed meanwhile
+(aborted, preempted, or not scheduled) drops its tree, and one that was not in the batch is
+drafted then.
 
 `Alternation` (`overlap`): speculating requests are split into two sticky groups (a new one
 joins the smaller). Each step verifies one group with the trees drafted for it during the
@@ -17,10 +17,10 @@ max(verify, draft) instead of their sum — when the drafter's work overlaps the
 slowing it. Lossless by construction too: a request's draft is made from exactly the state it
 has when its trees are used (it is not verified in between), so each request sees the same
 drafts, trees and acceptance as in the serial loop; only which requests share a forward
-changes. A request
-whose group's draft was sent before it started decoding waits one step for its group's next
-turn; with only one group (one speculating request) every step is serial. Both need a drafter
-with `submit(requests) -> collect` (services/verifier/drafter_client.RemoteDrafter).
+changes. A request whose group's draft was sent before it started decoding waits one step for
+its group's next turn; with only one group (one speculating request) every step is serial.
+Both need a drafter with `submit(requests) -> collect`
+(services/verifier/drafter_client.RemoteDrafter).
 """
 
 from __future__ import annotations
@@ -63,12 +63,12 @@ class Alternation:
         turn = flight.group if flight is not None else (0 if groups[0] else 1)
         now, other = groups[turn], groups[1 - turn]
         if other:  # out first: the drafter works on it while this group is verified
-            self.in_flight = self._submit(1 - turn, other, drafter, max_len)
+            self.in_flight = _submit(1 - turn, other, drafter, max_len)
         plans, _ = speculative.plan(plain, drafter, max_len, vocab)
         if flight is not None and flight.group == turn:
             sent = {s.request_id for s in flight.seqs}
             ready = [s for s in now if s.request_id in sent]
-            plans += self._collect(flight, ready, drafter, vocab)
+            plans += _collect(flight, ready, drafter, vocab)
             waiting = [s for s in now if s.request_id not in sent]
         else:  # nothing drafted ahead for this group: now, serially
             plans += speculative.plan(now, drafter, max_len, vocab)[0]
@@ -85,39 +85,6 @@ class Alternation:
         return ([s for s in seqs if self.group[s.request_id] == 0],
                 [s for s in seqs if self.group[s.request_id] == 1])
 
-    @staticmethod
-    def _submit(group: int, seqs: list[Sequence], drafter, max_len: int,
-                ahead: bool = False) -> _InFlight:
-        reqs = speculative.draft_requests(seqs, max_len)
-        wanted = [r for r in reqs if r.budget > 0]
-        try:
-            collect = drafter.submit(wanted, ahead=ahead)
-        except Exception as e:  # noqa: BLE001 — the group verifies root-only trees
-            collect = e
-        return _InFlight(group, list(seqs), reqs, wanted, collect)
-
-    @staticmethod
-    def _collect(flight: _InFlight, ready: list[Sequence], drafter,
-                 vocab: int) -> list[speculative.Planned]:
-        got = flight.collect
-        if not isinstance(got, Exception):
-            try:
-                got = got()
-            except Exception as e:  # noqa: BLE001
-                got = e
-        if not isinstance(got, Exception) and len(got) != len(flight.wanted):
-            got = ValueError(f"drafter returned {len(got)} trees for {len(flight.wanted)} "
-                             "requests")
-        keep = {s.request_id for s in ready}  # a request aborted meanwhile is dropped
-        if not isinstance(got, Exception):
-            got = [t for r, t in zip(flight.wanted, got, strict=False) if r.request_id in keep]
-        reqs = [r for r in flight.reqs if r.request_id in keep]
-        wanted = [r for r in flight.wanted if r.request_id in keep]
-        by_id = {r.request_id: r for r in reqs}
-        ready = [s for s in ready if s.request_id in by_id]
-        reqs = [by_id[s.request_id] for s in ready]
-        return speculative.planned(ready, reqs, wanted, got, drafter, vocab)
-
 
 class Ahead:
     """The next step's drafts, sent when this step's acceptance is known (engine thread)."""
@@ -130,7 +97,7 @@ class Ahead:
         scheduler's, after this step's commit)."""
         seqs = [s for s in running if s.budget and not s.in_prefill]
         if seqs:
-            self.in_flight = Alternation._submit(0, seqs, drafter, max_len, ahead=True)
+            self.in_flight = _submit(0, seqs, drafter, max_len, ahead=True)
 
     def plan(self, seqs: Seq[Sequence], drafter, max_len: int, vocab: int
              ) -> tuple[list[speculative.Planned], float]:
@@ -145,5 +112,40 @@ class Ahead:
         rest = [s for s in seqs if s.request_id not in held]
         plans = speculative.plan(rest, drafter, max_len, vocab)[0] if rest else []
         if flight is not None:  # collected even when none is ready: nothing left unread
-            plans += Alternation._collect(flight, ready, drafter, vocab)
+            plans += _collect(flight, ready, drafter, vocab)
         return plans, time.perf_counter() - t0
+
+
+def _submit(group: int, seqs: list[Sequence], drafter, max_len: int,
+            ahead: bool = False) -> _InFlight:
+    """Send the drafts of `seqs` (group `group`); what submit raised is kept for the collect."""
+    reqs = speculative.draft_requests(seqs, max_len)
+    wanted = [r for r in reqs if r.budget > 0]
+    try:
+        collect = drafter.submit(wanted, ahead=ahead)
+    except Exception as e:  # noqa: BLE001 — the group verifies root-only trees
+        collect = e
+    return _InFlight(group, list(seqs), reqs, wanted, collect)
+
+
+def _collect(flight: _InFlight, ready: list[Sequence], drafter,
+             vocab: int) -> list[speculative.Planned]:
+    """The plans of `ready` (those of the flight still decoding) from the flight's trees."""
+    got = flight.collect
+    if not isinstance(got, Exception):
+        try:
+            got = got()
+        except Exception as e:  # noqa: BLE001
+            got = e
+    if not isinstance(got, Exception) and len(got) != len(flight.wanted):
+        got = ValueError(f"drafter returned {len(got)} trees for {len(flight.wanted)} "
+                         "requests")
+    keep = {s.request_id for s in ready}  # a request aborted meanwhile is dropped
+    if not isinstance(got, Exception):
+        got = [t for r, t in zip(flight.wanted, got, strict=False) if r.request_id in keep]
+    reqs = [r for r in flight.reqs if r.request_id in keep]
+    wanted = [r for r in flight.wanted if r.request_id in keep]
+    by_id = {r.request_id: r for r in reqs}
+    ready = [s for s in ready if s.request_id in by_id]
+    reqs = [by_id[s.request_id] for s in ready]
+    return speculative.planned(ready, reqs, wanted, got, drafter, vocab)

@@ -64,13 +64,12 @@ def settle_trees(engine: Engine, batch: StepBatch, c: Committed, draft_s: float,
                  verify_s: float) -> None:
     """The rest of the trees' commit, host work only: each request's pages cut to its
     tokens, the step records."""
-    commit_s = c.seconds
     if engine.adaptive is not None:
         engine.adaptive.observe_step([(p, acc.rows, row) for p, acc, *_, row in c.done],
                                      batch.logits)
     for p, acc, out, cut, _row in c.done:
         engine.scheduler.settle(p.seq)
-        step = speculative.record(p, acc, out, cut, (draft_s, verify_s, commit_s))
+        step = speculative.record(p, acc, out, cut, (draft_s, verify_s, c.seconds))
         if engine.on_step is not None:
             engine.on_step(p.seq.request_id, step)
 
