@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from specserve.drafters.base import Drafter, DraftRequest
@@ -79,7 +80,7 @@ class DFlashDrafter(Drafter):
         t0 = self._now()
         logits = self._run(requests, [self.block_len(r) if r.budget else 0 for r in requests])
         t1 = self._now()
-        trees = [self._tree(r, lg) for r, lg in zip(requests, logits, strict=True)]
+        trees = self._trees(requests, logits)
         self.last_stats = DraftStats(
             num_requests=len(requests),
             context_rows=sum(self._num_new(r) for r in requests),
@@ -139,22 +140,24 @@ class DFlashDrafter(Drafter):
             if (why := self.problem(r)) is not None:
                 raise ValueError(why)
         num_new = [self._num_new(r) for r in requests]
-        step = self.cache.begin([StepItem(r.request_id, c, n)
-                                 for r, c, n in zip(requests, num_new, block_lens, strict=True)])
-        lens = sorted({n for n in block_lens if n})
         graphed = self.graphs is not None and self.graphs.fits(block_lens)
-        in_graph = (graphed and self.graphs.takes_context(block_lens, num_new)
+        # the graphs run every block at the call's longest, a shorter one masked to its length
+        run_lens = ([max(block_lens) if n else 0 for n in block_lens] if graphed
+                    else list(block_lens))
+        step = self.cache.begin([StepItem(r.request_id, c, n)
+                                 for r, c, n in zip(requests, num_new, run_lens, strict=True)])
+        in_graph = (graphed and self.graphs.takes_context(run_lens, num_new)
                     and not any(r.context_fused for r in requests))
         if not in_graph:  # the graph writes a decode step's few raw rows itself
             self._write_context(step, [r for r, c in zip(requests, num_new, strict=True) if c])
         vocab, device = self.model.config.vocab_size, self.cache.device
         empty = torch.empty(0, vocab, dtype=torch.float32, device=device)
-        if not lens:
+        if not any(block_lens):
             return [empty for _ in requests]
         if graphed:
             contexts = [r.context if c else None for r, c in zip(requests, num_new, strict=True)
                         ] if in_graph else None
-            return self._replay(step, requests, block_lens, lens, contexts, empty)
+            return self._replay(step, requests, block_lens, contexts, empty)
         mask = self.model.config.mask_token_id
         ids = torch.tensor([t for r, n in zip(requests, block_lens, strict=True) if n
                             for t in [r.bonus_token] + [mask] * (n - 1)], device=device)
@@ -165,19 +168,20 @@ class DFlashDrafter(Drafter):
             row += n
         return out
 
-    def _replay(self, step: CacheStep, requests, block_lens, lens, contexts, empty):
-        """The call's blocks through the graphs, one replay per block length (a request near
-        max_tokens has a shorter block than the rest of its batch); `contexts` only with one
-        length. The graphs share one memory pool, so a replay may overwrite what an earlier
-        one returned (on the H200 it did, in the fused-layers GPU test): with several lengths
-        each one's logits are copied before the next replay."""
+    def _replay(self, step: CacheStep, requests, block_lens, contexts, empty):
+        """The call's blocks through one graph replay at the longest block: a request near
+        max_tokens (a shorter block than the rest of its batch) runs padded, its block masked
+        to its own length, and keeps its first n − 1 rows (one replay per length cost a step
+        of a batch whose requests end at different steps several replays and an eager context
+        write: BENCHMARKS.md, "The served path: drafts sent ahead, …")."""
+        idx = [i for i, n in enumerate(block_lens) if n]
+        sub = step if len(idx) == len(requests) else step.subset(idx)
+        valid = [block_lens[i] for i in idx]
+        got = self.graphs.run(sub, [requests[i].bonus_token for i in idx], max(valid), contexts,
+                              valid=valid)
         out = [empty] * len(requests)
-        for n in lens:
-            idx = [i for i, m in enumerate(block_lens) if m == n]
-            sub = step if len(idx) == len(requests) else step.subset(idx)
-            got = self.graphs.run(sub, [requests[i].bonus_token for i in idx], n, contexts)
-            for i, lg in zip(idx, got, strict=True):
-                out[i] = lg if len(lens) == 1 else lg.clone()
+        for i, n, lg in zip(idx, valid, got, strict=True):
+            out[i] = lg[: n - 1]
         return out
 
     def _write_context(self, step: CacheStep, requests: list[DraftRequest]) -> None:
@@ -200,11 +204,28 @@ class DFlashDrafter(Drafter):
         for name in self.cache.groups:  # per layer group: one GEMM, one scatter
             step.write_group_context(name, fused, self.model)
 
-    def _tree(self, request: DraftRequest, logits: torch.Tensor) -> DraftTree:
-        depth = logits.shape[0]
-        if request.budget == 0 or depth == 0:
-            return DraftTree.empty()
+    def _trees(self, requests: Sequence[DraftRequest], logits: list[torch.Tensor]
+               ) -> list[DraftTree]:
+        """Each request's tree from its `[n_i − 1, V]` logits: one top-k (a chain: one argmax)
+        over the rows of every request and one host copy for the call, then a heap per request
+        (a top-k and a copy per request made the tree build most of a batch-8 draft step:
+        BENCHMARKS.md, "The served path: drafts sent ahead, …"). A budget below the call's
+        largest keeps the first columns of its rows (the top-k is sorted)."""
+        trees = [DraftTree.empty()] * len(requests)
+        live = [i for i, r in enumerate(requests) if r.budget and logits[i].shape[0]]
+        if not live:
+            return trees
+        rows = torch.cat([logits[i] for i in live])  # [ΣL, V] float32
+        ends = np.cumsum([logits[i].shape[0] for i in live])[:-1]
         if not self.tree:
-            return chain_tree(logits[: request.budget].argmax(dim=-1).cpu().numpy())
-        logprobs, token_ids = topk_logprobs(logits, min(request.budget, logits.shape[1]))
-        return build_ddtree(logprobs, token_ids, request.budget, depth)
+            paths = np.split(rows.argmax(dim=-1).cpu().numpy(), ends)  # [L_i] per request
+            for i, path in zip(live, paths, strict=True):
+                trees[i] = chain_tree(path[: requests[i].budget])
+            return trees
+        k = min(max(requests[i].budget for i in live), rows.shape[1])
+        logprobs, token_ids = topk_logprobs(rows, k)  # [ΣL, K] each, on the host
+        for i, lp, ids in zip(live, np.split(logprobs, ends), np.split(token_ids, ends),
+                              strict=True):
+            k_i = min(requests[i].budget, k)
+            trees[i] = build_ddtree(lp[:, :k_i], ids[:, :k_i], requests[i].budget, lp.shape[0])
+        return trees

@@ -34,11 +34,16 @@ FULL, SLIDING = "full", "sliding"
 
 
 @lru_cache(maxsize=256)
-def block_mask(n: int, window: int | None) -> np.ndarray:  # [n, W] uint32
-    """Bidirectional mask among `n` block tokens (|i − j| < window when a window is given)."""
+def block_mask(n: int, window: int | None, valid: int | None = None) -> np.ndarray:  # [n, W]
+    """Bidirectional mask among `n` block tokens (|i − j| < window when a window is given),
+    packed in uint32 words. `valid`: a block of `valid` tokens run padded to `n` — its rows
+    see only its first `valid` columns; the padding rows past it keep theirs (never a row
+    without a key)."""
     rows = np.arange(n)
     dense = np.ones((n, n), dtype=bool) if window is None else (
         np.abs(rows[:, None] - rows[None, :]) < window)
+    if valid is not None:
+        dense[:valid, valid:] = False
     words = num_mask_words(n)
     bits = np.zeros((n, words * MASK_WORD_BITS), dtype=np.uint64)  # [n, W*32]
     bits[:, :n] = dense

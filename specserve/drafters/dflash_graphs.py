@@ -9,7 +9,8 @@ step was mostly host work around its GPU work: BENCHMARKS.md, "DFlash draft step
 fused drafter path, tried and reverted"). Calls with more new
 rows (prefill chunks) write their context eagerly first; the graph's context rows then all go
 to the trash page. A call whose requests have different block lengths (one near its max_tokens
-has a shorter block) replays one graph per length (`DFlashDrafter._replay`).
+has a shorter block) replays the graph of its longest, each shorter block masked to its own
+length in the bidirectional layers (causal ones never look ahead): `run`'s `valid`.
 
 Per step the metadata of every (layer group, causality) block batch — context lengths, page
 tables, block slots and positions — and the block ids go to the device in one copy of a pinned
@@ -53,6 +54,7 @@ class _Static:
         self.views = self.buf.views
         self.feats = graphs.feats(bb)  # [bb·C, taps·hidden], one per bucket (replays are serial)
         self.views["cu"][1][:] = np.arange(bb + 1, dtype=np.int32) * n
+        self.masks = {}  # group → (window, every request's full block mask [bb·n, W] int32)
         self.batches = {key: self._batch(graphs, *key) for key in graphs.batch_keys}
         self.graph, self.logits = None, None
 
@@ -61,8 +63,9 @@ class _Static:
         g = graphs.cache.groups[group]
         if not causal:  # bidirectional block (windowed in sliding groups): a static mask, in
             # the host view so that every staging copy carries it
-            self.views[f"mask_{group}"][1][:] = np.tile(block_mask(self.n, g.window).view(
-                np.int32), (self.bb, 1))
+            full = np.tile(block_mask(self.n, g.window).view(np.int32), (self.bb, 1))
+            self.masks[group] = (g.window, full)
+            self.views[f"mask_{group}"][1][:] = full
         return AttnBatch(q_lens=(self.n,) * self.bb, ctx_lens=(graphs.capacity[group],) * self.bb,
                          cu_q=d["cu"], ctx_lens_t=d[f"ctx_{group}"],
                          block_table=d[f"table_{group}"], slot_mapping=d[f"slots_{group}"],
@@ -120,7 +123,7 @@ class DraftGraphs:
 
     def fits(self, block_lens) -> bool:
         """Whether a call with these block lengths can replay: ≤ the last batch bucket of
-        requests, blocks > 1 (`DFlashDrafter` replays one graph per distinct length)."""
+        requests, blocks > 1 (`DFlashDrafter` runs them all at the longest)."""
         lens = [n for n in block_lens if n]
         return bool(lens) and len(block_lens) <= BATCH_BUCKETS[-1] and min(lens) > 1
 
@@ -132,17 +135,20 @@ class DraftGraphs:
                 and max(num_new, default=0) <= self.context_rows)
 
     def run(self, step: CacheStep, bonus: list[int], n: int,
-            contexts: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+            contexts: list[torch.Tensor | None] | None = None,
+            valid: list[int] | None = None) -> torch.Tensor:
         """Logits `[R, n − 1, V]` float32 of the R requests of `step` (all block length n): a
         view of the graph's static output, valid until the next replay (`DFlashDrafter.draft`
         consumes it at once; `draft_logits` copies it — the GPU test caught callers keeping
         views that the next replay overwrote). `contexts`: each request's new context rows
         `[n_i, taps · hidden]` (None: none) for the graph to write (`takes_context`); None: the
-        caller wrote them."""
+        caller wrote them. `valid`: each request's own block length ≤ n (None: all n) — the
+        rows past it are padding, which no row before it sees; the caller drops their logits."""
         bb = bucket_of(len(bonus), BATCH_BUCKETS)
         st = self._graphs.get((bb, n)) or self._build(bb, n)
         st.buf.wait()
         self._fill(st, step, bonus, contexts is not None)
+        self._mask(st, valid)
         st.buf.push()
         c = self.context_rows
         for i, ctx in enumerate(contexts or ()):
@@ -173,6 +179,16 @@ class DraftGraphs:
                 v[f"ctx_{name}"][i] = length
                 v[f"table_{name}"][i, : len(table)] = table
                 v[f"slots_{name}"][i * n : (i + 1) * n] = slots[name]
+
+    def _mask(self, st: _Static, valid: list[int] | None) -> None:
+        """The bidirectional block masks; request i's block cut to its first `valid[i]` rows
+        (`block_mask`'s `valid`)."""
+        for group, (window, full) in st.masks.items():
+            host = st.views[f"mask_{group}"][1]  # [bb·n, W] int32
+            host[:] = full
+            for i, m in enumerate(valid or ()):
+                if m < st.n:
+                    host[i * st.n : (i + 1) * st.n] = block_mask(st.n, window, m).view(np.int32)
 
     def _fill_context(self, st: _Static, v: dict, step: CacheStep | None) -> None:
         """The context rows' positions and all-layer slots (`step` None: every row to trash)."""

@@ -48,6 +48,7 @@ def test_tree_is_the_budget_most_probable_prefixes(num_depths, vocab):
             lp, ids = topk_logprobs(logits, min(budget, vocab))
             tree = build_ddtree(lp, ids, budget)
             assert tree.n == budget
+            DraftTree(tree.token_ids, tree.parents, tree.depths, tree.scores)  # built unchecked
             assert set(tree_paths(tree)) == set(prefixes[:budget])
             compared += 1
     assert compared >= 75  # 2 seeds x up to 40 budgets; only near-ties are skipped
@@ -59,6 +60,7 @@ def test_tree_is_prefix_closed_topological_and_lays_out():
     lp, ids = topk_logprobs(logits, 7)
     tree = build_ddtree(lp, ids, budget=45)
     assert tree.n == 45
+    DraftTree(tree.token_ids, tree.parents, tree.depths, tree.scores)  # its invariants hold
     assert np.all(tree.parents <= np.arange(tree.n))  # parents precede children
     paths = tree_paths(tree)
     assert len(set(paths)) == tree.n

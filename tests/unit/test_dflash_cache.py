@@ -159,3 +159,37 @@ def test_stacked_context_kv_equals_per_layer_and_follows_weight_updates():
         with torch.no_grad():  # an in-place update (an optimizer step): the stack must follow
             model.layers[2].self_attn.v_proj.weight.mul_(1.5)
             model.layers[0].self_attn.k_norm.weight.add_(0.25)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["dynamic", "static"])
+def test_a_call_builds_each_tree_from_its_own_rows(graphs):
+    """A call's trees come from one top-k (the largest budget's) over every request's rows and
+    one host copy; each equals the tree built from that request's logits alone — budgets 8 / 3
+    and a block cut short by max_depth beside a feed (budget 0) in the same call; the chain
+    drafter's paths are each request's argmax, capped by its budget."""
+    calls = [[("a", 13, 8, 99), ("b", 9, 3, 99), ("c", 17, 0, 99)],
+             [("a", 2, 8, 99), ("b", 3, 3, 2), ("c", 4, 0, 99)]]
+    kw = dict(graphs=graphs, capture=False)
+    raw, ddtree, chain = (DFlashDrafter(tiny_model(seed=2), 40, 4, tree=t, **kw)
+                          for t in (True, True, False))
+    starts = {}
+    for n, call in enumerate(calls):
+        batch = []
+        for rid, n_new, budget, depth in call:
+            starts[rid] = starts.get(rid, 0) + n_new
+            batch.append(request(rid, starts[rid], features(n_new, 10 * n + len(batch)),
+                                 bonus=5 + len(batch), budget=budget, max_depth=depth))
+        logits = raw.draft_logits(batch)
+        trees, paths = ddtree.draft(batch), chain.draft(batch)
+        for r, lg, tree, path in zip(batch, logits, trees, paths, strict=True):
+            if r.budget == 0:
+                assert tree.n == 0 and path.n == 0
+                continue
+            depth = min(BLOCK - 1, r.max_depth)
+            assert lg.shape[0] == depth
+            want = build_ddtree(*topk_logprobs(lg, r.budget), budget=r.budget, max_depth=depth)
+            assert tree.n == r.budget
+            for field in ("token_ids", "parents", "depths", "scores"):
+                assert np.array_equal(getattr(tree, field), getattr(want, field)), field
+            assert path.token_ids.tolist() == lg.argmax(-1)[: r.budget].tolist()
+    assert ddtree.last_stats.block_rows == BLOCK + 3  # a full block and one of depth 2

@@ -4,8 +4,8 @@ On the CPU the static path runs eagerly (`capture=False`): the same padded buffe
 requests on a trash page and per-step metadata copy a CUDA graph replays on a GPU. Its draft
 logits must equal the dynamic path's over a batched multi-call scenario — requests joining late,
 a bucket of 4 holding 3 real requests plus a dummy, blocks shrinking near max_depth (a call with
-mixed block lengths replays one graph per length), a sliding-window causal layer and a full
-bidirectional one,
+mixed block lengths replays one graph, the shorter blocks padded and masked to their length), a
+sliding-window causal layer and a full bidirectional one,
 4-token pages interleaved between requests and poisoned with NaN.
 """
 
@@ -56,8 +56,8 @@ def test_static_block_forward_equals_dynamic(fused):
                             graphs=True, capture=False, fused_layers=fused)
     assert drafter.graphs.fused == fused
     got = run_calls(drafter)
-    # calls 2 and 3 mix a full block with one of depth 3 / 2: a graph of one request each
-    assert sorted(drafter.graphs._graphs) == [(1, 3), (1, 4), (1, BLOCK), (2, BLOCK), (4, BLOCK)]
+    # calls 2 and 3 mix a full block with one of depth 3 / 2: one replay of the full length
+    assert sorted(drafter.graphs._graphs) == [(1, BLOCK), (2, BLOCK), (4, BLOCK)]
     assert [g.shape for g in got] == [w.shape for w in want] and len(got) == 11
     for g, w in zip(got, want, strict=True):
         assert torch.isfinite(g).all()
