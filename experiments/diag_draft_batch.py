@@ -2,7 +2,8 @@
 
 A request within a block of its max_tokens drafts a shorter block (`1 + min(block − 1,
 max_depth)`). Until 2026-12-01 a call mixing lengths ran the drafter's whole block forward
-eagerly; now `DFlashDrafter` replays one CUDA graph per distinct length. This script times one
+eagerly; then `DFlashDrafter` replayed one CUDA graph per distinct length; since 2026-12-04 it
+replays one, at the longest, the shorter blocks masked to their length. This script times one
 draft call of `--batch` requests (each `--ctx` context rows, then one new row per call, as in
 decode; chains) three ways, side by side: every block full ("uniform"), one request at depth
 `--short-depth` ("mixed"), each with the drafter's graphs and eagerly (graphs=False), and reports

@@ -110,9 +110,8 @@ class DraftGraphs:
 
     def warm(self, max_batch: int) -> int:
         """Build (on CUDA: capture) the graph of every batch bucket up to `max_batch` requests
-        and every block length not built yet, so that no step builds one inside a request: a
-        batch whose requests are near their max_tokens at different steps replays several
-        lengths, each of its own bucket. Returns how many."""
+        and every block length not built yet, so that no step builds one inside a request (a
+        batch's longest block shrinks in its last steps before max_tokens). Returns how many."""
         top = bucket_of(min(max_batch, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
         keys = [(bb, n) for bb in BATCH_BUCKETS if bb <= top
                 for n in range(2, self.model.config.block_size + 1)]
