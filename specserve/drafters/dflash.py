@@ -215,8 +215,8 @@ class DFlashDrafter(Drafter):
         live = [i for i, r in enumerate(requests) if r.budget and logits[i].shape[0]]
         if not live:
             return trees
-        rows = torch.cat([logits[i] for i in live])  # [ΣL, V] float32
-        ends = np.cumsum([logits[i].shape[0] for i in live])[:-1]
+        rows = logits[live[0]] if len(live) == 1 else torch.cat([logits[i] for i in live])
+        ends = np.cumsum([logits[i].shape[0] for i in live])[:-1]  # rows: [ΣL, V] float32
         if not self.tree:
             paths = np.split(rows.argmax(dim=-1).cpu().numpy(), ends)  # [L_i] per request
             for i, path in zip(live, paths, strict=True):

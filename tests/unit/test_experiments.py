@@ -123,3 +123,21 @@ def test_diag_fused_merge_keeps_one_wave_on_sm90():
     for r in report:
         assert 2 * (r["shared"] + 1024) <= 233_472 and r["regs"] * 128 * 2 <= 65_536
         assert r["spills"] == 0
+
+
+def test_diag_draft_trees_tiny(tmp_path):
+    """experiments/diag_draft_trees.py on the tiny CPU model: per batch size the draft call's
+    forward and tree times, the call's trees beside a top-k per request, and the pieces."""
+    out = tmp_path / "trees.json"
+    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "diag_draft_trees.py"), "--tiny",
+                           "--ctx", "40", "--steps", "4", "--reps", "3", "--batches", "1,3",
+                           "--out", str(out)],
+                          cwd=tmp_path, env=experiments_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        parts = ("forward_ms", "tree_ms", "trees_call_ms", "trees_per_request_ms",
+                 "topk_copy_ms", "heaps_ms")
+        assert all(r[k] > 0 for k in parts), r
