@@ -2,11 +2,11 @@
 tables (issue 23 diagnostic).
 
 For draft logits `[rows, V]` float32 (rows = requests × 15 block slots; V = the demo
-tokenizer's 4096 and Qwen3's 151936), times with CUDA events and host clocks, side by side:
-the log-sum-exp alone, `torch.topk` sorted / unsorted, a two-stage top-k (per chunk of V, then
-over the candidates), the whole `topk_logprobs` (top-k, log-probs, one packed host copy) and
-the same as one CUDA graph replay + the copy. Checks each variant's tables equal
-`topk_logprobs`'. Medians in µs; writes JSON.
+tokenizer's 4096 and Qwen3's 151936), times with host clocks (synchronised), side by side: the
+log-sum-exp alone and by chunks of V, `torch.topk` sorted / unsorted, a two-stage top-k (per
+chunk of V, then over the candidates; chunks of 512 … 16384), the whole `topk_logprobs`
+(top-k, log-probs, one packed host copy) and the same as one CUDA graph replay + the copy.
+Checks each variant's ids (and log-sum-exp) equal `topk_logprobs`'. Medians in µs; writes JSON.
 
     PYTHONPATH=. python3 experiments/diag_topk.py [--rows 15,120,480] [--out F]
 """
@@ -48,6 +48,16 @@ def two_stage(x: torch.Tensor, k: int, chunk: int = 512):
     return top, ids.reshape(rows, -1).gather(1, at)
 
 
+def chunked_lse(x: torch.Tensor, chunk: int) -> torch.Tensor:  # [rows, 1]
+    """Log-sum-exp per chunk of the vocabulary, then over the chunks (more programs per row)."""
+    rows, vocab = x.shape
+    pad = -vocab % chunk
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
+    return torch.logsumexp(torch.logsumexp(x.view(rows, -1, chunk), dim=-1), dim=-1,
+                           keepdim=True)
+
+
 def packed(x: torch.Tensor, k: int) -> torch.Tensor:
     """topk_logprobs' device part: [rows, 2k] int32 (log-prob bits | ids)."""
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
@@ -66,13 +76,20 @@ def measure(x: torch.Tensor, k: int, reps: int) -> dict:
         out = packed(static, k)
     graph.replay()
     assert (out.cpu().numpy()[:, k:] == want[1]).all(), "graph ids differ"
-    _, ids2 = two_stage(x, k)
-    assert torch.equal(ids2.cpu(), torch.from_numpy(want[1])), "two-stage ids differ"
+    for chunk in (512, 2048, 8192, 16384):
+        _, ids2 = two_stage(x, k, chunk)
+        assert torch.equal(ids2.cpu(), torch.from_numpy(want[1])), "two-stage ids differ"
+        lse = chunked_lse(x, chunk)
+        torch.testing.assert_close(lse, torch.logsumexp(x, -1, keepdim=True))
     return dict(logsumexp=host_us(lambda: torch.logsumexp(x, -1), reps),
                 topk_sorted=host_us(lambda: x.topk(k, dim=-1), reps),
                 topk_unsorted=host_us(lambda: x.topk(k, dim=-1, sorted=False), reps),
                 two_stage=host_us(lambda: two_stage(x, k), reps),
                 topk_logprobs=host_us(lambda: topk_logprobs(x, k), reps),
+                **{f"two_stage_{c}": host_us(lambda c=c: two_stage(x, k, c), reps)
+                   for c in (2048, 8192, 16384)},
+                **{f"lse_chunked_{c}": host_us(lambda c=c: chunked_lse(x, c), reps)
+                   for c in (2048, 8192, 16384)},
                 graph_and_copy=host_us(lambda: (graph.replay(), out.cpu()), reps),
                 copy_only=host_us(lambda: out.cpu(), reps))
 

@@ -6,6 +6,7 @@ With services/common/convert.py, the only verifier module that touches pb2 messa
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,7 @@ from services.common.convert import (
 )
 from specserve.drafters.base import DraftRequest
 from specserve.errors import InvalidRequest
-from specserve.spec.tree import DraftTree
+from specserve.spec.tree import DraftTree, check_trees
 from specserve.types import SamplingParams
 from specserve.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -153,20 +154,35 @@ def release_batch(request_ids) -> drafter_pb2.DraftBatch:
     return drafter_pb2.DraftBatch(step_id=0, release=sorted(request_ids))
 
 
+# a Tree message's node arrays and their dtypes (DraftTree's)
+FIELDS = (("token_ids", np.int64), ("parents", np.int32), ("depths", np.int32),
+          ("scores", np.float32))
+
+
 def trees_from_pb(reply: drafter_pb2.TreeBatch) -> dict[str, DraftTree | str]:
-    """request id → its DraftTree, or the reason it has none (the entry's error)."""
-    out: dict[str, DraftTree | str] = {}
+    """request id → its DraftTree, or the reason it has none (the entry's error). The trees
+    of one shape (all four arrays of one length; scores or not) are read into flat arrays and
+    checked at once (`spec.tree.check_trees`); any other is checked alone."""
+    out: dict[str, DraftTree | str] = dict.fromkeys(t.request_id for t in reply.trees)  # order
+    groups: dict[bool, list] = {True: [], False: []}  # with scores / without
     for tree in reply.trees:
+        n, with_scores = len(tree.token_ids), len(tree.scores) > 0
         if tree.error:
             out[tree.request_id] = tree.error
+        elif len(tree.parents) == n and len(tree.depths) == n and len(tree.scores) in (0, n):
+            groups[with_scores].append(tree)
+        else:
+            out[tree.request_id] = "malformed tree: token_ids, parents, depths and scores " \
+                f"must have equal lengths, got {n}, {len(tree.parents)}, " \
+                f"{len(tree.depths)}, {len(tree.scores)}"
+    for with_scores, trees in groups.items():
+        if not trees:
             continue
-        try:
-            scores = np.asarray(tree.scores, dtype=np.float32) if tree.scores else None
-            out[tree.request_id] = DraftTree(np.asarray(tree.token_ids, dtype=np.int64),
-                                             np.asarray(tree.parents, dtype=np.int32),
-                                             np.asarray(tree.depths, dtype=np.int32), scores)
-        except ValueError as e:
-            out[tree.request_id] = f"malformed tree: {e}"
+        flat = [np.fromiter(itertools.chain.from_iterable(getattr(t, f) for t in trees), dtype)
+                for f, dtype in FIELDS[: 4 if with_scores else 3]]
+        got = check_trees([len(t.token_ids) for t in trees], *flat)
+        for tree, g in zip(trees, got, strict=True):
+            out[tree.request_id] = g if isinstance(g, DraftTree) else f"malformed tree: {g}"
     return out
 
 

@@ -125,6 +125,49 @@ def chain_tree(token_ids: Sequence[int] | np.ndarray) -> DraftTree:
     )
 
 
+def check_trees(sizes: Sequence[int], token_ids: np.ndarray, parents: np.ndarray,
+                depths: np.ndarray, scores: np.ndarray | None = None) -> list[DraftTree | str]:
+    """Trees laid end to end (tree j: `sizes[j]` nodes; flat int64 / int32 / int32 / float32 or
+    None arrays) checked all at once: each a `DraftTree` of views into them, or why it is not
+    one (DraftTree's own message, from that tree alone). One check for a drafter reply's trees
+    instead of one per tree (a batch-8 reply's conversion on the verifier was mostly its
+    per-tree checks: BENCHMARKS.md, "The DFlash drafter at batch 8 …")."""
+    for name, arr, dtype in (("token_ids", token_ids, np.int64), ("parents", parents, np.int32),
+                             ("depths", depths, np.int32)) + (
+                                 (("scores", scores, np.float32),) if scores is not None else ()):
+        _check_array(name, arr, dtype)
+        if arr.shape[0] != int(np.sum(sizes)):
+            raise ValueError(f"{name} must hold {int(np.sum(sizes))} nodes, got {arr.shape[0]}")
+    ends = np.cumsum(np.asarray(sizes, dtype=np.int64))  # [T]
+    starts = ends - np.asarray(sizes, dtype=np.int64)  # [T]
+    tree_of = np.repeat(np.arange(len(ends)), sizes)  # [N] each node's tree
+    first = starts[tree_of]  # [N] its tree's first node
+    tok, par, dep = token_ids, parents.astype(np.int64), depths.astype(np.int64)  # [N] each
+    bad = (tok < 0) | (tok >= 1 << 32) | (par < 0) | (par > np.arange(len(tok)) - first)
+    up = np.clip(first + par - 1, 0, max(len(tok) - 1, 0))  # [N] the parent node (par > 0)
+    bad |= dep != np.where(par > 0, dep[up], 0) + 1
+    if scores is not None:
+        bad |= ~(np.isfinite(scores) & (scores <= 0))
+    order = np.lexsort((tok, par, tree_of))  # siblings with one token: adjacent
+    same = ((np.diff(tree_of[order]) == 0) & (np.diff(par[order]) == 0)
+            & (np.diff(tok[order]) == 0))
+    bad[order[1:][same]] = True
+    failed = np.bincount(tree_of[bad], minlength=len(ends)) > 0  # [T]
+    out: list[DraftTree | str] = []
+    for j, (a, b) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+        parts = (token_ids[a:b], parents[a:b], depths[a:b],
+                 None if scores is None else scores[a:b])
+        out.append(_checked(*parts) if failed[j] else DraftTree.unchecked(*parts))
+    return out
+
+
+def _checked(*parts) -> DraftTree | str:
+    try:
+        return DraftTree(*parts)
+    except ValueError as e:
+        return str(e)
+
+
 def num_mask_words(num_rows: int) -> int:
     """Packed uint32 words per mask row for `num_rows` verify rows."""
     return (num_rows + MASK_WORD_BITS - 1) // MASK_WORD_BITS

@@ -9,6 +9,7 @@ from specserve.spec.tree import (
     DraftTree,
     VerifyLayout,
     chain_tree,
+    check_trees,
     child_rows,
     mask_to_dense,
     num_mask_words,
@@ -49,9 +50,7 @@ def test_empty_tree_is_root_only_step():
     assert child_rows(tree) == [{}]
 
 
-@pytest.mark.parametrize(
-    "tokens, parents, depths, msg",
-    [
+INVALID = [
         ([3, 4], [0], [1, 1], "equal lengths"),
         ([3, 4, 5], [0, 2, 1], [1, 2, 2], r"parents\[i\]"),
         ([3, 4], [0, -1], [1, 1], r"parents\[i\]"),
@@ -62,8 +61,10 @@ def test_empty_tree_is_root_only_step():
         ([3, 3, 3], [0, 1, 2], [1, 2, 3], None),  # the same token under different parents: ok
         ([3, 1 << 32], [0, 0], [1, 1], "2\\*\\*32"),
         ([3, -4], [0, 1], [1, 2], "non-negative"),
-    ],
-)
+]
+
+
+@pytest.mark.parametrize("tokens, parents, depths, msg", INVALID)
 def test_invalid_trees_raise(tokens, parents, depths, msg):
     with pytest.raises(ValueError, match=msg) if msg else contextlib.nullcontext():
         DraftTree(
@@ -155,3 +156,70 @@ def test_verify_layout_rejects_negative_inputs():
         verify_layout(tree, root_token_id=-3, start=4)
     with pytest.raises(ValueError, match="start"):
         verify_layout(tree, root_token_id=3, start=-4)
+
+
+def flat(trees: list[DraftTree], scores: bool) -> tuple:
+    """`check_trees`' arguments for `trees` laid end to end."""
+    cat = [np.concatenate([getattr(t, f) for t in trees]) for f in ("token_ids", "parents",
+                                                                     "depths")]
+    if scores:
+        cat.append(np.concatenate([t.scores for t in trees]))
+    return [t.n for t in trees], *cat
+
+
+@pytest.mark.parametrize("tokens, parents, depths, msg",
+                         [case for case in INVALID if case[3] != "equal lengths"])
+@pytest.mark.parametrize("with_scores", [False, True])
+def test_trees_checked_together_fail_alone_with_their_own_message(tokens, parents, depths, msg,
+                                                                  with_scores):
+    """A reply's trees are checked in one pass: a bad tree among good ones (irregular sizes, an
+    empty one) gets DraftTree's own message; the others come back equal, as views."""
+    rng = np.random.default_rng(len(tokens) + 7 * len(INVALID))
+    odd = DraftTree.unchecked(np.array(tokens, dtype=np.int64),
+                              np.array(parents, dtype=np.int32),
+                              np.array(depths, dtype=np.int32))
+    trees = [random_tree(rng, n, vocab=500) for n in (5, 0, 17, 1, 33)]
+    trees.insert(3, odd)
+    for t in trees:  # scores as a drafter sends them: non-increasing log-probs
+        object.__setattr__(t, "scores", -np.cumsum(rng.random(t.n)).astype(np.float32)
+                           if with_scores else None)
+    got = check_trees(*flat(trees, with_scores))
+    for i, (g, t) in enumerate(zip(got, trees, strict=True)):
+        if i == 3 and msg is not None:
+            with pytest.raises(ValueError, match=msg):
+                DraftTree(t.token_ids, t.parents, t.depths, t.scores)
+            assert isinstance(g, str)
+            assert g == _message(t)
+            continue
+        assert isinstance(g, DraftTree), g
+        for field in ("token_ids", "parents", "depths", "scores"):
+            a, b = getattr(g, field), getattr(t, field)
+            assert (a is None and b is None) or np.array_equal(a, b), field
+
+
+def _message(t: DraftTree) -> str:
+    try:
+        DraftTree(t.token_ids, t.parents, t.depths, t.scores)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("bad", [0.5, np.nan, -np.inf])
+def test_trees_checked_together_check_scores(bad):
+    rng = np.random.default_rng(3)
+    trees = [random_tree(rng, n, vocab=100) for n in (4, 9, 2)]
+    for t in trees:
+        object.__setattr__(t, "scores", np.linspace(-0.1, -3, t.n, dtype=np.float32))
+    trees[1].scores[6] = bad
+    got = check_trees(*flat(trees, True))
+    assert isinstance(got[0], DraftTree) and isinstance(got[2], DraftTree)
+    assert got[1] == "scores must be finite log-probabilities (<= 0)"
+
+
+def test_trees_checked_together_need_flat_arrays_of_their_dtypes():
+    with pytest.raises(ValueError, match="int32"):
+        check_trees([2], np.array([1, 2]), np.array([0, 0]), np.array([1, 1], dtype=np.int32))
+    with pytest.raises(ValueError, match="hold 3 nodes"):
+        check_trees([3], np.array([1, 2]), np.array([0, 0], dtype=np.int32),
+                    np.array([1, 1], dtype=np.int32))
