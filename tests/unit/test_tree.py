@@ -215,6 +215,8 @@ def test_trees_checked_together_check_scores(bad):
     got = check_trees(*flat(trees, True))
     assert isinstance(got[0], DraftTree) and isinstance(got[2], DraftTree)
     assert got[1] == "scores must be finite log-probabilities (<= 0)"
+    one, two = check_trees(*flat(trees[:2], True))  # two trees: each checked alone
+    assert isinstance(one, DraftTree) and two == got[1]
 
 
 def test_trees_checked_together_need_flat_arrays_of_their_dtypes():
