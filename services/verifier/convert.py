@@ -172,9 +172,9 @@ def trees_from_pb(reply: drafter_pb2.TreeBatch) -> dict[str, DraftTree | str]:
         elif len(tree.parents) == n and len(tree.depths) == n and len(tree.scores) in (0, n):
             groups[with_scores].append(tree)
         else:
-            out[tree.request_id] = "malformed tree: token_ids, parents, depths and scores " \
-                f"must have equal lengths, got {n}, {len(tree.parents)}, " \
-                f"{len(tree.depths)}, {len(tree.scores)}"
+            out[tree.request_id] = (
+                "malformed tree: token_ids, parents, depths and scores must have equal lengths, "
+                f"got {n}, {len(tree.parents)}, {len(tree.depths)}, {len(tree.scores)}")
     for with_scores, trees in groups.items():
         if not trees:
             continue

@@ -171,9 +171,9 @@ class DFlashDrafter(Drafter):
     def _replay(self, step: CacheStep, requests, block_lens, contexts, empty):
         """The call's blocks through one graph replay at the longest block: a request near
         max_tokens (a shorter block than the rest of its batch) runs padded, its block masked
-        to its own length, and keeps its first n − 1 rows (one replay per length cost a step
-        of a batch whose requests end at different steps several replays and an eager context
-        write: BENCHMARKS.md, "The served path: drafts sent ahead, …")."""
+        to its own length, and keeps its first n − 1 rows (before, each length had its own
+        replay, after an eager context write: BENCHMARKS.md, "The DFlash drafter at batch 8:
+        one replay a call, one top-k a call")."""
         idx = [i for i, n in enumerate(block_lens) if n]
         sub = step if len(idx) == len(requests) else step.subset(idx)
         valid = [block_lens[i] for i in idx]
@@ -209,14 +209,16 @@ class DFlashDrafter(Drafter):
         """Each request's tree from its `[n_i − 1, V]` logits: one top-k (a chain: one argmax)
         over the rows of every request and one host copy for the call, then a heap per request
         (a top-k and a copy per request made the tree build most of a batch-8 draft step:
-        BENCHMARKS.md, "The served path: drafts sent ahead, …"). A budget below the call's
-        largest keeps the first columns of its rows (the top-k is sorted)."""
+        BENCHMARKS.md, "The DFlash drafter at batch 8: one replay a call, one top-k a call"). A
+        budget below the call's largest keeps the first columns of its rows (the top-k is
+        sorted)."""
         trees = [DraftTree.empty()] * len(requests)
         live = [i for i, r in enumerate(requests) if r.budget and logits[i].shape[0]]
         if not live:
             return trees
-        rows = logits[live[0]] if len(live) == 1 else torch.cat([logits[i] for i in live])
-        ends = np.cumsum([logits[i].shape[0] for i in live])[:-1]  # rows: [ΣL, V] float32
+        parts = [logits[i] for i in live]
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [ΣL, V] float32
+        ends = np.cumsum([p.shape[0] for p in parts])[:-1]  # where each next request's rows start
         if not self.tree:
             paths = np.split(rows.argmax(dim=-1).cpu().numpy(), ends)  # [L_i] per request
             for i, path in zip(live, paths, strict=True):

@@ -131,7 +131,8 @@ def check_trees(sizes: Sequence[int], token_ids: np.ndarray, parents: np.ndarray
     None arrays) checked all at once: each a `DraftTree` of views into them, or why it is not
     one (DraftTree's own message, from that tree alone). One check for a drafter reply's trees
     instead of one per tree (a batch-8 reply's conversion on the verifier was mostly its
-    per-tree checks: BENCHMARKS.md, "The DFlash drafter at batch 8 …")."""
+    per-tree checks); two trees or fewer are checked one by one, which costs less than the
+    pass (BENCHMARKS.md, "The verifier reads a reply's trees in one pass")."""
     total = sum(int(n) for n in sizes)
     for name, arr, dtype in (("token_ids", token_ids, np.int64), ("parents", parents, np.int32),
                              ("depths", depths, np.int32)) + (
@@ -141,11 +142,19 @@ def check_trees(sizes: Sequence[int], token_ids: np.ndarray, parents: np.ndarray
             raise ValueError(f"{name} must hold {total} nodes, got {arr.shape[0]}")
     ends = np.cumsum(np.asarray(sizes, dtype=np.int64))  # [T]
     starts = ends - np.asarray(sizes, dtype=np.int64)  # [T]
-    if len(ends) <= 2:  # one pass costs about two trees' own checks (CPU: 72 vs 50 µs for one)
-        return [_checked(token_ids[a:b], parents[a:b], depths[a:b],
-                         None if scores is None else scores[a:b])
-                for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
-    tree_of = np.repeat(np.arange(len(ends)), sizes)  # [N] each node's tree
+    failed = (np.ones(len(ends), dtype=bool) if len(ends) <= 2
+              else _failed_trees(sizes, starts, token_ids, parents, depths, scores))  # [T]
+    out: list[DraftTree | str] = []
+    for j, (a, b) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+        parts = (token_ids[a:b], parents[a:b], depths[a:b],
+                 None if scores is None else scores[a:b])
+        out.append(_checked(*parts) if failed[j] else DraftTree.unchecked(*parts))
+    return out
+
+
+def _failed_trees(sizes, starts, token_ids, parents, depths, scores) -> np.ndarray:  # [T] bool
+    """Which trees break any of DraftTree's invariants, every node checked in one pass."""
+    tree_of = np.repeat(np.arange(len(starts)), sizes)  # [N] each node's tree
     first = starts[tree_of]  # [N] its tree's first node
     tok, par, dep = token_ids, parents.astype(np.int64), depths.astype(np.int64)  # [N] each
     bad = (tok < 0) | (tok >= 1 << 32) | (par < 0) | (par > np.arange(len(tok)) - first)
@@ -157,13 +166,7 @@ def check_trees(sizes: Sequence[int], token_ids: np.ndarray, parents: np.ndarray
     same = ((np.diff(tree_of[order]) == 0) & (np.diff(par[order]) == 0)
             & (np.diff(tok[order]) == 0))
     bad[order[1:][same]] = True
-    failed = np.bincount(tree_of[bad], minlength=len(ends)) > 0  # [T]
-    out: list[DraftTree | str] = []
-    for j, (a, b) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
-        parts = (token_ids[a:b], parents[a:b], depths[a:b],
-                 None if scores is None else scores[a:b])
-        out.append(_checked(*parts) if failed[j] else DraftTree.unchecked(*parts))
-    return out
+    return np.bincount(tree_of[bad], minlength=len(starts)) > 0
 
 
 def _checked(*parts) -> DraftTree | str:
