@@ -5,8 +5,9 @@ For draft logits `[rows, V]` float32 (rows = requests × 15 block slots; V = the
 tokenizer's 4096 and Qwen3's 151936), times with host clocks (synchronised), side by side: the
 log-sum-exp alone and by chunks of V, `torch.topk` sorted / unsorted, a two-stage top-k (per
 chunk of V, then over the candidates; chunks of 512 … 16384), the whole `topk_logprobs`
-(top-k, log-probs, one packed host copy) and the same as one CUDA graph replay + the copy.
-Checks each variant's ids (and log-sum-exp) equal `topk_logprobs`'. Medians in µs; writes JSON.
+(top-k, log-probs, one packed host copy: since kernels/topk, its kernel from 16384 columns),
+torch's formula alone, the kernel alone, and the torch formula as one CUDA graph + the copy.
+Checks each variant's ids (and log-sum-exp) equal torch's. Medians in µs; writes JSON.
 
     PYTHONPATH=. python3 experiments/diag_topk.py [--rows 15,120,480] [--out F]
 """
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from specserve.kernels.topk.kernel import topk_logprobs_triton
+from specserve.kernels.topk.ref import topk_logprobs_ref
 from specserve.spec.ddtree import topk_logprobs
 
 
@@ -67,7 +70,7 @@ def packed(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def measure(x: torch.Tensor, k: int, reps: int) -> dict:
     """One shape's timings (µs); asserts the graph's and the two-stage ids equal the top-k's."""
-    want = topk_logprobs(x, k)
+    want = (None, topk_logprobs_ref(x, k)[1].cpu().numpy())  # torch's ids
     static = x.clone()
     graph = torch.cuda.CUDAGraph()
     packed(static, k)  # warm
@@ -76,6 +79,8 @@ def measure(x: torch.Tensor, k: int, reps: int) -> dict:
         out = packed(static, k)
     graph.replay()
     assert (out.cpu().numpy()[:, k:] == want[1]).all(), "graph ids differ"
+    assert torch.equal(topk_logprobs_triton(x, k)[1].cpu(), torch.from_numpy(want[1]))
+    assert (topk_logprobs(x, k)[1] == want[1]).all(), "topk_logprobs ids differ"
     for chunk in (512, 2048, 8192, 16384):
         _, ids2 = two_stage(x, k, chunk)
         assert torch.equal(ids2.cpu(), torch.from_numpy(want[1])), "two-stage ids differ"
@@ -86,6 +91,8 @@ def measure(x: torch.Tensor, k: int, reps: int) -> dict:
                 topk_unsorted=host_us(lambda: x.topk(k, dim=-1, sorted=False), reps),
                 two_stage=host_us(lambda: two_stage(x, k), reps),
                 topk_logprobs=host_us(lambda: topk_logprobs(x, k), reps),
+                torch_ref=host_us(lambda: topk_logprobs_ref(x, k), reps),
+                kernel=host_us(lambda: topk_logprobs_triton(x, k), reps),
                 **{f"two_stage_{c}": host_us(lambda c=c: two_stage(x, k, c), reps)
                    for c in (2048, 8192, 16384)},
                 **{f"lse_chunked_{c}": host_us(lambda c=c: chunked_lse(x, c), reps)

@@ -1,11 +1,11 @@
 """DDTree: the optimal draft tree under a factorised drafter (paper Algorithm 1).
 
-Owns the per-depth top-k log-probs (one top-k on the drafter's device, one host copy) and the
-best-first heap that picks the `budget` most probable prefixes. Given per-depth marginals
-q_1..q_L, the tree maximising E_Q[accepted length] = sum of q(prefix) over its nodes is the set
-of the B most probable prefixes, which is prefix-closed; the heap enumerates it in O(B log B)
-by pushing, for each popped node, only its next sibling and its first child. It does not
-verify or walk trees (spec/tree.py holds the layout; acceptance lives elsewhere).
+Owns the per-depth top-k log-probs (one top-k on the drafter's device, kernels/topk; one host
+copy) and the best-first heap that picks the `budget` most probable prefixes. Given per-depth
+marginals q_1..q_L, the tree maximising E_Q[accepted length] = sum of q(prefix) over its nodes
+is the set of the B most probable prefixes, which is prefix-closed; the heap enumerates it in
+O(B log B) by pushing, for each popped node, only its next sibling and its first child. It does
+not verify or walk trees (spec/tree.py holds the layout; acceptance lives elsewhere).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 import numpy as np
 import torch
 
+from specserve.kernels.topk import topk_logprobs_device
 from specserve.spec.tree import DraftTree, check_budget
 
 
@@ -34,10 +35,7 @@ def topk_logprobs(draft_logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.nd
     vocab = draft_logits.shape[1]
     if not 1 <= k <= vocab:
         raise ValueError(f"k must be in [1, {vocab}], got {k}")
-    logits = draft_logits.float()  # [L, V] float32
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [L, 1] float32
-    top_vals, top_ids = logits.topk(k, dim=-1)  # [L, K] float32, [L, K] int64
-    top_lp = top_vals - lse  # [L, K] float32
+    top_lp, top_ids = topk_logprobs_device(draft_logits.float(), k)  # [L, K] float32, int64
     # One device->host copy: bit-cast the float32 log-probs to int32 and pack them beside the ids
     # (vocab ids < 2**31), so the round trip costs a single sync instead of two.
     packed = torch.cat([top_lp.view(torch.int32), top_ids.to(torch.int32)], dim=1)  # [L, 2K]

@@ -8,11 +8,12 @@ Both sets take and return the same tensors; the Triton launchers validate their 
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from specserve.kernels import triton_available
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,16 +25,7 @@ class FusedOps:
     silu_mul: Callable  # (gate_up [T, 2I]) -> [T, I]
 
 
-_TRITON_FOUND: bool | None = None
 _OPS: dict[str, FusedOps] = {}  # impl -> its ops, built on first use
-
-
-def triton_available() -> bool:
-    """Whether triton is installed (looked up once, not imported)."""
-    global _TRITON_FOUND
-    if _TRITON_FOUND is None:
-        _TRITON_FOUND = importlib.util.find_spec("triton") is not None
-    return _TRITON_FOUND
 
 
 def fused_ops(impl: str, device: torch.device | str) -> FusedOps:
