@@ -18,7 +18,7 @@ import torch
 if not torch.cuda.is_available():  # CPU: the Triton interpreter (set before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from specserve.kernels.topk import MIN_VOCAB, topk_logprobs_device  # noqa: E402
+from specserve.kernels.topk import MIN_ROWS, MIN_VOCAB, topk_logprobs_device  # noqa: E402
 from specserve.kernels.topk.kernel import BLOCK, MAX_K, topk_logprobs_triton  # noqa: E402
 from specserve.kernels.topk.ref import topk_logprobs_ref  # noqa: E402
 from specserve.spec.ddtree import topk_logprobs  # noqa: E402
@@ -56,9 +56,10 @@ def test_kernel_rejects_what_it_cannot_take():
 
 
 def test_dispatch_and_the_host_tables():
-    """On a GPU a vocabulary ≥ MIN_VOCAB goes through the kernel, anything else through torch;
-    the host tables `spec.ddtree.topk_logprobs` makes are the torch formula's either way."""
-    x = logits(4, MIN_VOCAB + 123, 5)
+    """On a GPU ≥ MIN_ROWS rows of ≥ MIN_VOCAB columns go through the kernel, anything else
+    through torch; the host tables `spec.ddtree.topk_logprobs` makes are the torch formula's
+    either way."""
+    x = logits(MIN_ROWS + 6, MIN_VOCAB + 123, 5)
     lp, ids = topk_logprobs_device(x, 15)
     want_lp, want_ids = topk_logprobs_ref(x, 15)
     assert torch.equal(ids, want_ids)

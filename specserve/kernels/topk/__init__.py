@@ -12,14 +12,18 @@ import torch
 from specserve.kernels import triton_available
 from specserve.kernels.topk.ref import topk_logprobs_ref
 
-MIN_VOCAB = 16384  # below it torch's own top-k is as fast (one chunk a row)
+# where the kernel pays on the H200 (BENCHMARKS.md, "Where a draft call's tree build goes"):
+# many rows of a large vocabulary (a batch of DFlash blocks over Qwen3's); for one request's
+# 15 rows its torch merge's launches cost more than it saves
+MIN_VOCAB = 16384
+MIN_ROWS = 64
 
 
 def topk_logprobs_device(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs `[R, k]` float32 and ids `[R, k]` int64 of float32 logits `[R, V]`: the
-    kernel on CUDA for a vocabulary ≥ MIN_VOCAB and k ≤ its MAX_K, else torch."""
-    if (logits.is_cuda and logits.shape[-1] >= MIN_VOCAB and logits.dtype == torch.float32
-            and triton_available()):
+    kernel on CUDA for ≥ MIN_ROWS rows of ≥ MIN_VOCAB columns and k ≤ its MAX_K, else torch."""
+    if (logits.is_cuda and logits.shape[-1] >= MIN_VOCAB and logits.shape[0] >= MIN_ROWS
+            and logits.dtype == torch.float32 and triton_available()):
         from specserve.kernels.topk.kernel import MAX_K, topk_logprobs_triton
 
         if k <= MAX_K and logits.stride(-1) == 1:
@@ -27,4 +31,4 @@ def topk_logprobs_device(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
     return topk_logprobs_ref(logits, k)
 
 
-__all__ = ["MIN_VOCAB", "topk_logprobs_device"]
+__all__ = ["MIN_ROWS", "MIN_VOCAB", "topk_logprobs_device"]
