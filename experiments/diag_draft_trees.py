@@ -26,6 +26,7 @@ from _e2e_common import QWEN3_8B, TINY, build_models
 from specserve.drafters.base import DraftRequest
 from specserve.drafters.dflash import DFlashDrafter
 from specserve.engine.warmup import warm_up_drafter
+from specserve.kernels import topk
 from specserve.spec.ddtree import build_ddtree, topk_logprobs
 
 
@@ -41,6 +42,15 @@ def timed(fn, dev: str, reps: int) -> float:
             torch.cuda.synchronize()
         ms.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(ms)
+
+
+def torch_topk(fn):
+    """`fn()` with the top-k on torch's formula however many rows (kernels/topk's MIN_ROWS)."""
+    saved, topk.MIN_ROWS = topk.MIN_ROWS, 1 << 62
+    try:
+        return fn()
+    finally:
+        topk.MIN_ROWS = saved
 
 
 def run_batch(drafter, a, batch: int, dev, dtype) -> dict:
@@ -65,6 +75,8 @@ def run_batch(drafter, a, batch: int, dev, dtype) -> dict:
     row = dict(batch=batch, forward_ms=statistics.median(fwd[2:]),
                tree_ms=statistics.median(tree[2:]),
                trees_call_ms=timed(lambda: drafter._trees(reqs, logits), dev, a.reps),
+               trees_call_torch_ms=torch_topk(lambda: timed(lambda: drafter._trees(reqs, logits),
+                                                            dev, a.reps)),
                trees_per_request_ms=timed(lambda: [build_ddtree(*topk_logprobs(lg, k), a.budget)
                                                    for lg in logits], dev, a.reps),
                cat_ms=timed(lambda: torch.cat(logits), dev, a.reps),
