@@ -4,9 +4,10 @@ Builds the random Qwen3-8B-shape DFlash drafter (5 layers; `--tiny`: tiny shapes
 warms its graphs, gives `--batch` requests `--ctx` context rows each, then per batch size times
 `--steps` draft calls (one new context row per request each, budget `--budget`): the call's
 forward and tree seconds from `DFlashDrafter.last_stats`, and on the last call's logits, side by
-side: the call's trees as the drafter builds them (one top-k and one copy for the call), a
-top-k and a copy per request (the code before 2026-12-04), and the pieces (the concatenation,
-the top-k + copy, the heaps). Medians in ms; writes JSON.
+side: the call's trees as the drafter builds them (one top-k and one copy for the call;
+again with the top-k on torch's formula instead of kernels/topk), a top-k and a copy per
+request (the code before 2026-12-04), and the pieces (the concatenation, the top-k + copy, the
+heaps). Medians in ms; writes JSON.
 
     PYTHONPATH=.:bench python3 experiments/diag_draft_trees.py [--batches 1,8] [--out F]
 """
