@@ -1,8 +1,8 @@
 """The top-k log-probabilities of draft logits, reading the logits once (Triton).
 
-`torch.topk` and `torch.logsumexp` over a 151936-token vocabulary each read every row with one
-program per row: 0.43 + 0.18 ms for 120 rows (a batch-8 DFlash step) on the H200, a small
-fraction of the bandwidth (BENCHMARKS.md, "Where a draft call's tree build goes"). Here one
+`torch.topk` and `torch.logsumexp` over a large vocabulary (Qwen3's 151936) each read every row
+with one program per row, at a small fraction of the bandwidth (BENCHMARKS.md, "Where a draft
+call's tree build goes", which also says where this kernel pays: `MIN_ROWS`). Here one
 program per (row, chunk of BLOCK columns) loads its chunk once and writes the chunk's max, its
 sum of exp(x − max) and its own top k (k rounds of max / argmax in registers, each taking the
 leftmost maximum out); torch then merges the chunks: the log-sum-exp of the row from the chunk
