@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from specserve.drafters.base import Drafter, DraftRequest
-from specserve.drafters.dflash_cache import CacheStep, DFlashContextCache, StepItem
+from specserve.drafters.dflash_cache import DFlashContextCache
 from specserve.drafters.dflash_graphs import DraftGraphs
+from specserve.drafters.dflash_step import CacheStep, StepItem
 from specserve.models.dflash import DFlashDraftModel
 from specserve.spec.ddtree import build_ddtree, topk_logprobs
 from specserve.spec.tree import DraftTree, chain_tree, check_budget

@@ -32,7 +32,8 @@ import torch
 
 from specserve.attention.base import AttnBatch
 from specserve.cudagraph import BATCH_BUCKETS, Staging, bucket_of, capture_graph, planned_for
-from specserve.drafters.dflash_cache import CacheStep, DFlashContextCache, block_mask
+from specserve.drafters.dflash_cache import DFlashContextCache
+from specserve.drafters.dflash_step import CacheStep, block_mask
 
 
 class _Static:
