@@ -27,6 +27,7 @@ import torch
 
 from specserve.attention import prefill
 from specserve.drafters.base import Drafter, DraftRequest
+from specserve.kernels import topk
 from specserve.spec.tree import DraftTree, chain_tree
 from specserve.types import SamplingParams
 
@@ -134,7 +135,8 @@ def warm_up_drafter(drafter, context_rows: int = 300, max_batch: int = 64) -> fl
     and a request's last steps before max_tokens shrink its block a token a step (captured
     lazily, each was a slow step on the H200: BENCHMARKS.md, "DFlash decode: the steps before
     max_tokens, and the fused-layer drafter") — then the graphs of every batch bucket up to
-    `max_batch` requests and block length (`DraftGraphs.warm`)."""
+    `max_batch` requests and block length (`DraftGraphs.warm`), and the trees' top-k kernel
+    where a large batch would run it (`kernels.topk.warm_up`)."""
     t0, cfg = time.perf_counter(), drafter.model.config
     weight = drafter.model.fc.weight
     gen = torch.Generator().manual_seed(0)
@@ -150,6 +152,7 @@ def warm_up_drafter(drafter, context_rows: int = 300, max_batch: int = 64) -> fl
         drafter.release(WARMUP_ID)
     if drafter.graphs is not None:
         drafter.graphs.warm(max_batch)
+    topk.warm_up(cfg.vocab_size, weight.device)  # the trees' top-k kernel of large batches
     seconds = time.perf_counter() - t0
     log.info("drafter warm-up: %d context rows, %.1f s", context_rows, seconds)
     return seconds

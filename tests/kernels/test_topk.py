@@ -18,7 +18,7 @@ import torch
 if not torch.cuda.is_available():  # CPU: the Triton interpreter (set before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from specserve.kernels.topk import MIN_ROWS, MIN_VOCAB, topk_logprobs_device  # noqa: E402
+from specserve.kernels.topk import MIN_ROWS, MIN_VOCAB, topk_logprobs_device, warm_up  # noqa: E402
 from specserve.kernels.topk.kernel import BLOCK, MAX_K, topk_logprobs_triton  # noqa: E402
 from specserve.kernels.topk.ref import topk_logprobs_ref  # noqa: E402
 from specserve.spec.ddtree import topk_logprobs  # noqa: E402
@@ -69,3 +69,11 @@ def test_dispatch_and_the_host_tables():
     np.testing.assert_allclose(host_lp, want_lp.cpu().numpy(), rtol=0, atol=2e-5)
     small = logits(3, 600, 6)
     assert torch.equal(topk_logprobs_device(small, 9)[1], topk_logprobs_ref(small, 9)[1])
+
+
+def test_warm_up_compiles_only_where_the_kernel_runs():
+    """A drafter's warm-up compiles the kernel's two variants on CUDA for a large vocabulary;
+    on the CPU or for a small vocabulary there is nothing to compile."""
+    assert warm_up(MIN_VOCAB - 1, DEV) is False
+    assert warm_up(MIN_VOCAB, "cpu") is False
+    assert warm_up(MIN_VOCAB, DEV) is (DEV == "cuda")

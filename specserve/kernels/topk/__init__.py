@@ -31,4 +31,19 @@ def topk_logprobs_device(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
     return topk_logprobs_ref(logits, k)
 
 
-__all__ = ["MIN_ROWS", "MIN_VOCAB", "topk_logprobs_device"]
+def warm_up(vocab: int, device: torch.device | str) -> bool:
+    """Compile the kernel now where a drafter of `vocab` tokens on `device` would run it (its
+    first batch of ≥ MIN_ROWS rows would otherwise wait for the compile); whether it did."""
+    device = torch.device(device)
+    if device.type != "cuda" or vocab < MIN_VOCAB or not triton_available():
+        return False
+    from specserve.kernels.topk.kernel import ROUNDS
+
+    gen = torch.Generator(device).manual_seed(0)
+    logits = torch.randn(MIN_ROWS, vocab, device=device, generator=gen)  # [rows, V] float32
+    for k in ROUNDS:  # each of the kernel's compiles
+        topk_logprobs_device(logits, k)
+    return True
+
+
+__all__ = ["MIN_ROWS", "MIN_VOCAB", "topk_logprobs_device", "warm_up"]

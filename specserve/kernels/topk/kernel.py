@@ -4,9 +4,10 @@
 with one program per row, at a small fraction of the bandwidth (BENCHMARKS.md, "Where a draft
 call's tree build goes", which also says where this kernel pays: `MIN_ROWS`). Here one
 program per (row, chunk of BLOCK columns) loads its chunk once and writes the chunk's max, its
-sum of exp(x − max) and its own top k (k rounds of max / argmax in registers, each taking the
-leftmost maximum out); torch then merges the chunks: the log-sum-exp of the row from the chunk
-sums, and the top k of its C·k candidates. Same tables as ref.py (ties aside).
+sum of exp(x − max) and its own top kk (kk ≥ k rounds of max / argmax in registers, each
+taking the leftmost maximum out; kk is 16 or 32, so two compiles serve every k); torch then
+merges the chunks: the log-sum-exp of the row from the chunk sums, and the top k of its C·kk
+candidates. Same tables as ref.py (ties aside).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_K = 32  # k rounds per chunk, unrolled
+MAX_K = 32  # the most k
+ROUNDS = (16, MAX_K)  # a chunk's own top-k: the first of these ≥ k (two compiles cover every k)
 BLOCK = 4096  # columns per program
 
 
@@ -47,14 +49,15 @@ def topk_logprobs_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
     if not 1 <= k <= min(MAX_K, vocab):
         raise ValueError(f"k must be in [1, {min(MAX_K, vocab)}], got {k}")
     chunks = triton.cdiv(vocab, BLOCK)
+    kk = next(r for r in ROUNDS if r >= k)  # each chunk's top kk ⊇ its share of the row's top k
     dev = logits.device
     m = torch.empty(rows, chunks, dtype=torch.float32, device=dev)  # [R, C] chunk maxima
     s = torch.empty(rows, chunks, dtype=torch.float32, device=dev)  # [R, C] Σ exp(x − max)
-    vals = torch.empty(rows, chunks * k, dtype=torch.float32, device=dev)  # [R, C·k]
-    idx = torch.empty(rows, chunks * k, dtype=torch.int32, device=dev)  # [R, C·k]
+    vals = torch.empty(rows, chunks * kk, dtype=torch.float32, device=dev)  # [R, C·kk]
+    idx = torch.empty(rows, chunks * kk, dtype=torch.int32, device=dev)  # [R, C·kk]
     if rows:
         _chunk_topk[(rows, chunks)](logits, logits.stride(0), vocab, m, s, vals, idx, chunks,
-                                    K=k, BLOCK=BLOCK, num_warps=8)
+                                    K=kk, BLOCK=BLOCK, num_warps=8)
     top = m.amax(dim=1, keepdim=True)  # [R, 1]
     lse = top + torch.log((s * torch.exp(m - top)).sum(dim=1, keepdim=True))  # [R, 1]
     best, at = vals.topk(k, dim=1)  # [R, k] float32, [R, k] int64
