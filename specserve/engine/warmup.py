@@ -131,12 +131,12 @@ def warm_up_causal_chunks(mc, dtype: torch.dtype, device: torch.device, page_siz
 
 def warm_up_drafter(drafter, context_rows: int = 300, max_batch: int = 64) -> float:
     """Warm a DFlash drafter (`DFlashDrafter`): a context chunk, then a draft per depth class
-    — with its CUDA graphs, per depth 1 … block size − 1: every block length has its own graph,
-    and a request's last steps before max_tokens shrink its block a token a step (captured
-    lazily, each was a slow step on the H200: BENCHMARKS.md, "DFlash decode: the steps before
-    max_tokens, and the fused-layer drafter") — then the graphs of every batch bucket up to
-    `max_batch` requests and block length (`DraftGraphs.warm`), and the trees' top-k kernel
-    where a large batch would run it (`kernels.topk.warm_up`)."""
+    (eager) or one full-block draft (with its CUDA graphs); then the graphs of every batch
+    bucket up to `max_batch` requests and every block length (`DraftGraphs.warm`: a batch's
+    last steps before max_tokens shrink its longest block a token a step, and a graph
+    captured lazily was a slow step on the H200: BENCHMARKS.md, "DFlash decode: the steps
+    before max_tokens, and the fused-layer drafter"), and the trees' top-k kernel where a
+    large batch would run it (`kernels.topk.warm_up`)."""
     t0, cfg = time.perf_counter(), drafter.model.config
     weight = drafter.model.fc.weight
     gen = torch.Generator().manual_seed(0)
@@ -144,8 +144,8 @@ def warm_up_drafter(drafter, context_rows: int = 300, max_batch: int = 64) -> fl
     context = torch.randn(context_rows, width, generator=gen).to(weight.device, weight.dtype)
     start = context_rows
     try:
-        graphed = drafter.graphs is not None
-        for depth in range(1, cfg.block_size) if graphed else size_classes(cfg.block_size - 1):
+        graphed = drafter.graphs is not None  # graphs.warm builds every length below
+        for depth in (cfg.block_size - 1,) if graphed else size_classes(cfg.block_size - 1):
             drafter.draft([DraftRequest(WARMUP_ID, 1, start, 16, depth, context)])
             context = None
     finally:
