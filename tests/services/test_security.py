@@ -13,7 +13,7 @@ import sys
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2_grpc
 
 from services.common.security import NONE, Security
 from services.common.server import channel
@@ -134,12 +134,10 @@ async def test_reflection_can_be_switched_off(target):
     try:
         async with channel(f"127.0.0.1:{vport}") as ch:
             stub = reflection_pb2_grpc.ServerReflectionStub(ch)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                async for _ in stub.ServerReflectionInfo(
-                        iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                        timeout=10):
-                    pass
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            # the call alone, no request written: a request racing the server's immediate
+            # UNIMPLEMENTED failed the client's send with INTERNAL now and then (CI)
+            call = stub.ServerReflectionInfo(timeout=10)
+            assert await call.code() == grpc.StatusCode.UNIMPLEMENTED
         assert _speculated(await _generate(f"127.0.0.1:{vport}"))
     finally:
         await verifier.stop(0)
