@@ -64,13 +64,22 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
-def causal_bits(n: int) -> np.ndarray:  # [n, W] uint32 lower-triangular bitmask
-    """The ancestor bitmask of a causal run of n tokens (bit j of row i set for j ≤ i)."""
-    width = (n + 31) // 32
-    dense = np.tril(np.ones((n, width * 32), dtype=bool))
-    return np.packbits(dense.reshape(n, width, 32)[:, :, ::-1], axis=-1).view(">u4").astype(
-        np.uint32
-    ).reshape(n, width)
+_CAUSAL = {"bits": np.zeros((0, 0), np.uint32)}  # the largest table made so far (read-only)
+
+
+def causal_bits(n: int) -> np.ndarray:  # [n, W] uint32 lower-triangular bitmask, read-only
+    """The ancestor bitmask of a causal run of n tokens (bit j of row i set for j ≤ i): a view
+    of one table kept for the longest run asked so far (a prefill chunk riding with verify
+    trees gets one every step; built densely it cost seconds of host time at 8k rows)."""
+    table = _CAUSAL["bits"]
+    if n > table.shape[0]:
+        width = (n + 31) // 32
+        rows = np.arange(n, dtype=np.int64)[:, None]
+        ones = np.clip(rows - 32 * np.arange(width, dtype=np.int64)[None, :] + 1, 0, 32)
+        table = ((np.uint64(1) << ones.astype(np.uint64)) - np.uint64(1)).astype(np.uint32)
+        table.setflags(write=False)
+        _CAUSAL["bits"] = table
+    return table[:n, : (n + 31) // 32]
 
 
 @dataclass(frozen=True, eq=False)

@@ -19,7 +19,9 @@ marks — a prefill chunk riding in a forward with other requests' verify trees)
 window, attention work ≥ MIN_FLOP, bf16/fp16 with head_dim ≤ 128 on CUDA. Everything else —
 trees, decodes, short chunks, the drafter's windowed layers — goes through
 `specserve.kernels.tree_attention.tree_attention` (as a sub-batch of the requests left when
-some were taken; their tree-mask rows with them). The plan is made once per batch (memoised in
+some were taken; their tree-mask rows with them); a causal chunk of ≥ SPLIT_ROWS rows left
+beside verify trees goes there in a sub-batch of its own without the mask (causal mode). The
+plan is made once per batch (memoised in
 `batch.memo`) and contains no host sync; steps replayed from CUDA graphs never qualify. If the
 library op raises (no cuDNN fused attention on this GPU / build), the batch and every later one
 go to the tree kernel, with one warning.
@@ -41,6 +43,7 @@ from specserve.attention.base import AttnBatch, to_device
 # bench/diag_sdpa.py: BENCHMARKS.md, "Prefill attention through cuDNN, DFlash drafter CUDA
 # graphs", and "Figures formerly in source comments").
 MIN_FLOP = 1.5e11
+SPLIT_ROWS = 64  # see PrefillPlan.causal_rest
 # cuDNN builds an execution plan per shape, slowly, at each new (chunk, prefix) length
 # (bench/diag_sdpa.py --first-calls: BENCHMARKS.md, "cuDNN plans per shape" in the section
 # above), i.e. on almost every request of a serving workload.
@@ -76,6 +79,11 @@ class PrefillPlan:
     chunks: tuple[_Chunk, ...]
     rest: AttnBatch | None  # the other requests as a batch of their own
     rest_rows: torch.Tensor | None  # [T_rest] int64: their rows in the flat batch
+    # causal chunks of ≥ SPLIT_ROWS rows left to the tree kernel in a batch with verify trees:
+    # a call of their own without the mask, whose tail is a triangle instead of a square of
+    # 32-key mask tiles (a 4k chunk beside trees: BENCHMARKS.md, "A burst of requests")
+    causal_rest: AttnBatch | None = None
+    causal_rows: torch.Tensor | None = None
 
 
 def plan_prefill(q: torch.Tensor, batch: AttnBatch, sliding_window: int | None,
@@ -89,29 +97,42 @@ def plan_prefill(q: torch.Tensor, batch: AttnBatch, sliding_window: int | None,
         return None
     take = [b for b, (n, c) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True))
             if causal[b] and 4 * hq * d * n * (n / 2 + c) >= min_flop]
-    if not take:
+    left = [b for b in range(batch.batch_size) if b not in take]
+    alone = [] if batch.tree_mask is None else \
+        [b for b in left if causal[b] and batch.q_lens[b] >= SPLIT_ROWS]
+    others = [b for b in left if b not in alone]
+    if not take and not (alone and others):
         return None
     cu = np.concatenate([[0], np.cumsum(batch.q_lens)]).astype(np.int64)
     ps = batch.page_size
     chunks = tuple(_Chunk(int(cu[b]), int(cu[b + 1]), batch.ctx_lens[b],
                           batch.block_table[b, : -(-(batch.ctx_lens[b] + batch.q_lens[b]) // ps)])
                    for b in take)
-    left = [b for b in range(batch.batch_size) if b not in take]
-    if not left:
-        return PrefillPlan(chunks, None, None)
-    q_lens = tuple(batch.q_lens[b] for b in left)
-    rows = np.concatenate([np.arange(cu[b], cu[b + 1]) for b in left])
-    cu_rest = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    idx, rows_t, cu_t = to_device([np.asarray(left, np.int64), rows, cu_rest], q.device)
-    rest = AttnBatch(
-        q_lens=q_lens, ctx_lens=tuple(batch.ctx_lens[b] for b in left), cu_q=cu_t,
+    rest, rest_rows = _sub_batch(batch, others, cu, causal, q.device)
+    causal_rest, causal_rows = _sub_batch(batch, alone, cu, None, q.device)
+    return PrefillPlan(chunks, rest, rest_rows, causal_rest, causal_rows)
+
+
+def _sub_batch(batch: AttnBatch, take: list[int], cu: np.ndarray, causal, device
+               ) -> tuple[AttnBatch | None, torch.Tensor | None]:
+    """Requests `take` of `batch` as a batch of their own and their rows in the flat batch;
+    with their tree-mask rows unless `causal` is None (then all causal, no mask)."""
+    if not take:
+        return None, None
+    q_lens = tuple(batch.q_lens[b] for b in take)
+    rows = np.concatenate([np.arange(cu[b], cu[b + 1]) for b in take])
+    cu_sub = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    idx, rows_t, cu_t = to_device([np.asarray(take, np.int64), rows, cu_sub], device)
+    masked = batch.tree_mask is not None and causal is not None
+    sub = AttnBatch(
+        q_lens=q_lens, ctx_lens=tuple(batch.ctx_lens[b] for b in take), cu_q=cu_t,
         ctx_lens_t=batch.ctx_lens_t.index_select(0, idx),
         block_table=batch.block_table.index_select(0, idx),
         slot_mapping=batch.slot_mapping.index_select(0, rows_t),
-        positions=batch.positions.index_select(0, rows_t), page_size=ps,
-        tree_mask=None if batch.tree_mask is None else batch.tree_mask.index_select(0, rows_t),
-        causal=None if batch.tree_mask is None else tuple(causal[b] for b in left))
-    return PrefillPlan(chunks, rest, rows_t)
+        positions=batch.positions.index_select(0, rows_t), page_size=batch.page_size,
+        tree_mask=batch.tree_mask.index_select(0, rows_t) if masked else None,
+        causal=tuple(causal[b] for b in take) if masked else None)
+    return sub, rows_t
 
 
 def plan_key(q: torch.Tensor, sliding_window: int | None) -> tuple:
@@ -213,10 +234,10 @@ def prefill_attention(
         log.warning("cuDNN attention failed (%s); prefill chunks use the tree kernel from now "
                     "on", _LIBRARY["failed"])
         return tree_attention(q, k_pool, v_pool, batch, scale, sliding_window, **tree_kwargs)
-    if plan.rest is not None:
-        sub = tree_attention(q.index_select(0, plan.rest_rows), k_pool, v_pool, plan.rest,
-                             scale, None, **tree_kwargs)
-        out.index_copy_(0, plan.rest_rows, sub)
+    for sub, rows in ((plan.rest, plan.rest_rows), (plan.causal_rest, plan.causal_rows)):
+        if sub is not None:
+            out.index_copy_(0, rows, tree_attention(q.index_select(0, rows), k_pool, v_pool,
+                                                    sub, scale, None, **tree_kwargs))
     return out
 
 

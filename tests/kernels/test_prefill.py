@@ -92,6 +92,33 @@ def test_chunk_beside_verify_trees_equals_reference():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU twin (Triton interpreter); the GPU test covers CUDA")
+def test_long_chunk_beside_trees_gets_a_causal_call_of_its_own():
+    """A causal chunk too small for the library but ≥ SPLIT_ROWS rows, beside verify trees:
+    the tree kernel takes it in a sub-batch without the mask (causal mode), the trees and a
+    short chunk in another; the result equals the reference."""
+    from specserve.attention.prefill import SPLIT_ROWS
+
+    rng = np.random.default_rng(11)
+    trees = [verify_layout(random_tree(rng, 9), 1, 40).mask, None, None,
+             verify_layout(random_tree(rng, 5), 1, 3).mask]
+    q_lens, ctx = (10, SPLIT_ROWS + 7, SPLIT_ROWS - 1, 6), (40, 13, 5, 3)
+    q, k, v, batch = _scenario(q_lens, ctx, 6, 2, 16, 4, torch.float32, "cpu", seed=4,
+                               masks=trees)
+    plan = plan_prefill(q, batch, None)  # the default threshold: no chunk for the library
+    assert plan.chunks == () and plan.causal_rest.tree_mask is None
+    assert plan.causal_rest.q_lens == (SPLIT_ROWS + 7,) and plan.causal_rest.ctx_lens == (13,)
+    assert plan.causal_rows.tolist() == list(range(10, 10 + SPLIT_ROWS + 7))
+    assert plan.rest.q_lens == (10, SPLIT_ROWS - 1, 6)
+    assert plan.rest.causal == (False, True, False)
+    batch.memo[plan_key(q, None)] = plan
+    got = prefill_attention(q, k, v, batch, 0.3)
+    torch.testing.assert_close(got, torch_ref_attention(q, k, v, batch, 0.3), rtol=1e-4,
+                               atol=1e-5)
+    without_trees = _scenario(q_lens[1:3], ctx[1:3], 6, 2, 16, 4, torch.float32, "cpu")
+    assert plan_prefill(without_trees[0], without_trees[3], None) is None  # nothing to split
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU twin (Triton interpreter); the GPU test covers CUDA")
 def test_library_failure_falls_back_to_the_tree_kernel(monkeypatch, caplog):
     import specserve.attention.prefill as prefill
 
@@ -226,3 +253,20 @@ def test_cuda_backend_opts_into_ragged_plans_unless_told(monkeypatch):
     monkeypatch.setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "0")
     backend_for("cuda")
     assert os.environ["TORCH_CUDNN_SDPA_AVOID_RECOMPILE"] == "0"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (and TRITON_INTERPRET unset)")
+def test_causal_call_beside_verify_trees_on_gpu():
+    """A 2000-row chunk below MIN_FLOP beside verify trees: compiled, its causal call of its own
+    and the trees' call together equal the reference."""
+    rng = np.random.default_rng(12)
+    trees = [verify_layout(random_tree(rng, 16), 1, 900).mask, None,
+             verify_layout(random_tree(rng, 15), 1, 70).mask]
+    q_lens, ctx = (17, 2000, 16), (900, 0, 70)
+    q, k, v, batch = _scenario(q_lens, ctx, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=13,
+                               masks=trees)
+    plan = plan_prefill(q, batch, None)
+    assert plan.chunks == () and plan.causal_rest.q_lens == (2000,)
+    got = prefill_attention(q, k, v, batch, 128**-0.5).float()
+    want = torch_ref_attention(q.float(), k.float(), v.float(), batch, 128**-0.5)
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-2

@@ -49,8 +49,12 @@ def test_tree_masks_gqa_and_windows_against_dense():
 
 
 def test_causal_bits_match_tril():
-    for n in (1, 5, 31, 32, 33, 70):
-        assert (mask_to_dense(causal_bits(n), n) == np.tril(np.ones((n, n), bool))).all()
+    # 70 first: the shorter runs are views of its table, 130 makes a larger one
+    for n in (70, 1, 5, 31, 32, 33, 130, 64, 65):
+        bits = causal_bits(n)
+        assert bits.dtype == np.uint32 and bits.shape == (n, (n + 31) // 32)
+        assert (mask_to_dense(bits, n) == np.tril(np.ones((n, n), bool))).all()
+        assert not bits.flags.writeable  # a shared table: nobody may write into it
 
 
 def test_windowed_causal_chunk_in_row_tiles_against_dense(monkeypatch):
