@@ -104,10 +104,12 @@ class StepGraphs:
         short = self.short_context
         return short if ctx <= short < self.max_model_len else self.max_model_len
 
-    def warm(self, bb: int, taps: Seq[int]) -> int:
-        """Capture every rows bucket × context class of batch bucket `bb` not captured yet (so
-        the first step of a kind does not capture inside a request). Returns how many."""
-        keys = [(bb, nb, tuple(taps), cls) for nb in self.rows
+    def warm(self, bb: int, taps: Seq[int], rows: Seq[int] | None = None) -> int:
+        """Capture every rows bucket (or those of trees of `rows` rows) × context class of
+        batch bucket `bb` not captured yet (so the first step of a kind does not capture inside
+        a request). Returns how many."""
+        buckets = self.rows if rows is None else sorted({self.padded_rows(n) for n in rows})
+        keys = [(bb, nb, tuple(taps), cls) for nb in buckets
                 for cls in sorted({self.context_class(0), self.max_model_len})]
         todo = [k for k in keys if k not in self._graphs]
         for key in todo:

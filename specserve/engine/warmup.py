@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence as Seq
 
 import torch
 
 from specserve.attention import prefill
+from specserve.cudagraph import BATCH_BUCKETS, bucket_of
 from specserve.drafters.base import Drafter, DraftRequest
 from specserve.kernels import topk
 from specserve.spec.tree import DraftTree, chain_tree
@@ -63,8 +65,11 @@ class _ChainDrafter(Drafter):
                 if n else DraftTree.empty() for r in requests]
 
 
-def warm_up_engine(engine) -> float:
-    """Run the warm-up request on `engine` (no drafter needed; its own is restored). Seconds."""
+def warm_up_engine(engine, batch_rows: Seq[int] = ()) -> float:
+    """Run the warm-up request on `engine` (no drafter needed; its own is restored); with CUDA
+    graphs also capture, for every batch bucket up to `max_num_seqs`, the verify graphs of
+    trees of `batch_rows` rows (the first step of 8 requests at once captured its graph inside
+    their requests: BENCHMARKS.md, "A burst of requests"). Seconds."""
     t0, cfg = time.perf_counter(), engine.config
     graphs = engine.runner.graphs  # with CUDA graphs: one tree per rows bucket (captures it)
     sizes = [r - 1 for r in graphs.rows if r > 1] if graphs is not None else \
@@ -91,7 +96,12 @@ def warm_up_engine(engine) -> float:
         engine.abort(WARMUP_ID)
         engine.set_drafter(previous)
         engine.cost.draft.clear()  # the stand-in drafter's times say nothing of the real one
-    captured = graphs.warm(1, taps) if graphs is not None else 0  # the other context class
+    captured = 0
+    if graphs is not None:
+        captured = graphs.warm(1, taps)  # the other context class
+        top = bucket_of(min(cfg.max_num_seqs, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
+        for bb in (b for b in BATCH_BUCKETS if 1 < b <= top and batch_rows):
+            captured += graphs.warm(bb, taps, batch_rows)
     if engine.runner.device.type == "cuda":  # long prefill chunks: cuDNN + the merge kernel
         mc = engine.model_config
         prefill.warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, engine.runner.dtype,

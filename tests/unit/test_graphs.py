@@ -137,6 +137,28 @@ def test_warm_up_visits_every_rows_bucket(checkpoint_cache, make_engine):
     assert sorted(k[1] for k in engine.runner.graphs._graphs) == row_buckets(21)
 
 
+def test_warm_up_captures_the_served_trees_of_every_batch_bucket(checkpoint_cache,
+                                                                 make_engine):
+    """Given the rows of the trees it will serve, the warm-up also builds their graphs (AR and
+    that tree's rows bucket, both context classes) for every batch bucket up to max_num_seqs,
+    and nothing beyond: a burst's first step then replays instead of capturing."""
+    from specserve.engine.warmup import warm_up_engine
+
+    path, _ = checkpoint_cache("qwen3-gqa4-yarn")
+    engine = make_engine(path, max_draft_tokens=20, max_num_batched_tokens=40, cuda_graphs="on",
+                         max_num_seqs=6)
+    graphs = engine.runner.graphs
+    graphs.short_context = 64
+    warm_up_engine(engine, (1, 7))  # 7 rows: the rows bucket 8
+    keys = set(graphs._graphs)
+    classes = {64, graphs.max_model_len}
+    assert {(k[0], k[1]) for k in keys if k[0] > 1} == {(bb, nb) for bb in (2, 4, 8)
+                                                        for nb in (1, 8)}
+    assert {k[3] for k in keys if k[0] > 1} == classes
+    assert sorted(k[1] for k in keys if k[0] == 1 and k[3] == 64) == row_buckets(21)
+    assert graphs.warm(8, keys.pop()[2], (1, 7)) == 0  # all there already
+
+
 def test_warm_captures_both_context_classes(checkpoint_cache, make_engine):
     """`StepGraphs.warm` builds every rows bucket of a batch bucket for the short-context class
     and the max_model_len class, once; the short class exists only below max_model_len."""
