@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -63,6 +64,7 @@ async def run_service(name: str, start: Callable[[], Awaitable[Running]], config
     """Start the service and run it until `stop` is set (default: SIGINT or SIGTERM), then
     stop it: drained for `config.grace_s` (at once when it failed), spans flushed."""
     running, grace = await start(), 0.0
+    settle_interpreter()
     loop = asyncio.get_running_loop()
     handled = () if stop is not None else SIGNALS
     stop = stop if stop is not None else asyncio.Event()
@@ -80,6 +82,16 @@ async def run_service(name: str, start: Callable[[], Awaitable[Running]], config
             loop.remove_signal_handler(sig)
         await running.stop(grace)
         await telemetry.shutdown_tracing()
+
+
+def settle_interpreter() -> None:
+    """Once started (models loaded, graphs captured): `gc.freeze()` what is alive, so that a
+    collection while serving scans only what serving allocated, not the hundreds of thousands
+    of objects of torch, the models and the warm-up (a serving step's tail is shorter:
+    BENCHMARKS.md). `SPECSERVE_GC_FREEZE=0` leaves the collector as it is."""
+    if os.environ.get("SPECSERVE_GC_FREEZE", "1") != "0":
+        gc.collect()
+        gc.freeze()
 
 
 def service_flags(config_cls: type) -> list[Flag]:

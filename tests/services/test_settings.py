@@ -148,6 +148,16 @@ async def test_run_service_writes_the_port_drains_and_flushes(tmp_path, monkeypa
     assert capsys.readouterr().out == "specserve toy listening on 127.0.0.1:4321\n"
 
 
+@pytest.mark.parametrize("env, frozen", [(None, 1), ("0", 0), ("1", 1)])
+def test_the_heap_is_frozen_once_started_unless_switched_off(env, frozen, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bootstrap.gc, "freeze", lambda: calls.append("freeze"))
+    if env is not None:
+        monkeypatch.setenv("SPECSERVE_GC_FREEZE", env)
+    bootstrap.settle_interpreter()
+    assert calls == ["freeze"] * frozen
+
+
 @dataclasses.dataclass(frozen=True)
 class Refusing:
     size: int = flag_field("--size", None, "a size", default=0, type=int)
