@@ -31,6 +31,7 @@ from specserve.config import EngineConfig, check_switch
 from specserve.spec.tree import MAX_BUDGET
 
 DEFAULT_KV_GB = {"cpu": 1.0, "cuda": 16.0}
+MAX_ADMISSION_WINDOW_MS = 1000.0  # a longer wait is a misconfiguration, not batching
 
 
 def _or_none(value: str | None) -> str | None:
@@ -139,6 +140,11 @@ class VerifierConfig:
         "shard the target over N ranks (this process drives N-1 workers it spawns; gloo on "
         "cpu, NCCL on cuda: rank r on cuda:k+r); --kv-memory-gb is per rank", default=1,
         type=int)
+    admission_window_ms: float = flag_field(
+        "--admission-window-ms", "SPECSERVE_ADMISSION_WINDOW_MS",
+        "when a request finds the engine idle, how long the engine waits for more to prefill "
+        "with it in one step (requests sent together arrive a few ms apart; 0 = none)",
+        default=0.0, type=float)
     port_file: str | None = port_file_field()
 
     def __post_init__(self) -> None:
@@ -161,6 +167,9 @@ class VerifierConfig:
                      "tensor_parallel"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.admission_window_ms <= MAX_ADMISSION_WINDOW_MS:
+            raise ValueError(f"admission_window_ms must be in [0, {MAX_ADMISSION_WINDOW_MS}], "
+                             f"got {self.admission_window_ms}")
         if self.drafter_timeout_s <= 0 or self.grace_s < 0:
             raise ValueError("drafter_timeout_s must be positive and grace_s non-negative")
         self._check_choices()

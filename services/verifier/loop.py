@@ -70,11 +70,13 @@ class _Request:
 class StepLoop:
     """Runs `engine` on its own thread; `submit`/`abort`/`stats` are called from asyncio."""
 
-    def __init__(self, engine: Engine, metrics=None, tracer=None) -> None:
+    def __init__(self, engine: Engine, metrics=None, tracer=None,
+                 admission_window_s: float = 0.0) -> None:
         self.engine = engine
+        self.admission_window_s = admission_window_s  # see _drain
         self.metrics = metrics  # VerifierMetrics | None
         self.tracer = tracer  # StepTracer | None
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (put at, command) | None
         self._requests: dict[str, _Request] = {}  # engine thread only
         self._lock = threading.Lock()  # guards the counters below
         self._fallbacks: Counter = Counter()
@@ -102,8 +104,8 @@ class StepLoop:
             raise RequestAborted("the verifier is not running (shutting down)")
         q: asyncio.Queue = asyncio.Queue()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(partial(self._add, request_id, list(prompt_ids), params, budget,
-                                drafter_kind, q, done, trace_context))
+        self._put(partial(self._add, request_id, list(prompt_ids), params, budget,
+                          drafter_kind, q, done, trace_context))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -114,7 +116,7 @@ class StepLoop:
     def abort(self, request_id: str, owner: asyncio.Queue | None = None) -> None:
         """Cancel a request and free its pages (and drafter state) at the next inbox drain.
         With `owner`, only if the request is still the one that `submit` returned it for."""
-        self._inbox.put(partial(self._abort, request_id, owner))
+        self._put(partial(self._abort, request_id, owner))
 
     def stats(self) -> LoopStats:
         blocks, sched = self.engine.blocks, self.engine.scheduler
@@ -132,6 +134,9 @@ class StepLoop:
             self._inbox.put(None)
             self._thread.join(timeout_s)
 
+    def _put(self, command) -> None:
+        self._inbox.put((time.perf_counter(), command))
+
     # ---- engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         while self._drain(block=not self.engine.has_unfinished):
@@ -141,16 +146,24 @@ class StepLoop:
             self._fail(request_id, RequestAborted("the verifier shut down"))
 
     def _drain(self, block: bool) -> bool:
-        """Run queued commands (waiting for one if `block`); False once stop was asked."""
+        """Run queued commands (waiting for one if `block`); False once stop was asked. Woken
+        from idle by new work, it goes on taking commands until `admission_window_s` after that
+        work arrived, so that requests sent together are prefilled in one step."""
+        deadline = None
         while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
             try:
-                command = self._inbox.get(block=block)
+                item = self._inbox.get(block=block, timeout=timeout)
             except queue.Empty:
                 return True
-            if command is None:
+            if item is None:
                 return False
+            put_at, command = item
             command()
-            block = False
+            if block and deadline is None and self.admission_window_s > 0 \
+                    and self.engine.has_unfinished:
+                deadline = put_at + self.admission_window_s
+            block = deadline is not None and deadline > time.perf_counter()
 
     def _add(self, request_id, prompt_ids, params, budget, kind, q, done, trace_context=None
              ) -> None:
