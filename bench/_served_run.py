@@ -36,20 +36,27 @@ def _p(xs, q: float) -> float:
 
 
 def summary(timings: list[Timing]) -> dict:
-    """Medians over the requests of TTFT and first step; steady steps pooled (p50 / p90);
+    """Medians over the requests of TTFT and first step; steady steps pooled (p50 / p90, and
+    mean / p99 / max for the tail); how far apart the requests' first and last tokens came;
     tok/s = decode tokens of all requests / the decode wall time."""
     ttft = [(t.arrivals[0][0] - t.sent) * 1e3 for t in timings if t.arrivals]
     first = [(t.arrivals[1][0] - t.arrivals[0][0]) * 1e3 for t in timings if len(t.arrivals) > 2]
     steady = [(b[0] - a[0]) * 1e3 for t in timings
               for a, b in zip(t.arrivals[1:], t.arrivals[2:], strict=False)]
     tokens = sum(n for t in timings for _, n in t.arrivals[1:])
-    start = min(t.arrivals[0][0] for t in timings if t.arrivals)
-    end = max(t.arrivals[-1][0] for t in timings if t.arrivals)
+    firsts = [t.arrivals[0][0] for t in timings if t.arrivals]
+    lasts = [t.arrivals[-1][0] for t in timings if t.arrivals]
+    start, end = min(firsts), max(lasts)
     steps = sum(t.phases.get("steps", 0) for t in timings)
     per_step = {f"{k}_ms": 1e3 * sum(t.phases.get(f"{k}_s", 0.0) for t in timings) / steps
                 for k in ("draft", "verify", "commit")} if steps else {}
-    return dict(ttft_ms=statistics.median(ttft), first_step_ms=statistics.median(first),
+    return dict(ttft_ms=statistics.median(ttft), ttft_each_ms=sorted(round(x, 1) for x in ttft),
+                first_step_ms=statistics.median(first),
                 steady_p50_ms=_p(steady, 0.5), steady_p90_ms=_p(steady, 0.9),
+                steady_mean_ms=statistics.fmean(steady) if steady else float("nan"),
+                steady_p99_ms=_p(steady, 0.99), steady_max_ms=max(steady, default=float("nan")),
+                first_token_spread_ms=(max(firsts) - min(firsts)) * 1e3,
+                last_token_spread_ms=(max(lasts) - min(lasts)) * 1e3,
                 tok_s=tokens / (end - start) if end > start else float("nan"),
                 steps=len(steady) + len(first), requests=len(timings),
                 phases_per_step=per_step)
@@ -77,7 +84,7 @@ def build_engine(vcfg, draft_dir: str, drafter_pages: int, warmup: bool):
     engine.set_drafter(drafter)
     if warmup:
         warm_up_drafter(drafter)
-        warm_up_engine(engine)
+        warm_up_engine(engine, (1, vcfg.default_budget + 1))  # as the verifier does
     return engine
 
 

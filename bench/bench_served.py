@@ -127,6 +127,13 @@ def table(rows: list[dict]) -> str:
                      f"{s['steady_p90_ms']:7.2f} {base['steady']:5.2f} {s['tok_s']:7.1f} "
                      f"{base['tok_s']:5.2f}  {r['floor']['prefill_ms']:.1f} / "
                      f"{r['floor']['step_ms']:.2f}")
+    lines += ["", "steady tail, ms (mean / p99 / max) and how far apart the requests' first "
+              "and last tokens came"]
+    for r in rows:
+        s = r["summary"]
+        lines.append(f"{r['case']:<10} {r['path'][:40]:<40} {s['steady_mean_ms']:.2f} / "
+                     f"{s['steady_p99_ms']:.2f} / {s['steady_max_ms']:.2f}  first "
+                     f"{s['first_token_spread_ms']:.1f}  last {s['last_token_spread_ms']:.1f}")
     lines += ["", "ms per step: in process the drafter's own forward + tree; served the "
               "verifier's profile (Stats.profile)"]
     for r in rows:

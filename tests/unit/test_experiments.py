@@ -141,3 +141,23 @@ def test_diag_draft_trees_tiny(tmp_path):
         parts = ("forward_ms", "tree_ms", "trees_call_ms", "trees_per_request_ms",
                  "topk_copy_ms", "heaps_ms")
         assert all(r[k] > 0 for k in parts), r
+
+
+def test_diag_burst_tiny(tmp_path):
+    """experiments/diag_burst.py on the tiny CPU pair: per context and burst, the first engine
+    steps with their split, the prefill they carried (the burst's prompts, all of them) and the
+    drafter's call."""
+    out = tmp_path / "burst.json"
+    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "diag_burst.py"), "--tiny",
+                           "--contexts", "40,70", "--batch", "3", "--rounds", "1", "--steps", "3",
+                           "--new-tokens", "4", "--chunk", "128", "--out", str(out)],
+                          cwd=tmp_path, env=experiments_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bursts = json.loads(out.read_text())
+    assert [(b["ctx"], b["round"]) for b in bursts] == [(40, 0), (70, 0)]
+    for b in bursts:
+        steps = b["steps"]
+        assert len(steps) == 3 and sum(s["prefill_tokens"] for s in steps) == 3 * b["ctx"]
+        assert all(s["ms"] > 0 and s["verify_ms"] > 0 for s in steps)
+        assert steps[-1]["prefill_tokens"] == 0 and steps[-1]["tree_ms"] > 0
