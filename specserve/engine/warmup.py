@@ -96,12 +96,7 @@ def warm_up_engine(engine, batch_rows: Seq[int] = ()) -> float:
         engine.abort(WARMUP_ID)
         engine.set_drafter(previous)
         engine.cost.draft.clear()  # the stand-in drafter's times say nothing of the real one
-    captured = 0
-    if graphs is not None:
-        captured = graphs.warm(1, taps)  # the other context class
-        top = bucket_of(min(cfg.max_num_seqs, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
-        for bb in (b for b in BATCH_BUCKETS if 1 < b <= top and batch_rows):
-            captured += graphs.warm(bb, taps, batch_rows)
+    captured = _warm_batches(graphs, cfg.max_num_seqs, taps, batch_rows) if graphs else 0
     if engine.runner.device.type == "cuda":  # long prefill chunks: cuDNN + the merge kernel
         mc = engine.model_config
         prefill.warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, engine.runner.dtype,
@@ -113,6 +108,16 @@ def warm_up_engine(engine, batch_rows: Seq[int] = ()) -> float:
     log.info("warm-up: prompt %d, trees %s, %d more graphs, %.1f s", prompt_len, sizes,
              captured, seconds)
     return seconds
+
+
+def _warm_batches(graphs, max_num_seqs: int, taps: tuple[int, ...], rows: Seq[int]) -> int:
+    """Graphs captured: the other context class of one request's, then the trees of `rows`
+    rows for every batch bucket up to `max_num_seqs`."""
+    captured = graphs.warm(1, taps)
+    top = bucket_of(min(max_num_seqs, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
+    for bb in (b for b in BATCH_BUCKETS if 1 < b <= top and rows):
+        captured += graphs.warm(bb, taps, rows)
+    return captured
 
 
 def causal_chunk_shapes(mc) -> list[tuple[int, int, int | None]]:
