@@ -71,7 +71,7 @@ def request_from_pb(msg: gateway_pb2.GenerateRequest, defaults=None) -> GatewayR
     `defaults` (the model's)."""
     which = msg.WhichOneof("prompt")
     text = msg.text if which == "text" else None
-    ids = tuple(int(t) for t in msg.token_ids.ids) if which == "token_ids" else None
+    ids = tuple(msg.token_ids.ids) if which == "token_ids" else None  # ints already
     if not text and not ids:
         raise InvalidRequest("prompt is empty: set a non-empty text or token_ids")
     if msg.spec.drafter not in DRAFTER_NAMES:

@@ -67,7 +67,7 @@ def generate_args_from_pb(msg: verifier_pb2.VerifyRequest, limits: SpecLimits,
     speculates = kind != "none" and limits.has_drafter
     return GenerateArgs(
         request_id=msg.request_id or fallback_id,
-        prompt_ids=[int(t) for t in msg.prompt_ids],
+        prompt_ids=list(msg.prompt_ids),  # ints already
         params=params,
         budget=min(asked, limits.max_draft_tokens) if speculates else 0,
         drafter_kind=None if kind == "none" else kind,

@@ -180,6 +180,19 @@ def test_bad_ids_and_text_are_invalid_requests(tok: Tokenizer) -> None:
         Tokenizer(tok.backend, (tok.vocab_size,))
 
 
+def test_check_ids_names_the_first_bad_id_whatever_the_element_types(tok: Tokenizer) -> None:
+    import numpy as np
+
+    v = tok.vocab_size
+    assert tok.check_ids((5, 0, v - 1)) == [5, 0, v - 1] and tok.check_ids([]) == []
+    got = tok.check_ids(np.array([7, 3], dtype=np.int64))  # numpy ints become ints
+    assert got == [7, 3] and {type(i) for i in got} == {int}
+    for ids, bad in (([1, v, -2], v), ([4, -2, v], -2), ([1, True], True), ([2, 2.0], 2.0),
+                     ([np.int32(3), v + 1], v + 1)):
+        with pytest.raises(InvalidRequest, match=f"token id {bad!r} is not in the vocabulary"):
+            tok.check_ids(ids)
+
+
 # ---------------------------------------------------------------- incremental detokenization
 
 
