@@ -3,7 +3,8 @@
 The engine is synchronous and single-threaded, so every call into it (add, abort, step) happens
 on a dedicated thread. The asyncio side talks to it through a thread-safe inbox of commands;
 the thread drains the inbox, runs `engine.step()` while there is work (sleeping on the inbox
-when idle) and hands the step's outputs to their requests' asyncio queues with one
+when idle; woken by a request, it waits up to `admission_window_s` for more to prefill with
+it) and hands the step's outputs to their requests' asyncio queues with one
 `call_soon_threadsafe` (one wake-up of the event loop a step). Per-request queues are bounded
 by the request's max_tokens (the engine thread must never block on one slow client). No grpc
 here.
