@@ -155,6 +155,10 @@ def test_bench_served_tiny(tmp_path):
     for r in rows:
         s = r["summary"]
         assert s["ttft_ms"] > 0 and s["steady_p50_ms"] > 0 and s["steps"] == 5
+        assert s["steady_max_ms"] >= s["steady_p99_ms"] >= s["steady_p50_ms"]
+        assert s["steady_max_ms"] >= s["steady_mean_ms"] > 0
+        assert s["ttft_each_ms"] == [round(s["ttft_ms"], 1)]  # one request
+        assert s["first_token_spread_ms"] == 0 == s["last_token_spread_ms"]
         assert r["floor"]["step_ms"] > 0 and r["ratio"]["ttft"] > 0
     served = [r for r in rows if r["path"] == "served auto"]
     assert all(r["verifier"]["transport"] == "lane+ring" for r in served)
