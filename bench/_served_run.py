@@ -62,6 +62,22 @@ def summary(timings: list[Timing]) -> dict:
                 phases_per_step=per_step)
 
 
+def interference(timings: list[Timing], late: int) -> dict:
+    """The last `late` requests arrived while the others decoded: their TTFT (median), and the
+    others' steps that overlapped the late prefill (from the first late send to the last late
+    first token): how many, their median and longest."""
+    early, later = timings[: len(timings) - late], timings[len(timings) - late:]
+    t0 = min(t.sent for t in later)
+    t1 = max(t.arrivals[0][0] for t in later if t.arrivals)
+    steps = [(b[0] - a[0]) * 1e3 for t in early for a, b in zip(t.arrivals, t.arrivals[1:],
+                                                                   strict=False)
+             if b[0] > t0 and a[0] < t1]
+    return dict(late_ttft_ms=statistics.median((t.arrivals[0][0] - t.sent) * 1e3
+                                               for t in later if t.arrivals),
+                steps_meanwhile=len(steps), step_meanwhile_p50_ms=_p(steps, 0.5),
+                step_meanwhile_max_ms=max(steps, default=float("nan")))
+
+
 def _phases(stats) -> dict:
     """steps and phase seconds of a RequestSpecStats or a SpecStats message."""
     phases = getattr(stats, "phases", stats)
@@ -89,17 +105,25 @@ def build_engine(vcfg, draft_dir: str, drafter_pages: int, warmup: bool):
 
 
 def in_process(engine, prompts: list[list[int]], new: int, budget: int,
-               drafter_ms: list[float] | None = None) -> list[Timing]:
-    """`drafter_ms` gets the drafter's own forward + tree time of each drafting step."""
+               drafter_ms: list[float] | None = None, late: int = 0) -> list[Timing]:
+    """`drafter_ms` gets the drafter's own forward + tree time of each drafting step; the last
+    `late` prompts are added once every other one has its first token."""
     from specserve.types import SamplingParams
 
     params = SamplingParams(max_tokens=new, ignore_eos=True)
-    timings = {}
-    for i, prompt in enumerate(prompts):
-        rid = f"inproc-{time.monotonic_ns()}-{i}"
-        timings[rid] = Timing(time.perf_counter())
-        engine.add_request(rid, prompt, params, budget)
-    while engine.has_unfinished:
+    timings, waiting = {}, list(enumerate(prompts))[len(prompts) - late:]
+
+    def add(batch) -> None:
+        for i, prompt in batch:
+            rid = f"inproc-{time.monotonic_ns()}-{i}"
+            timings[rid] = Timing(time.perf_counter())
+            engine.add_request(rid, prompt, params, budget)
+
+    add(list(enumerate(prompts))[: len(prompts) - late])
+    while engine.has_unfinished or waiting:
+        if waiting and all(t.arrivals for t in timings.values()):
+            add(waiting)
+            waiting = []
         engine.drafter.last_stats = None
         outs = engine.step()
         now = time.perf_counter()
@@ -168,13 +192,13 @@ class Services:
             self.stop(name)
 
 
-async def _one(stub, prompt: list[int], new: int, budget: int) -> Timing:
+async def _one(stub, prompt: list[int], new: int, budget: int, t: Timing) -> Timing:
     from services.gateway import convert
     from specserve.types import SamplingParams
 
     req = convert.generate_request_to_pb(prompt, SamplingParams(max_tokens=new, ignore_eos=True),
                                          "dflash", budget)
-    t = Timing(time.perf_counter())
+    t.sent = time.perf_counter()
     async for msg in stub.Generate(req, timeout=600):
         if msg.WhichOneof("event") == "chunk" and msg.chunk.token_ids:
             t.arrivals.append((time.perf_counter(), len(msg.chunk.token_ids)))
@@ -183,17 +207,29 @@ async def _one(stub, prompt: list[int], new: int, budget: int) -> Timing:
     return t
 
 
-async def _served(address: str, prompts, new: int, budget: int) -> list[Timing]:
+async def _served(address: str, prompts, new: int, budget: int, late: int) -> list[Timing]:
     from services.common.server import channel
     from specserve.v1 import gateway_pb2_grpc
 
+    timings = [Timing(0.0) for _ in prompts]
     async with channel(address) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
-        return list(await asyncio.gather(*(_one(stub, p, new, budget) for p in prompts)))
+        early = len(prompts) - late
+        tasks = [asyncio.create_task(_one(stub, p, new, budget, t))
+                 for p, t in zip(prompts[:early], timings, strict=False)]
+        while late and not all(t.arrivals for t in timings[:early]):
+            await asyncio.sleep(0.001)
+        tasks += [asyncio.create_task(_one(stub, p, new, budget, t))
+                  for p, t in zip(prompts[early:], timings[early:], strict=True)]
+        await asyncio.gather(*tasks)
+    return timings
 
 
-def served(address: str, prompts: list[list[int]], new: int, budget: int) -> list[Timing]:
-    return asyncio.run(_served(address, prompts, new, budget))
+def served(address: str, prompts: list[list[int]], new: int, budget: int, late: int = 0
+           ) -> list[Timing]:
+    """Each prompt streamed through the gateway; the last `late` sent once every other one has
+    its first token."""
+    return asyncio.run(_served(address, prompts, new, budget, late))
 
 
 async def _verifier_stats(address: str) -> dict:

@@ -8,8 +8,11 @@ same `VerifierConfig`, then runs the same requests (predictable text cut to each
 `--new-tokens` each, budget `--budget`) in process and through the services, once per verifier
 variant (`--variants`: `auto` = same host, context ring + lane; `grpc` = everything on the
 gRPC stream, rows fc-projected, i.e. what crossing hosts costs; extra verifier flags after a
-colon, e.g. `auto:--keep-context=off`). Prints TTFT, the first decode step (where a feed stall
-shows), steady step p50/p90 and tok/s with the ratios to in process, next to the physical
+colon, e.g. `auto:--keep-context=off`; `--interference 32768`: a prompt of that length sent
+while 7 requests of the shortest context decode — its TTFT and their steps meanwhile). Prints
+TTFT, the first decode step (where a feed stall shows), steady step p50/p90 (mean / p99 / max,
+and how far apart the requests' first tokens came) and tok/s with the ratios to in process,
+next to the physical
 floors (prefill FLOPs / this run's matmul rate; a step's weights + KV bytes / copy bandwidth);
 writes JSON after every row.
 
@@ -34,6 +37,7 @@ from _served_run import (
     Services,
     build_engine,
     in_process,
+    interference,
     profile_per_step,
     served,
     summary,
@@ -57,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--tiny", action="store_true", help="a tiny random pair on the CPU (smoke test)")
     add("--contexts", default="1024,32768,131072")
     add("--batch8-contexts", default="1024", help="contexts also run with 8 requests at once")
+    add("--interference", default="", help="contexts of a prompt sent while 7 requests of the "
+        "shortest --contexts decode (their steps meanwhile, its TTFT)")
     add("--new-tokens", type=int, default=32)
     add("--budget", type=int, default=15)
     add("--variants", default="auto,grpc")
@@ -85,21 +91,32 @@ def stop_mps() -> None:
     proc.stdin.close()
 
 
-def workload(args, target: str) -> list[tuple[str, int, list[list[int]]]]:
+def workload(args, target: str) -> list[tuple[str, int, list[list[int]], int]]:
+    """(case, context, prompts, how many of the last prompts are sent late) of each case."""
     from specserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(target)
     base = tok.encode(TEXT * 64)
     cases = []
     for ctx in (int(c) for c in args.contexts.split(",")):
-        cases.append((f"{ctx // 1024}k" if ctx >= 1024 else str(ctx), ctx, 1))
+        cases.append((_k(ctx), ctx, 1))
     for ctx in (int(c) for c in args.batch8_contexts.split(",") if c):
-        cases.append((f"{ctx // 1024}k" if ctx >= 1024 else str(ctx), ctx, 8))
-    out = []
-    for label, ctx, batch in cases:  # request i starts i tokens into the text: 8 prompts
-        prompts = [((base[i:] + base) * (ctx // len(base) + 2))[:ctx] for i in range(batch)]
-        out.append((f"{label} x{batch}", ctx, prompts))
+        cases.append((_k(ctx), ctx, 8))
+
+    def prompt(i: int, ctx: int) -> list[int]:  # request i starts i tokens into the text
+        return ((base[i:] + base) * (ctx // len(base) + 2))[:ctx]
+
+    out = [(f"{label} x{batch}", ctx, [prompt(i, ctx) for i in range(batch)], 0)
+           for label, ctx, batch in cases]
+    short = min(int(c) for c in args.contexts.split(","))
+    for ctx in (int(c) for c in args.interference.split(",") if c):
+        out.append((f"{_k(ctx)} into 7x{_k(short)}", ctx,
+                    [prompt(i, short) for i in range(7)] + [prompt(7, ctx)], 1))
     return out
+
+
+def _k(ctx: int) -> str:
+    return f"{ctx // 1024}k" if ctx >= 1024 else str(ctx)
 
 
 def floors(args, ceil: dict, ctx: int, batch: int) -> dict:
@@ -134,6 +151,15 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['case']:<10} {r['path'][:40]:<40} {s['steady_mean_ms']:.2f} / "
                      f"{s['steady_p99_ms']:.2f} / {s['steady_max_ms']:.2f}  first "
                      f"{s['first_token_spread_ms']:.1f}  last {s['last_token_spread_ms']:.1f}")
+    late = [r for r in rows if "interference" in r["summary"]]
+    if late:
+        lines += ["", "a prompt sent while 7 requests decode: its TTFT ms; their steps meanwhile "
+                  "(how many, p50 / max ms)"]
+    for r in late:
+        i = r["summary"]["interference"]
+        lines.append(f"{r['case']:<16} {r['path'][:34]:<34} {i['late_ttft_ms']:9.1f}  "
+                     f"{i['steps_meanwhile']:4d}  {i['step_meanwhile_p50_ms']:.2f} / "
+                     f"{i['step_meanwhile_max_ms']:.2f}")
     lines += ["", "ms per step: in process the drafter's own forward + tree; served the "
               "verifier's profile (Stats.profile)"]
     for r in rows:
@@ -144,8 +170,10 @@ def table(rows: list[dict]) -> str:
 
 
 def add_row(results: dict, case: str, ctx: int, batch: int, path: str, timings,
-            extra: dict | None = None) -> None:
+            extra: dict | None = None, late: int = 0) -> None:
     s = summary(timings)
+    if late:
+        s["interference"] = interference(timings, late)
     base = next((r["summary"] for r in results["rows"]
                  if r["case"] == case and r["path"] == "in-process"), s)
     results["rows"].append(dict(
@@ -200,12 +228,12 @@ def run(args, results: dict, tmp: Path) -> None:
     log("in-process engine warm")
     svc.wait()
     cases = workload(args, args.model)
-    for case, ctx, prompts in cases:  # the services are idle now
-        in_process(engine, prompts[:1], 4, args.budget)  # this case's shapes once
+    for case, ctx, prompts, late in cases:  # the services are idle now
+        in_process(engine, prompts[-1:], 4, args.budget)  # this case's shapes once
         drafter_ms: list[float] = []
-        timings = in_process(engine, prompts, args.new_tokens, args.budget, drafter_ms)
+        timings = in_process(engine, prompts, args.new_tokens, args.budget, drafter_ms, late)
         add_row(results, case, ctx, len(prompts), "in-process", timings,
-                dict(drafter_ms=sorted(drafter_ms)[len(drafter_ms) // 2]))
+                dict(drafter_ms=sorted(drafter_ms)[len(drafter_ms) // 2]), late)
         save(results, args.out)
         log(f"in-process {case}: {results['rows'][-1]['summary']}")
     del engine
@@ -218,13 +246,13 @@ def run(args, results: dict, tmp: Path) -> None:
             svc.wait()
         svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier")])
         svc.wait()
-        for case, ctx, prompts in cases:
-            served(svc.addr("gateway"), prompts[:1], 4, args.budget)
+        for case, ctx, prompts, late in cases:
+            served(svc.addr("gateway"), prompts[-1:], 4, args.budget)
             before = verifier_stats(svc.addr("verifier"))
-            timings = served(svc.addr("gateway"), prompts, args.new_tokens, args.budget)
+            timings = served(svc.addr("gateway"), prompts, args.new_tokens, args.budget, late)
             stats = verifier_stats(svc.addr("verifier"))
             add_row(results, case, ctx, len(prompts), f"served {variant}", timings,
-                    dict(verifier=stats, profile_ms=profile_per_step(before, stats)))
+                    dict(verifier=stats, profile_ms=profile_per_step(before, stats)), late)
             save(results, args.out)
             row = results["rows"][-1]
             log(f"served {variant} {case}: {row['summary']} {row['profile_ms']}")

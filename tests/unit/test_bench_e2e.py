@@ -140,19 +140,25 @@ def test_replay_drafter_is_not_a_serving_option():
 def test_bench_served_tiny(tmp_path):
     """bench/bench_served.py on a tiny random pair on the CPU: the same requests in process and
     through the three services (same host: ring + lane), every row timed and its rows' path
-    from the verifier's Stats."""
+    from the verifier's Stats; a prompt sent late, while 7 others decode, with their steps
+    meanwhile."""
     out = tmp_path / "served.json"
     proc = subprocess.run([sys.executable, str(BENCH / "bench_served.py"), "--tiny",
                            "--ckpt-dir", str(tmp_path / "pair"), "--contexts", "48,130",
                            "--batch8-contexts", "", "--new-tokens", "6", "--variants", "auto",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                           "--interference", "150", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["case"], r["path"]) for r in rows] == [
-        ("48 x1", "in-process"), ("130 x1", "in-process"), ("48 x1", "served auto"),
-        ("130 x1", "served auto")]
-    for r in rows:
+        ("48 x1", "in-process"), ("130 x1", "in-process"), ("150 into 7x48", "in-process"),
+        ("48 x1", "served auto"), ("130 x1", "served auto"), ("150 into 7x48", "served auto")]
+    for r in (r for r in rows if r["case"] == "150 into 7x48"):
+        late = r["summary"]["interference"]  # 150 tokens: two prefill steps of --tiny's 128
+        assert late["late_ttft_ms"] > 0 and late["steps_meanwhile"] >= 7
+        assert late["step_meanwhile_max_ms"] >= late["step_meanwhile_p50_ms"] > 0
+        assert len(r["summary"]["ttft_each_ms"]) == 8
+    for r in (r for r in rows if "into" not in r["case"]):
         s = r["summary"]
         assert s["ttft_ms"] > 0 and s["steady_p50_ms"] > 0 and s["steps"] == 5
         assert s["steady_max_ms"] >= s["steady_p99_ms"] >= s["steady_p50_ms"]
@@ -162,7 +168,7 @@ def test_bench_served_tiny(tmp_path):
         assert r["floor"]["step_ms"] > 0 and r["ratio"]["ttft"] > 0
     served = [r for r in rows if r["path"] == "served auto"]
     assert all(r["verifier"]["transport"] == "lane+ring" for r in served)
-    assert served[-1]["verifier"]["context_rows"]["ring"] >= 48 + 130
+    assert served[-1]["verifier"]["context_rows"]["ring"] >= 48 + 130 + 7 * 48 + 150
     assert {"draft_wait", "drafter_work", "engine_step"} <= set(served[-1]["profile_ms"])
 
 
