@@ -12,9 +12,8 @@ colon, e.g. `auto:--keep-context=off`; `--interference 32768`: a prompt of that 
 while 7 requests of the shortest context decode — its TTFT and their steps meanwhile). Prints
 TTFT, the first decode step (where a feed stall shows), steady step p50/p90 (mean / p99 / max,
 and how far apart the requests' first tokens came) and tok/s with the ratios to in process,
-next to the physical
-floors (prefill FLOPs / this run's matmul rate; a step's weights + KV bytes / copy bandwidth);
-writes JSON after every row.
+next to the physical floors (prefill FLOPs / this run's matmul rate; a step's weights + KV
+bytes / copy bandwidth); writes JSON after every row.
 
     python3 bench/bench_served.py --out $OUT/served.json                  # H200
     python3 bench/bench_served.py --mps --out $OUT/served_mps.json        # under CUDA MPS
