@@ -337,3 +337,32 @@ def test_a_budget_over_max_draft_tokens_is_capped_and_says_so(asked, drafter, ki
     args = generate_args_from_pb(msg, SpecLimits(8, 16, drafter), "r")
     assert (args.budget, args.asked_budget, args.capped) == (budget, 8 if asked is None else
                                                              asked, capped)
+
+
+@aio
+@pytest.mark.parametrize("window_ms, steps", [(400.0, 2), (0.0, None)])
+async def test_the_admission_window_prefills_a_burst_in_one_step(target, expected, window_ms,
+                                                                 steps):
+    """Three requests sent 40 ms apart to an idle verifier, 2 tokens each: with a 400 ms
+    window they are prefilled together and decode together (2 steps); without one the first
+    runs alone first (more steps). Tokens equal the engine's either way."""
+    server, port = await serve(_config(target, admission_window_ms=window_ms))
+    prompts = random_prompts(3, VOCAB, [7, 11, 6], seed=21)
+    try:
+        async with channel(f"127.0.0.1:{port}") as ch:
+            stub = verifier_pb2_grpc.VerifierStub(ch)
+            before = (await stub.Stats(verifier_pb2.StatsRequest(), timeout=RPC_S)).steps
+
+            async def later(i, prompt):
+                await asyncio.sleep(0.04 * i)
+                return await _generate(stub, prompt, 2, drafter=NONE)
+
+            streams = await asyncio.gather(*(later(i, p) for i, p in enumerate(prompts)))
+            after = (await stub.Stats(verifier_pb2.StatsRequest(), timeout=RPC_S)).steps
+    finally:
+        await server.stop(0)
+    assert [_tokens(s) for s in streams] == [expected(p, 2) for p in prompts]
+    if steps is not None:
+        assert after - before == steps
+    else:
+        assert after - before > 2
