@@ -3,7 +3,8 @@
 Streamed tokens must equal the in-process engine's greedy output whatever the drafter does (none,
 unreachable, a fake n-gram drafter that errors first, one restarted mid-generation); bad requests
 map to status codes without hurting the server; a cancelled stream frees its KV pages at once; a
-request that fails inside the engine fails alone (its own status, the others' streams intact).
+request that fails inside the engine fails alone (its own status, the others' streams intact);
+`--admission-window-ms` prefills a burst in one step.
 """
 
 from __future__ import annotations
