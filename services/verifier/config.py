@@ -143,7 +143,8 @@ class VerifierConfig:
     admission_window_ms: float = flag_field(
         "--admission-window-ms", "SPECSERVE_ADMISSION_WINDOW_MS",
         "when a request finds the engine idle, how long the engine waits for more to prefill "
-        "with it in one step (requests sent together arrive a few ms apart; 0 = none)",
+        "with it in one step, unless the waiting prompts fill the step already (requests sent "
+        "together arrive a few ms apart; 0 = none)",
         default=0.0, type=float)
     port_file: str | None = port_file_field()
 

@@ -149,7 +149,8 @@ class StepLoop:
     def _drain(self, block: bool) -> bool:
         """Run queued commands (waiting for one if `block`); False once stop was asked. Woken
         from idle by new work, it goes on taking commands until `admission_window_s` after that
-        work arrived, so that requests sent together are prefilled in one step."""
+        work arrived, so that requests sent together are prefilled in one step — or until the
+        waiting requests fill that step (a long prompt alone waits for nothing)."""
         deadline = None
         while True:
             timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
@@ -164,7 +165,8 @@ class StepLoop:
             if block and deadline is None and self.admission_window_s > 0 \
                     and self.engine.has_unfinished:
                 deadline = put_at + self.admission_window_s
-            block = deadline is not None and deadline > time.perf_counter()
+            block = deadline is not None and deadline > time.perf_counter() \
+                and not self.engine.scheduler.next_step_full
 
     def _add(self, request_id, prompt_ids, params, budget, kind, q, done, trace_context=None
              ) -> None:

@@ -140,6 +140,14 @@ class Scheduler:
         return self.blocks.slots(seq.request_id, position, position + 1)[0]
 
     @property
+    def next_step_full(self) -> bool:
+        """Whether the requests waiting already fill the next step: its free request slots, or
+        its tokens with their prompts (so waiting for more would gain nothing)."""
+        room = self.max_num_seqs - len(self.running)
+        return len(self.waiting) >= room or \
+            sum(s.num_uncomputed for s in self.waiting) >= self.max_num_batched_tokens
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -2,8 +2,9 @@
 
 Woken from idle by a request, the engine thread waits up to the window for more, so that
 requests sent together are prefilled in one step; without a window the first is stepped alone.
-A lone request waits at most the window; work that arrives while the engine is busy waits for
-no window. Against a fake engine whose step records who ran in it; the flag's range.
+A lone request waits at most the window, a burst no longer than it takes to fill a step; work
+that arrives while the engine is busy waits for no window. Against a fake engine whose step
+records who ran in it; the flag's range.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ STEP_S = 0.15  # each fake step's duration
 class FakeEngine:
     """Every request runs one step and finishes; `steps` lists (start time, request ids)."""
 
-    def __init__(self) -> None:
+    def __init__(self, full_at: int | None = None) -> None:
         self.requests: dict = {}
         self.pending: list[str] = []
+        self.full_at = full_at  # the waiting requests fill a step from this many
+        self.scheduler = self
         self.steps: list[tuple[float, list[str]]] = []
         self.last_step = None
 
@@ -42,6 +45,10 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.pending)
 
+    @property
+    def next_step_full(self) -> bool:
+        return self.full_at is not None and len(self.pending) >= self.full_at
+
     def step(self) -> list[RequestOutput]:
         ran, self.pending = self.pending, []
         self.steps.append((time.perf_counter(), ran))
@@ -49,10 +56,11 @@ class FakeEngine:
         return [RequestOutput(r, [5], "", "length", 2, 1) for r in ran]
 
 
-async def _run(window_s: float, delays_s: list[float]) -> tuple[FakeEngine, list[float]]:
+async def _run(window_s: float, delays_s: list[float], full_at: int | None = None
+               ) -> tuple[FakeEngine, list[float]]:
     """Submit one request per delay (each that long after the start, concurrently); wait for
     all; the engine and when each request was submitted."""
-    engine = FakeEngine()
+    engine = FakeEngine(full_at)
     loop = StepLoop(engine, admission_window_s=window_s)
     loop.start()
     sent = [0.0] * len(delays_s)
@@ -89,6 +97,15 @@ async def test_a_lone_request_waits_at_most_the_window():
     (started, ids), = engine.steps
     assert ids == ["r0"]
     assert 0.04 < started - sent[0] < 0.05 + 0.1
+
+
+@pytest.mark.asyncio
+async def test_the_window_ends_once_the_waiting_requests_fill_a_step():
+    # a step is full with 2 requests: the second's arrival starts it, not the 0.5 s window
+    engine, sent = await _run(0.5, [0.0, 0.05, 0.1], full_at=2)
+    (t0, first), (_, second) = engine.steps
+    assert first == ["r0", "r1"] and second == ["r2"]
+    assert t0 - sent[1] < 0.04
 
 
 @pytest.mark.asyncio

@@ -174,3 +174,28 @@ def test_abort_frees_pages_at_once(checkpoint_cache, make_engine):
     assert engine.blocks.num_used_pages == 6
     assert engine.abort("a") and not engine.abort("a")
     assert engine.blocks.num_used_pages == 0 and not engine.has_unfinished
+
+
+def test_next_step_full_counts_slots_and_prompt_tokens(checkpoint_cache, make_engine):
+    """The waiting requests fill the next step once their prompts reach its token budget, or
+    their number its free request slots (where the verifier's admission window stops)."""
+    path, hf = checkpoint_cache("qwen3-gqa1-tied")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    a, b, c, d = random_prompts(4, hf.config.vocab_size, [17, 22, 3, 5], seed=4)
+    engine = make_engine(path, page_size=4, max_num_batched_tokens=40, max_num_seqs=3)
+    sched = engine.scheduler
+    assert not sched.next_step_full  # nothing waits
+    engine.add_request("a", a, params)
+    engine.add_request("b", b, params)
+    assert not sched.next_step_full  # 39 of 40 tokens, 2 of 3 slots
+    engine.add_request("c", c, params)
+    assert sched.next_step_full  # 42 tokens
+    while engine.has_unfinished:
+        engine.step()
+    slots = make_engine(path, page_size=4, max_num_batched_tokens=40, max_num_seqs=2)
+    slots.add_request("c", c, params)
+    assert not slots.scheduler.next_step_full
+    slots.add_request("d", d, params)
+    assert slots.scheduler.next_step_full  # 8 tokens, but both slots
+    while slots.has_unfinished:
+        slots.step()
