@@ -82,7 +82,8 @@ class StepLoop:
         self._lock = threading.Lock()  # guards the counters below
         self._fallbacks: Counter = Counter()
         self._steps = 0
-        self.profile: Counter = Counter()  # seconds in engine_step / deliver / observe
+        # seconds in engine_step / deliver / observe, and admission_wait (the window's waits)
+        self.profile: Counter = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -151,22 +152,26 @@ class StepLoop:
         from idle by new work, it goes on taking commands until `admission_window_s` after that
         work arrived, so that requests sent together are prefilled in one step — or until the
         waiting requests fill that step (a long prompt alone waits for nothing)."""
-        deadline = None
-        while True:
-            timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
-            try:
-                item = self._inbox.get(block=block, timeout=timeout)
-            except queue.Empty:
-                return True
-            if item is None:
-                return False
-            put_at, command = item
-            command()
-            if block and deadline is None and self.admission_window_s > 0 \
-                    and self.engine.has_unfinished:
-                deadline = put_at + self.admission_window_s
-            block = deadline is not None and deadline > time.perf_counter() \
-                and not self.engine.scheduler.next_step_full
+        deadline = waited_from = None
+        try:
+            while True:
+                timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                try:
+                    item = self._inbox.get(block=block, timeout=timeout)
+                except queue.Empty:
+                    return True
+                if item is None:
+                    return False
+                put_at, command = item
+                command()
+                if block and deadline is None and self.admission_window_s > 0 \
+                        and self.engine.has_unfinished:
+                    deadline, waited_from = put_at + self.admission_window_s, time.perf_counter()
+                block = deadline is not None and deadline > time.perf_counter() \
+                    and not self.engine.scheduler.next_step_full
+        finally:
+            if waited_from is not None:
+                self.profile["admission_wait"] += time.perf_counter() - waited_from
 
     def _add(self, request_id, prompt_ids, params, budget, kind, q, done, trace_context=None
              ) -> None:

@@ -59,9 +59,9 @@ class FakeEngine:
 async def _run(window_s: float, delays_s: list[float], full_at: int | None = None
                ) -> tuple[FakeEngine, list[float]]:
     """Submit one request per delay (each that long after the start, concurrently); wait for
-    all; the engine and when each request was submitted."""
+    all; the engine (its `loop` set) and when each request was submitted."""
     engine = FakeEngine(full_at)
-    loop = StepLoop(engine, admission_window_s=window_s)
+    engine.loop = loop = StepLoop(engine, admission_window_s=window_s)
     loop.start()
     sent = [0.0] * len(delays_s)
 
@@ -89,6 +89,7 @@ async def test_requests_sent_together_are_stepped_together_within_the_window():
 async def test_without_a_window_the_first_request_is_stepped_alone():
     engine, _ = await _run(0.0, [0.0, 0.03, 0.06])
     assert [ids for _, ids in engine.steps] == [["r0"], ["r1", "r2"]]
+    assert "admission_wait" not in engine.loop.profile
 
 
 @pytest.mark.asyncio
@@ -97,6 +98,7 @@ async def test_a_lone_request_waits_at_most_the_window():
     (started, ids), = engine.steps
     assert ids == ["r0"]
     assert 0.04 < started - sent[0] < 0.05 + 0.1
+    assert 0.03 < engine.loop.profile["admission_wait"] <= started - sent[0]  # in Stats.profile
 
 
 @pytest.mark.asyncio
