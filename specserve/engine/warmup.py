@@ -67,9 +67,7 @@ class _ChainDrafter(Drafter):
 
 def warm_up_engine(engine, batch_rows: Seq[int] = ()) -> float:
     """Run the warm-up request on `engine` (no drafter needed; its own is restored); with CUDA
-    graphs also capture, for every batch bucket up to `max_num_seqs`, the verify graphs of
-    trees of `batch_rows` rows (the first step of 8 requests at once captured its graph inside
-    their requests: BENCHMARKS.md, "A burst of requests"). Seconds."""
+    graphs also trees of `batch_rows` rows in every batch bucket (`_warm_batches`). Seconds."""
     t0, cfg = time.perf_counter(), engine.config
     graphs = engine.runner.graphs  # with CUDA graphs: one tree per rows bucket (captures it)
     sizes = [r - 1 for r in graphs.rows if r > 1] if graphs is not None else \
@@ -83,8 +81,7 @@ def warm_up_engine(engine, batch_rows: Seq[int] = ()) -> float:
     vocab = engine.model_config.vocab_size
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0))
     previous = engine.drafter
-    taps = tuple(previous.target_layer_ids) if previous is not None and previous.needs_context \
-        else ()
+    taps = tuple(previous.target_layer_ids) if getattr(previous, "needs_context", False) else ()
     engine.set_drafter(_ChainDrafter(sizes, vocab, taps))
     try:
         engine.add_request(WARMUP_ID, prompt.tolist(),
@@ -112,7 +109,8 @@ def warm_up_engine(engine, batch_rows: Seq[int] = ()) -> float:
 
 def _warm_batches(graphs, max_num_seqs: int, taps: tuple[int, ...], rows: Seq[int]) -> int:
     """Graphs captured: the other context class of one request's, then the trees of `rows`
-    rows for every batch bucket up to `max_num_seqs`."""
+    rows for every batch bucket up to `max_num_seqs` (else the first step of 8 requests at once
+    captured its graph inside them: BENCHMARKS.md, "A burst of requests")."""
     captured = graphs.warm(1, taps)
     top = bucket_of(min(max_num_seqs, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
     for bb in (b for b in BATCH_BUCKETS if 1 < b <= top and rows):
