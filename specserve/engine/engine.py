@@ -124,13 +124,15 @@ class Engine:
             if self.tokenizer is None:
                 raise InvalidRequest("a text prompt needs a tokenizer; send token ids instead")
             ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
+        else:  # on the engine thread, between steps: C loops for the usual plain ints
+            ids = list(prompt)
+            if set(map(type, ids)) != {int}:
+                ids = [int(t) for t in ids]
         if not ids:
             raise InvalidRequest("prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = [t for t in ids if not 0 <= t < vocab]
             raise InvalidRequest(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:8]}")
         if len(ids) + max_tokens > self.max_model_len:
             raise InvalidRequest(

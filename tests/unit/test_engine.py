@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from specserve.errors import CapacityExhausted, InvalidRequest
@@ -100,6 +101,7 @@ BAD_INPUTS = [
     ([i % 200 for i in range(600)], {}, "prompt has 600 tokens"),
     ([1, 2, 211], {}, r"out of vocabulary \[0, 211\): \[211\]"),
     ([1, -3], {}, "out of vocabulary"),
+    (np.array([5, 211, 7], dtype=np.int64), {}, r"out of vocabulary \[0, 211\): \[211\]"),
 ]
 BAD_PARAMS = [
     (dict(max_tokens=0), "max_tokens must be a positive integer"),
