@@ -75,18 +75,14 @@ class Tokenizer:
     def check_ids(self, ids: Sequence[int]) -> list[int]:
         """Return `ids` as a list of ints, raising InvalidRequest if one is not a valid token id."""
         out = list(ids)
-        if out and set(map(type, out)) == {int}:  # plain ints (protobuf's): checks in C loops
-            if min(out) < 0 or max(out) >= self.vocab_size:
-                bad = next(i for i in out if not 0 <= i < self.vocab_size)
-                raise InvalidRequest(f"token id {bad!r} is not in the vocabulary of "
-                                     f"{self.vocab_size}")
-            return out
+        plain = set(map(type, out)) == {int}  # protobuf's ids: every check below in C loops
         if out and (
-            not all(_is_int(i) for i in out) or min(out) < 0 or max(out) >= self.vocab_size
+            (not plain and not all(_is_int(i) for i in out))
+            or min(out) < 0 or max(out) >= self.vocab_size
         ):
             bad = next(i for i in out if not _is_int(i) or not 0 <= i < self.vocab_size)
             raise InvalidRequest(f"token id {bad!r} is not in the vocabulary of {self.vocab_size}")
-        return [int(i) for i in out]
+        return out if plain else [int(i) for i in out]
 
 
 def _is_int(x: object) -> bool:
