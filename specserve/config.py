@@ -8,12 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-SWITCH = ("auto", "on", "off")  # a GPU-only feature: auto = on where the work runs on CUDA
+SWITCH = ("auto", "on", "off")
+MIXED_CHUNKS = ("cost", "tokens")  # a GPU-only feature: auto = on where the work runs on CUDA
 
 
 def check_switch(name: str, value: str) -> None:
-    if value not in SWITCH:
-        raise ValueError(f"{name} must be one of {SWITCH}, got {value!r}")
+    check_choice(name, value, SWITCH)
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 def switched_on(value: str, device: str) -> bool:
@@ -31,6 +36,10 @@ class EngineConfig:
     kv_memory_bytes: int | None = None  # KV pool byte budget (default 256 MiB)
     max_num_seqs: int = 64  # running requests at once
     max_num_batched_tokens: int = 2048  # tokens per forward: decodes first, then prefill chunks
+    # a prefill chunk beside decoding requests: "cost" = cut to what max_num_batched_tokens
+    # tokens cost at context 0 (engine/chunk_cost.py: their step stays short at long context);
+    # "tokens" = max_num_batched_tokens tokens whatever its context
+    mixed_chunks: str = "cost"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     tap_layers: tuple[int, ...] = ()  # target layers whose outputs feed the drafter
     max_draft_tokens: int = 0  # largest tree budget; reserved as scratch per request
@@ -67,6 +76,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be positive")
+        check_choice("mixed_chunks", self.mixed_chunks, MIXED_CHUNKS)
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.max_waiting is not None and self.max_waiting <= 0:

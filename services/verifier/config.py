@@ -27,7 +27,7 @@ from services.common.settings import (
     port_field,
     port_file_field,
 )
-from specserve.config import EngineConfig, check_switch
+from specserve.config import MIXED_CHUNKS, EngineConfig, check_choice, check_switch
 from specserve.spec.tree import MAX_BUDGET
 
 DEFAULT_KV_GB = {"cpu": 1.0, "cuda": 16.0}
@@ -94,6 +94,12 @@ class VerifierConfig:
     max_num_batched_tokens: int = flag_field(
         "--max-num-batched-tokens", "SPECSERVE_MAX_NUM_BATCHED_TOKENS", "tokens per forward",
         default=2048, type=int)
+    mixed_chunks: str = flag_field(
+        "--mixed-chunks", "SPECSERVE_MIXED_CHUNKS",
+        "a prefill chunk in a step with decoding requests: cost = cut to what "
+        "--max-num-batched-tokens tokens cost at context 0 (weights + attention FLOPs), so "
+        "their steps stay short while a long prompt prefills | tokens = that many tokens at "
+        "any context", default="cost")
     grace_s: float = grace_field("shutdown drain time")
     trace_steps: int = flag_field(  # a `step` span for every Nth step of a request
         "--trace-steps", "SPECSERVE_TRACE_STEPS",
@@ -186,6 +192,7 @@ class VerifierConfig:
         for name in ("overlap", "draft_ahead", "adaptive"):
             if getattr(self, name) not in ("on", "off"):
                 raise ValueError(f"{name} must be on or off, got {getattr(self, name)!r}")
+        check_choice("mixed_chunks", self.mixed_chunks, MIXED_CHUNKS)
         if self.keep_context not in ("auto", "on", "off"):
             raise ValueError(f"keep_context must be auto, on or off, got {self.keep_context!r}")
 
@@ -200,6 +207,7 @@ class VerifierConfig:
             model_dir=self.model, dtype=resolve_dtype(self.dtype, device), device=device,
             page_size=self.page_size, kv_memory_bytes=max(1, int(gb * (1 << 30))),
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            mixed_chunks=self.mixed_chunks,
             max_draft_tokens=self.max_draft_tokens, cuda_graphs=self.cuda_graphs,
             overlap=self.overlap == "on", draft_ahead=self.draft_ahead == "on",
             adaptive=self.adaptive == "on",

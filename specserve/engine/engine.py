@@ -49,11 +49,7 @@ class Engine:
         self.model_config = self.runner.model.config
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.tokenizer = tokenizer if tokenizer is not None else _maybe_tokenizer(config)
-        self.scheduler = Scheduler(
-            self.runner.num_pages, config.page_size, config.max_num_seqs,
-            config.max_num_batched_tokens,
-            scratch=config.max_draft_tokens + 1 if config.max_draft_tokens else 0,
-            max_waiting=config.max_waiting)
+        self.scheduler = Scheduler.of(config, self.runner.num_pages, self.model_config)
         self.requests: dict[str, Sequence] = {}
         self._draft_rows = 0  # context rows the step's drafts carried (adaptive cost model)
         self._arrivals = itertools.count()

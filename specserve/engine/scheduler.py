@@ -10,7 +10,10 @@ pages are freed and it waits at the head of the queue to be recomputed — a pre
 and the tokens it has generated (`Sequence.recompute_to`), whose last sample is its next token,
 so its output goes on unchanged (`take_preempted` tells the engine, which drops the request's
 drafter state). Each step takes one token from every decoding request first, then fills the rest
-of the token budget with prefill chunks (chunked prefill), oldest request first.
+of the token budget with prefill chunks (chunked prefill), oldest request first; with a
+`chunk_cost` (engine/chunk_cost.py), a chunk beside decoding requests is cut further, to what
+the token budget's tokens cost at context 0, so their step does not grow with the prompt's
+context.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from specserve.engine.chunk_cost import MIN_SHARE, ChunkCost
 from specserve.engine.sequence import Sequence, Status
 from specserve.errors import CapacityExhausted
 from specserve.kvcache.block_manager import BlockManager, pages_for
@@ -33,17 +37,28 @@ class Scheduled:
 class Scheduler:
     def __init__(
         self, num_pages: int, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-        scratch: int, max_waiting: int | None = None,
+        scratch: int, max_waiting: int | None = None, chunk_cost: ChunkCost | None = None,
     ) -> None:
         self.blocks = BlockManager(num_pages, page_size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.scratch = scratch  # extra slots reserved per request for draft trees
         self.max_waiting = max_waiting  # None: unbounded
+        self.chunk_cost = chunk_cost  # None: chunks beside decodes are cut by tokens only
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preempted = 0
         self._preempted: list[Sequence] = []
+
+    @classmethod
+    def of(cls, config, num_pages: int, model_config) -> Scheduler:
+        """The engine's scheduler: an `EngineConfig`'s limits over `num_pages` KV pages."""
+        return cls(num_pages, config.page_size, config.max_num_seqs,
+                   config.max_num_batched_tokens,
+                   scratch=config.max_draft_tokens + 1 if config.max_draft_tokens else 0,
+                   max_waiting=config.max_waiting,
+                   chunk_cost=ChunkCost.of(model_config) if config.mixed_chunks == "cost"
+                   else None)
 
     def check_fits(self, seq: Sequence) -> None:
         need = pages_for(seq.reserve_tokens + self.scratch, self.blocks.page_size)
@@ -105,14 +120,27 @@ class Scheduler:
                 break
             out.append(Scheduled(seq, seq.num_computed, 1))
             budget -= 1
-        for seq in (s for s in self.running if s.in_prefill):
-            if budget == 0:
-                break
-            n = min(seq.num_uncomputed, budget)
-            out.append(Scheduled(seq, seq.num_computed, n))
-            budget -= n
+        out += self._chunks(budget, mixed=bool(out))
         for item in out:
             self.blocks.ensure(item.seq.request_id, item.start + item.num_tokens)
+        return out
+
+    def _chunks(self, budget: int, mixed: bool) -> list[Scheduled]:
+        """Prefill chunks for `budget` tokens, oldest request first; when `mixed` (decoding
+        requests ride in the step) and costed, also for at most `budget` tokens' cost at
+        context 0 — the step's first chunk at least 1/MIN_SHARE of the budget."""
+        cost = float(budget) if mixed and self.chunk_cost is not None else None
+        out: list[Scheduled] = []
+        for seq in (s for s in self.running if s.in_prefill):
+            n = min(seq.num_uncomputed, budget)
+            if cost is not None:
+                least = 0 if out else min(n, max(1, self.max_num_batched_tokens // MIN_SHARE))
+                n = max(least, self.chunk_cost.tokens_within(seq.num_computed, cost, n))
+                cost -= self.chunk_cost(n, seq.num_computed)
+            if n <= 0:
+                break
+            out.append(Scheduled(seq, seq.num_computed, n))
+            budget -= n
         return out
 
     def finish(self, seq: Sequence) -> None:
@@ -154,3 +182,4 @@ class Scheduler:
 
 def _arrival(seq: Sequence) -> int:
     return seq.arrival
+
