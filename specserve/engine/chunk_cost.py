@@ -17,6 +17,7 @@ context. Pure Python (the scheduler's), no torch.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 # beside decoding requests a step's first chunk takes at least this share of the token budget,
@@ -27,23 +28,24 @@ MIN_SHARE = 16
 @dataclass(frozen=True)
 class ChunkCost:
     scale: float  # keys at which a token's attention FLOPs equal its weights' FLOPs
-    windows: tuple[int | None, ...]  # per layer: its sliding window (None: full attention)
+    # (sliding window or None for full attention, how many layers have it)
+    windows: tuple[tuple[int | None, int], ...]
 
     def __post_init__(self) -> None:
-        if not self.scale > 0 or not self.windows:
-            raise ValueError(f"need scale > 0 and at least one layer, got {self.scale}, "
-                             f"{self.windows}")
+        if not self.scale > 0 or not self.windows or any(k <= 0 for _, k in self.windows):
+            raise ValueError(f"need scale > 0 and layers, got {self.scale}, {self.windows}")
 
     @classmethod
     def of(cls, cfg) -> ChunkCost:
         """From a `ModelConfig`: weights per layer (q|k|v, o, gate|up|down) and its heads."""
         h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         weights = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
-        return cls(weights / (2 * q), tuple(cfg.window(i) for i in range(cfg.num_layers)))
+        layers = Counter(cfg.window(i) for i in range(cfg.num_layers))
+        return cls(weights / (2 * q), tuple(layers.items()))
 
     def __call__(self, n: int, start: int) -> float:
-        keys = sum(_keys(n, start, w) for w in self.windows)
-        return n + keys / (len(self.windows) * self.scale)
+        keys = sum(k * _keys(n, start, w) for w, k in self.windows)
+        return n + keys / (sum(k for _, k in self.windows) * self.scale)
 
     def tokens_within(self, start: int, budget: float, most: int) -> int:
         """The most tokens (≤ `most`) a chunk from `start` can take for at most `budget`."""

@@ -182,4 +182,3 @@ class Scheduler:
 
 def _arrival(seq: Sequence) -> int:
     return seq.arrival
-

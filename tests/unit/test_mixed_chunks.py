@@ -17,12 +17,15 @@ from tests.helpers import hf_greedy, random_prompts
 
 def _flops_cost(hf, n: int, start: int) -> float:
     """A chunk's FLOPs over a context-0 token's, from the model's Linear weights (brute force
-    over positions: a token at p attends p + 1 keys, 4·Hq·D FLOPs each, in every layer)."""
-    layer = hf.model.layers[0]
-    weights = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
-    cfg = hf.config
+    over positions: a token at p attends p + 1 keys, at most its layer's sliding window, 4·Hq·D
+    FLOPs each)."""
+    cfg, layers = hf.config, hf.model.layers
+    weights = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
     per_key = 4 * cfg.num_attention_heads * cfg.head_dim
-    attention = sum(per_key * (p + 1) for p in range(start, start + n))
+    window = [cfg.sliding_window if kind == "sliding_attention" else None
+              for kind in (cfg.layer_types or ["full_attention"] * len(layers))]
+    attention = sum(per_key * (p + 1 if w is None else min(p + 1, w))
+                    for w in window for p in range(start, start + n))
     return n + attention / (2 * weights)
 
 
@@ -34,8 +37,12 @@ def test_keys_match_brute_force_with_windows():
         assert _keys(n, start, window) == brute, (n, start, window)
 
 
-def test_cost_counts_the_models_flops(checkpoint_cache):
-    path, hf = checkpoint_cache("qwen3-gqa4-yarn")
+@pytest.mark.parametrize("windows", [{}, dict(use_sliding_window=True, sliding_window=37,
+                                                max_window_layers=1)])
+def test_cost_counts_the_models_flops(checkpoint_cache, windows):
+    path, hf = checkpoint_cache("qwen3-gqa4-yarn", **windows)
+    if windows:
+        assert hf.config.layer_types.count("sliding_attention") == 2
     cost = ChunkCost.of(load_config(path))
     for n, start in [(1, 0), (17, 0), (40, 133), (211, 300)]:
         assert cost(n, start) == pytest.approx(_flops_cost(hf, n, start), rel=1e-12)
@@ -43,7 +50,7 @@ def test_cost_counts_the_models_flops(checkpoint_cache):
         fits = [n for n in range(most + 1) if _flops_cost(hf, n, start) <= budget + 1e-9]
         assert cost.tokens_within(start, budget, most) == max(fits)
     with pytest.raises(ValueError):
-        ChunkCost(0.0, (None,))
+        ChunkCost(0.0, ((None, 1),))
 
 
 def _schedules(engine):
