@@ -8,7 +8,7 @@ p + 1 keys, at most the layer's sliding window). Counted in tokens at context 0:
     cost(n, s) = n + Σ_layers keys_l(n, s) / (L · scale)
 
 with `scale` the keys at which a token's attention costs as much as its weights (a layer's
-weight FLOPs per token 2·P over its attention FLOPs per key 4·Hq·D; about 23.5k for the
+weight FLOPs per token 2·P over its attention FLOPs per key 4·Hq·D; 23.6k for the
 Qwen3-8B body). At 128k context an 8192-token chunk costs about 6× one at context 0, and the
 decoding requests in its step wait for all of it: beside them, a chunk is cut to the cost of
 `max_num_batched_tokens` tokens at context 0, so their steps stay about as long at any
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-# beside decoding requests a step's first chunk takes at least this share of the token budget,
+# beside decoding requests a step's first chunk takes at least 1/MIN_SHARE of the token budget,
 # whatever its cost (a model whose attention dwarfs its weights still makes progress)
 MIN_SHARE = 16
 
