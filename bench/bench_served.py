@@ -227,14 +227,7 @@ def run(args, results: dict, tmp: Path) -> None:
     log("in-process engine warm")
     svc.wait()
     cases = workload(args, args.model)
-    for case, ctx, prompts, late in cases:  # the services are idle now
-        in_process(engine, prompts[-1:], 4, args.budget)  # this case's shapes once
-        drafter_ms: list[float] = []
-        timings = in_process(engine, prompts, args.new_tokens, args.budget, drafter_ms, late)
-        add_row(results, case, ctx, len(prompts), "in-process", timings,
-                dict(drafter_ms=sorted(drafter_ms)[len(drafter_ms) // 2]), late)
-        save(results, args.out)
-        log(f"in-process {case}: {results['rows'][-1]['summary']}")
+    run_in_process(args, results, engine, cases)  # the services are idle meanwhile
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -243,19 +236,35 @@ def run(args, results: dict, tmp: Path) -> None:
             svc.close()
             start_services(args, svc, variant)
             svc.wait()
-        svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier")])
-        svc.wait()
-        for case, ctx, prompts, late in cases:
-            served(svc.addr("gateway"), prompts[-1:], 4, args.budget)
-            before = verifier_stats(svc.addr("verifier"))
-            timings = served(svc.addr("gateway"), prompts, args.new_tokens, args.budget, late)
-            stats = verifier_stats(svc.addr("verifier"))
-            add_row(results, case, ctx, len(prompts), f"served {variant}", timings,
-                    dict(verifier=stats, profile_ms=profile_per_step(before, stats)), late)
-            save(results, args.out)
-            row = results["rows"][-1]
-            log(f"served {variant} {case}: {row['summary']} {row['profile_ms']}")
+        run_served(args, results, svc, variant, cases)
     svc.close()
+
+
+def run_in_process(args, results: dict, engine, cases) -> None:
+    for case, ctx, prompts, late in cases:
+        in_process(engine, prompts[-1:], 4, args.budget)  # this case's shapes once
+        drafter_ms: list[float] = []
+        timings = in_process(engine, prompts, args.new_tokens, args.budget, drafter_ms, late)
+        add_row(results, case, ctx, len(prompts), "in-process", timings,
+                dict(drafter_ms=sorted(drafter_ms)[len(drafter_ms) // 2]), late)
+        save(results, args.out)
+        log(f"in-process {case}: {results['rows'][-1]['summary']}")
+
+
+def run_served(args, results: dict, svc: Services, variant: str, cases) -> None:
+    """Every case through a gateway started on the running verifier and drafter."""
+    svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier")])
+    svc.wait()
+    for case, ctx, prompts, late in cases:
+        served(svc.addr("gateway"), prompts[-1:], 4, args.budget)
+        before = verifier_stats(svc.addr("verifier"))
+        timings = served(svc.addr("gateway"), prompts, args.new_tokens, args.budget, late)
+        stats = verifier_stats(svc.addr("verifier"))
+        add_row(results, case, ctx, len(prompts), f"served {variant}", timings,
+                dict(verifier=stats, profile_ms=profile_per_step(before, stats)), late)
+        save(results, args.out)
+        row = results["rows"][-1]
+        log(f"served {variant} {case}: {row['summary']} {row['profile_ms']}")
 
 
 def main(argv=None) -> int:
