@@ -241,6 +241,7 @@ def run(args, results: dict, tmp: Path) -> None:
 
 
 def run_in_process(args, results: dict, engine, cases) -> None:
+    """Every case through the in-process engine (each case's shapes run once first)."""
     for case, ctx, prompts, late in cases:
         in_process(engine, prompts[-1:], 4, args.budget)  # this case's shapes once
         drafter_ms: list[float] = []

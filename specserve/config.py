@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-SWITCH = ("auto", "on", "off")
-MIXED_CHUNKS = ("cost", "tokens")  # a GPU-only feature: auto = on where the work runs on CUDA
+SWITCH = ("auto", "on", "off")  # a GPU-only feature: auto = on where the work runs on CUDA
+MIXED_CHUNKS = ("cost", "tokens")  # how a prefill chunk beside decoding requests is cut
 
 
 def check_switch(name: str, value: str) -> None:

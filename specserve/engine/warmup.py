@@ -113,8 +113,9 @@ def _warm_batches(graphs, max_num_seqs: int, taps: tuple[int, ...], rows: Seq[in
     captured its graph inside them: BENCHMARKS.md, "A burst of requests")."""
     captured = graphs.warm(1, taps)
     top = bucket_of(min(max_num_seqs, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
-    for bb in (b for b in BATCH_BUCKETS if 1 < b <= top):
-        captured += graphs.warm(bb, taps, rows) if rows else 0
+    if rows:
+        for bb in (b for b in BATCH_BUCKETS if 1 < b <= top):
+            captured += graphs.warm(bb, taps, rows)
     return captured
 
 

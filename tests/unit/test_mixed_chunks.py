@@ -98,6 +98,5 @@ def test_chunks_beside_decodes_are_cut_to_the_budgets_cost(checkpoint_cache, mak
     if mode == "cost":
         sizes = [n for start, n in mixed if start + n < len(long_)]
         assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
-        alone = [n for step, start, n in chunks if len(step) == 1]  # "a" finished by then
-        assert alone and all(n == min(budget, len(long_) - s) for step, s, n in chunks
-                             if len(step) == 1)
+        alone = [(start, n) for step, start, n in chunks if len(step) == 1]  # "a" is done
+        assert alone and all(n == min(budget, len(long_) - start) for start, n in alone)
