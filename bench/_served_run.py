@@ -65,17 +65,22 @@ def summary(timings: list[Timing]) -> dict:
 def interference(timings: list[Timing], late: int) -> dict:
     """The last `late` requests arrived while the others decoded: their TTFT (median), and the
     others' steps that overlapped the late prefill (from the first late send to the last late
-    first token): how many, their median and longest."""
+    first token): how many, their median, p90 and longest, and the first one's in order."""
     early, later = timings[: len(timings) - late], timings[len(timings) - late:]
     t0 = min(t.sent for t in later)
     t1 = max(t.arrivals[0][0] for t in later if t.arrivals)
-    steps = [(b[0] - a[0]) * 1e3 for t in early for a, b in zip(t.arrivals, t.arrivals[1:],
-                                                                   strict=False)
-             if b[0] > t0 and a[0] < t1]
+
+    def meanwhile(t: Timing) -> list[float]:
+        return [(b[0] - a[0]) * 1e3 for a, b in zip(t.arrivals, t.arrivals[1:], strict=False)
+                if b[0] > t0 and a[0] < t1]
+
+    steps = [ms for t in early for ms in meanwhile(t)]
     return dict(late_ttft_ms=statistics.median((t.arrivals[0][0] - t.sent) * 1e3
                                                for t in later if t.arrivals),
                 steps_meanwhile=len(steps), step_meanwhile_p50_ms=_p(steps, 0.5),
-                step_meanwhile_max_ms=max(steps, default=float("nan")))
+                step_meanwhile_p90_ms=_p(steps, 0.9),
+                step_meanwhile_max_ms=max(steps, default=float("nan")),
+                step_meanwhile_series_ms=[round(ms, 2) for ms in meanwhile(early[0])])
 
 
 def _phases(stats) -> dict:
@@ -240,7 +245,8 @@ async def _verifier_stats(address: str) -> dict:
         s = await verifier_pb2_grpc.VerifierStub(ch).Stats(verifier_pb2.StatsRequest(),
                                                            timeout=10)
     return dict(transport=s.drafter_transport, context_rows=dict(s.context_rows),
-                fallbacks=dict(s.fallbacks), steps=s.steps, profile=dict(s.profile))
+                fallbacks=dict(s.fallbacks), steps=s.steps, profile=dict(s.profile),
+                attention_weight=s.attention_weight)
 
 
 def profile_per_step(before: dict, after: dict) -> dict:

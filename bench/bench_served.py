@@ -153,12 +153,12 @@ def table(rows: list[dict]) -> str:
     late = [r for r in rows if "interference" in r["summary"]]
     if late:
         lines += ["", "a prompt sent while 7 requests decode: its TTFT ms; their steps meanwhile "
-                  "(how many, p50 / max ms)"]
+                  "(how many, p50 / p90 / max ms)"]
     for r in late:
         i = r["summary"]["interference"]
         lines.append(f"{r['case']:<16} {r['path'][:34]:<34} {i['late_ttft_ms']:9.1f}  "
                      f"{i['steps_meanwhile']:4d}  {i['step_meanwhile_p50_ms']:.2f} / "
-                     f"{i['step_meanwhile_max_ms']:.2f}")
+                     f"{i['step_meanwhile_p90_ms']:.2f} / {i['step_meanwhile_max_ms']:.2f}")
     lines += ["", "ms per step: in process the drafter's own forward + tree; served the "
               "verifier's profile (Stats.profile)"]
     for r in rows:
@@ -247,7 +247,8 @@ def run_in_process(args, results: dict, engine, cases) -> None:
         drafter_ms: list[float] = []
         timings = in_process(engine, prompts, args.new_tokens, args.budget, drafter_ms, late)
         add_row(results, case, ctx, len(prompts), "in-process", timings,
-                dict(drafter_ms=sorted(drafter_ms)[len(drafter_ms) // 2]), late)
+                dict(drafter_ms=sorted(drafter_ms)[len(drafter_ms) // 2],
+                     attention_weight=engine.scheduler.attention_weight), late)
         save(results, args.out)
         log(f"in-process {case}: {results['rows'][-1]['summary']}")
 

@@ -156,7 +156,11 @@ def test_bench_served_tiny(tmp_path):
     for r in (r for r in rows if r["case"] == "150 into 7x48"):
         late = r["summary"]["interference"]  # 150 tokens: two prefill steps of --tiny's 128
         assert late["late_ttft_ms"] > 0 and late["steps_meanwhile"] >= 7
-        assert late["step_meanwhile_max_ms"] >= late["step_meanwhile_p50_ms"] > 0
+        assert late["step_meanwhile_max_ms"] >= late["step_meanwhile_p90_ms"] \
+            >= late["step_meanwhile_p50_ms"] > 0
+        series = late["step_meanwhile_series_ms"]  # the first decoder's, in order
+        assert 1 <= len(series) <= late["steps_meanwhile"]
+        assert max(series) <= late["step_meanwhile_max_ms"] + 0.01
         assert len(r["summary"]["ttft_each_ms"]) == 8
     for r in (r for r in rows if "into" not in r["case"]):
         s = r["summary"]
@@ -166,10 +170,12 @@ def test_bench_served_tiny(tmp_path):
         assert s["ttft_each_ms"] == [round(s["ttft_ms"], 1)]  # one request
         assert s["first_token_spread_ms"] == 0 == s["last_token_spread_ms"]
         assert r["floor"]["step_ms"] > 0 and r["ratio"]["ttft"] > 0
+    assert all(0.25 <= r["attention_weight"] <= 8 for r in rows if r["path"] == "in-process")
     served = [r for r in rows if r["path"] == "served auto"]
     assert all(r["verifier"]["transport"] == "lane+ring" for r in served)
     assert served[-1]["verifier"]["context_rows"]["ring"] >= 48 + 130 + 7 * 48 + 150
     assert {"draft_wait", "drafter_work", "engine_step"} <= set(served[-1]["profile_ms"])
+    assert 0.25 <= served[-1]["verifier"]["attention_weight"] <= 8
 
 
 def test_trace_breakdown_splits_each_step(tmp_path):
