@@ -1,7 +1,7 @@
 """Sections `prefill` and `decode` of bench/bench_e2e.py, through the real `Engine`.
 
 prefill: one request of T random tokens, max_tokens 1, chunks of `--chunk` tokens per engine
-  step; after a warm-up as the verifier's (compiles, and on CUDA `attention.prefill.warm_up`:
+  step; after a warm-up as the verifier's (compiles, and on CUDA `attention.prefill_warmup.warm_up`:
   cuDNN's per-shape plans of the chunks up to the longest prompt), wall time from add_request to
   the first token, synchronised per chunk. Floors (FLOPs over this
   run's matmul rate):  issue-9 formula  2·P·T + 2·L·Hq·D·T²  (P = all parameters, as issue 9
@@ -31,7 +31,7 @@ from functools import partial
 from _e2e_common import BLOCK_SIZE, median, p90, prompt_ids, sync
 from replay_drafter import ReplayDrafter
 
-from specserve.attention import prefill
+from specserve.attention import prefill_warmup
 from specserve.config import EngineConfig
 from specserve.drafters.dflash import DFlashDrafter
 from specserve.engine.engine import Engine
@@ -140,7 +140,7 @@ def run_prefill(b) -> None:
         generate(b, engine, "warm", prompt_ids(vocab, warm), 1, label=f"warm-up {warm}")
         if b.device.type == "cuda":  # as the verifier's warm-up: cuDNN plans of the chunks
             t0 = time.perf_counter()
-            prefill.warm_up(c.num_heads, c.num_kv_heads, c.head_dim, engine.runner.dtype,
+            prefill_warmup.warm_up(c.num_heads, c.num_kv_heads, c.head_dim, engine.runner.dtype,
                             b.device, a.page_size, chunk=a.chunk, max_len=max(a.prefill_lens))
             sec["plan_warmup_s"] = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 — the timed runs below still try

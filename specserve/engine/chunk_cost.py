@@ -70,11 +70,13 @@ class ChunkCost:
 
 
 # the attention rate's fit: sample weight decay; forwards before a fit; the least eigenvalue of
-# the regressors' normalized Gram matrix below which they are too alike to tell apart; κ's range
+# the regressors' normalized Gram matrix below which they are too alike to tell apart; κ's range;
+# a forward this many times slower than the fit predicts is a one-off (a plan built, a compile)
 DECAY = 0.98
 MIN_SAMPLES = 6
 MIN_SPREAD = 1e-3
 WEIGHT_RANGE = (0.25, 8.0)
+SPIKE = 1.5
 
 
 @dataclass
@@ -82,16 +84,25 @@ class AttentionRate:
     """κ, from the forwards that carried prefill chunks: decayed least squares of their seconds
     on (1, rows, attention) — the step's fixed part, its rows (trees and chunks: weights), its
     chunks' attention (`ChunkCost.attention`). κ = β/α once the samples tell the three apart
-    and both are positive, clamped to WEIGHT_RANGE; until then the last such κ (first 1)."""
+    and both are positive, clamped to WEIGHT_RANGE; until then the last such κ (first 1). A
+    forward SPIKE × slower than the fit says is not booked, unless the one before was not
+    either (then the rate itself moved)."""
 
     decay: float = DECAY
     gram: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))  # Σ w·x·xᵀ
     moment: np.ndarray = field(default_factory=lambda: np.zeros(3))  # Σ w·x·t
-    samples: int = 0
+    samples: int = 0  # forwards booked
+    forwards: int = 0  # forwards observed
     weight: float = 1.0
+    spiked: bool = False  # the last forward was not booked
 
     def observe(self, rows: float, attention: float, seconds: float) -> None:
-        x = np.array([1.0, rows, attention])
+        x, self.forwards = np.array([1.0, rows, attention]), self.forwards + 1
+        fit = self.fit()
+        if fit is not None and seconds > SPIKE * float(fit @ x) and not self.spiked:
+            self.spiked = True
+            return
+        self.spiked = False
         self.gram = self.decay * self.gram + np.outer(x, x)
         self.moment = self.decay * self.moment + x * seconds
         self.samples += 1

@@ -8,8 +8,9 @@ steps: on the H200 the commit probe's first request ran slow steps and hit the d
 throw-away request on the target (a prefill of a full chunk plus a remainder, verify steps with
 chains of every size class up to `max_draft_tokens` — of every rows bucket, capturing their CUDA
 graphs for one request, when the engine uses them — and an AR step; on CUDA also long prefill
-chunks through `attention.prefill`'s cuDNN path: one, plus every regular chunk of a `max_model_len`
-prompt, whose per-shape plans it builds — and, through `warm_up_causal_chunks`, a causal chunk of
+chunks through `attention.prefill`'s cuDNN path (`attention.prefill_warmup`): one, every regular
+chunk of a `max_model_len` prompt, whose per-shape plans it builds, one of every ragged plan
+class — and, through `warm_up_causal_chunks`, a causal chunk of
 every rows bucket over a short and over a long prefix, for each window of the model's layers: the
 warm-up prompt's own chunks reach one rows bucket only, and on the H200 the demo probe's first 16k
 prompt spent part of its prefill compiling the 128-row variant, the same section); its decode steps
@@ -26,7 +27,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from specserve.attention import prefill
+from specserve.attention import prefill, prefill_warmup
 from specserve.cudagraph import BATCH_BUCKETS, bucket_of
 from specserve.drafters.base import Drafter, DraftRequest
 from specserve.kernels import topk
@@ -96,7 +97,7 @@ def warm_up_engine(engine, batch_rows: Seq[int] = ()) -> float:
     captured = _warm_batches(graphs, cfg.max_num_seqs, taps, batch_rows) if graphs else 0
     if engine.runner.device.type == "cuda":  # long prefill chunks: cuDNN + the merge kernel
         mc = engine.model_config
-        prefill.warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, engine.runner.dtype,
+        prefill_warmup.warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, engine.runner.dtype,
                         engine.runner.device, engine.blocks.page_size,
                         chunk=cfg.max_num_batched_tokens, max_len=engine.max_model_len)
         warm_up_causal_chunks(mc, engine.runner.dtype, engine.runner.device,
@@ -136,7 +137,7 @@ def warm_up_causal_chunks(mc, dtype: torch.dtype, device: torch.device, page_siz
     """Run `causal_chunk_shapes(mc)` through the attention backend on random K/V (not the
     model's pool), so each causal kernel variant a prompt can reach is compiled. Calls made."""
     shapes = causal_chunk_shapes(mc)
-    chunks = prefill.random_chunks([(n, ctx) for n, ctx, _ in shapes], mc.num_heads,
+    chunks = prefill_warmup.random_chunks([(n, ctx) for n, ctx, _ in shapes], mc.num_heads,
                                    mc.num_kv_heads, mc.head_dim, dtype, device, page_size)
     for (_, _, window), (q, k, v, batch) in zip(shapes, chunks, strict=True):
         prefill.prefill_attention(q, k, v, batch, mc.head_dim ** -0.5, window)

@@ -23,8 +23,8 @@ from specserve.attention.prefill import (  # noqa: E402
     plan_key,
     plan_prefill,
     prefill_attention,
-    warm_up,
 )
+from specserve.attention.prefill_warmup import ragged_shapes, warm_up  # noqa: E402
 from specserve.attention.torch_ref import torch_ref_attention  # noqa: E402
 from specserve.spec.tree import verify_layout  # noqa: E402
 from tests.helpers import random_tree  # noqa: E402
@@ -207,6 +207,59 @@ def test_warm_up_plans_every_regular_chunk_of_the_longest_prompt(monkeypatch):
     monkeypatch.setattr(prefill, "_per_shape", set())
     assert warm_up(2, 1, 16, dtype, device, chunk=3000, max_len=7000)  # no regular chunk
     assert prefill._per_shape == set()
+
+
+def _class(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()  # cuDNN's ragged plans: lengths rounded up
+
+
+@pytest.mark.parametrize("chunk, max_len", [(300, 1500), (256, 999), (37, 2048)])
+def test_ragged_shapes_cover_every_plan_class_a_chunk_can_meet(chunk, max_len):
+    """Brute force over every chunk (n ≤ chunk rows over a prefix p, n + p ≤ max_len) the
+    backend takes on the ragged path: the classes of its calls — the chunk over itself, the
+    chunk over its prefix — are those of `ragged_shapes`' chunks, one chunk each."""
+
+    def flop(n, p):
+        return 4 * 2 * 16 * n * (n / 2 + p)
+
+    least = flop(24, 150)
+    import specserve.attention.prefill as prefill
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prefill, "MIN_FLOP", least)
+        got = ragged_shapes(chunk, max_len, flop)
+    want_causal, want_prefix = set(), set()
+    for n in range(1, chunk + 1):
+        for p in range(0, max_len - n + 1):
+            if flop(n, p) >= least:
+                want_causal.add(_class(n))
+                if p:
+                    want_prefix.add((_class(n), _class(p)))
+    assert {_class(n) for n, _ in got} == want_causal
+    assert {(_class(n), _class(p)) for n, p in got if p} == want_prefix
+    assert len({(_class(n), p and _class(p)) for n, p in got}) == len(got)
+    assert all(n <= chunk and n + p <= max_len and flop(n, p) >= least for n, p in got)
+
+
+def test_warm_up_calls_the_library_for_every_ragged_class(monkeypatch):
+    import specserve.attention.prefill as prefill
+
+    monkeypatch.setattr(prefill, "_per_shape", set())
+    monkeypatch.setattr(prefill, "MIN_FLOP", 5e8)
+    calls, real = [], prefill._library_attention
+
+    def spy(q, k, v, causal, scale):
+        calls.append((q.shape[2], k.shape[2], causal))
+        return real(q, k, v, causal, scale)
+
+    monkeypatch.setattr(prefill, "_library_attention", spy)
+    device = "cuda" if ON_GPU else "cpu"
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    assert warm_up(2, 1, 16, dtype, device, chunk=3000, max_len=7000)
+    shapes = ragged_shapes(3000, 7000, lambda n, p: 4 * 2 * 16 * n * (n / 2 + p))
+    assert len(shapes) >= 5
+    for n, p in shapes:
+        assert (n, n, True) in calls and (not p or (n, p, False) in calls), (n, p)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (and TRITON_INTERPRET unset)")

@@ -178,16 +178,16 @@ def test_warm_captures_both_context_classes(checkpoint_cache, make_engine):
 def test_warm_up_on_gpu_runs_the_prefill_path(checkpoint_cache, make_engine, monkeypatch):
     """On CUDA the warm-up also sends long chunks through attention.prefill (cuDNN), planned
     for the engine's prefill chunk and longest context."""
-    from specserve.attention import prefill
+    from specserve.attention import prefill_warmup
     from specserve.engine.warmup import warm_up_engine
 
-    real, ran = prefill.warm_up, []
+    real, ran = prefill_warmup.warm_up, []
 
     def spy(*args, **kwargs):
         ran.append((real(*args, **kwargs), kwargs))
         return ran[-1][0]
 
-    monkeypatch.setattr(prefill, "warm_up", spy)
+    monkeypatch.setattr(prefill_warmup, "warm_up", spy)
     path, _ = checkpoint_cache("qwen3-gqa4-yarn")
     engine = make_engine(path, max_draft_tokens=4, max_num_batched_tokens=40, device="cuda",
                          dtype="bfloat16", num_pages=256)

@@ -76,6 +76,20 @@ def test_attention_rate_is_numpys_weighted_least_squares():
     assert 2.0 < rate.weight < 3.3  # 6.1 / 2.3 = 2.65, within the noise
 
 
+def test_attention_rate_skips_a_lone_spike_not_two():
+    rng = np.random.default_rng(5)
+    rate = AttentionRate()
+    for _ in range(30):
+        r, a = rng.uniform(100, 9000), rng.uniform(0, 5e4)
+        rate.observe(r, a, 0.01 + 2e-5 * r + 5e-5 * a)
+    assert rate.weight == pytest.approx(2.5, rel=1e-6)
+    fit = rate.fit()
+    rate.observe(4000.0, 2e4, 3 * (0.01 + 2e-5 * 4000 + 5e-5 * 2e4))  # a plan built: skipped
+    assert (rate.samples, rate.forwards) == (30, 31) and np.array_equal(rate.fit(), fit)
+    rate.observe(4000.0, 2e4, 3 * (0.01 + 2e-5 * 4000 + 5e-5 * 2e4))  # again: booked
+    assert (rate.samples, rate.forwards) == (31, 32) and not np.array_equal(rate.fit(), fit)
+
+
 def test_attention_rate_waits_until_the_samples_tell_the_terms_apart():
     rate = AttentionRate()
     for _ in range(40):  # one shape again and again: rows and attention move together
@@ -94,11 +108,11 @@ def test_attention_rate_waits_until_the_samples_tell_the_terms_apart():
 class _Fixed:
     """A rate that does not move (the cut with a known κ ≠ 1)."""
 
-    weight, samples = 3.0, 0
+    weight, forwards = 3.0, 0
 
     def observe(self, rows, attention, seconds):
         assert rows >= 1 and attention >= 0 and seconds > 0
-        self.samples += 1
+        self.forwards += 1
 
 
 def _schedules(engine):
@@ -152,7 +166,7 @@ def test_chunks_beside_decodes_are_cut_to_the_budgets_cost(checkpoint_cache, mak
         assert n == min(max(max(fits), budget // MIN_SHARE), len(long_) - start), (start, n)
     if mode in ("cost", "fixed"):  # every forward with a chunk was booked
         prompt = {"a": len(short), "b": len(long_)}
-        assert engine.scheduler.rate.samples == sum(
+        assert engine.scheduler.rate.forwards == sum(
             any(start < prompt[rid] for rid, start, *_ in step) for step in seen)
     if mode == "flops":
         sizes = [n for start, n, _ in mixed if start + n < len(long_)]
