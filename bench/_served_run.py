@@ -245,8 +245,7 @@ async def _verifier_stats(address: str) -> dict:
         s = await verifier_pb2_grpc.VerifierStub(ch).Stats(verifier_pb2.StatsRequest(),
                                                            timeout=10)
     return dict(transport=s.drafter_transport, context_rows=dict(s.context_rows),
-                fallbacks=dict(s.fallbacks), steps=s.steps, profile=dict(s.profile),
-                attention_weight=s.attention_weight)
+                fallbacks=dict(s.fallbacks), steps=s.steps, profile=dict(s.profile))
 
 
 def profile_per_step(before: dict, after: dict) -> dict:

@@ -247,8 +247,7 @@ def run_in_process(args, results: dict, engine, cases) -> None:
         drafter_ms: list[float] = []
         timings = in_process(engine, prompts, args.new_tokens, args.budget, drafter_ms, late)
         add_row(results, case, ctx, len(prompts), "in-process", timings,
-                dict(drafter_ms=sorted(drafter_ms)[len(drafter_ms) // 2],
-                     attention_weight=engine.scheduler.attention_weight), late)
+                dict(drafter_ms=sorted(drafter_ms)[len(drafter_ms) // 2]), late)
         save(results, args.out)
         log(f"in-process {case}: {results['rows'][-1]['summary']}")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 SWITCH = ("auto", "on", "off")  # a GPU-only feature: auto = on where the work runs on CUDA
-MIXED_CHUNKS = ("cost", "flops", "tokens")  # how a prefill chunk beside decoding requests is cut
+MIXED_CHUNKS = ("cost", "tokens")  # how a prefill chunk beside decoding requests is cut
 
 
 def check_switch(name: str, value: str) -> None:
@@ -37,8 +37,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # running requests at once
     max_num_batched_tokens: int = 2048  # tokens per forward: decodes first, then prefill chunks
     # a prefill chunk beside decoding requests: "cost" = cut to what max_num_batched_tokens
-    # tokens cost at context 0 (engine/chunk_cost.py: their step stays short at long context),
-    # its attention weighted by the measured rate; "flops" = the same by FLOPs alone;
+    # tokens cost at context 0 (engine/chunk_cost.py: their step stays short at long context);
     # "tokens" = max_num_batched_tokens tokens whatever its context
     mixed_chunks: str = "cost"
     max_model_len: int | None = None  # default: the model's max_position_embeddings

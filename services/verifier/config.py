@@ -97,10 +97,9 @@ class VerifierConfig:
     mixed_chunks: str = flag_field(
         "--mixed-chunks", "SPECSERVE_MIXED_CHUNKS",
         "a prefill chunk in a step with decoding requests: cost = cut to what "
-        "--max-num-batched-tokens tokens cost at context 0 (weights + attention FLOPs, the "
-        "attention weighted by its measured rate), so their steps stay short while a long "
-        "prompt prefills | flops = the same by FLOPs alone | tokens = that many tokens at any "
-        "context", default="cost")
+        "--max-num-batched-tokens tokens cost at context 0 (weights + attention FLOPs), so "
+        "their steps stay short while a long prompt prefills | tokens = that many tokens at "
+        "any context", default="cost")
     grace_s: float = grace_field("shutdown drain time")
     trace_steps: int = flag_field(  # a `step` span for every Nth step of a request
         "--trace-steps", "SPECSERVE_TRACE_STEPS",

@@ -118,8 +118,7 @@ def stats_to_pb(stats, drafter_connected: bool, transport: str = "",
         kv_pages_reserved=stats.pages_reserved, preempted=stats.preempted,
         kv_pages_total=stats.pages_total, active_requests=stats.active,
         waiting_requests=stats.waiting, drafter_connected=drafter_connected,
-        fallbacks=dict(stats.fallbacks), steps=stats.steps,
-        attention_weight=stats.attention_weight)
+        fallbacks=dict(stats.fallbacks), steps=stats.steps)
 
 
 # ---- the drafter stream ----------------------------------------------------------------------

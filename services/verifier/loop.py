@@ -60,7 +60,6 @@ class LoopStats:
     waiting: int
     fallbacks: dict[str, int]  # fallback kind (metrics.FALLBACK_KINDS) -> steps, since start
     steps: int
-    attention_weight: float  # κ of the chunks beside decoding requests (engine/chunk_cost.py)
 
 
 @dataclass(eq=False)
@@ -128,8 +127,7 @@ class StepLoop:
         return LoopStats(pages_used=blocks.num_used_pages, pages_free=blocks.num_free_pages,
                          pages_total=blocks.num_pages, pages_reserved=blocks.num_reserved_pages,
                          preempted=sched.num_preempted, active=len(sched.running),
-                         waiting=len(sched.waiting), fallbacks=fallbacks, steps=steps,
-                         attention_weight=sched.attention_weight)
+                         waiting=len(sched.waiting), fallbacks=fallbacks, steps=steps)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Abort what is left, end the thread (blocking: call via asyncio.to_thread)."""

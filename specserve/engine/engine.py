@@ -68,7 +68,9 @@ class Engine:
         taps = tuple(drafter.target_layer_ids) if self._needs_context else ()
         self.runner.set_taps(taps or self.config.tap_layers)
 
-    blocks = property(lambda self: self.scheduler.blocks)  # its BlockManager (read-only use)
+    @property
+    def blocks(self):  # the scheduler's BlockManager (read-only use: stats, warm-up, tests)
+        return self.scheduler.blocks
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -185,7 +187,7 @@ class Engine:
         postprocess.settle_trees(self, batch, committed, draft_s, verify_s)
         self.last_step = StepTimes(t_start, t_draft, t_verify, time.time_ns(), tuple(
             (w.seq.request_id, w.start, w.num_tokens) for w in batch.chunks))
-        self._observe_cost(batch, draft_s, span, verify_s)
+        self._observe_cost(batch, draft_s, span)
         for out in outputs:
             if out.stats is not None:
                 out.stats.times = self.last_step
@@ -240,10 +242,9 @@ class Engine:
     def _pad_rows(self, rows: int) -> int:
         return self.runner.step_rows([rows]) or rows
 
-    def _observe_cost(self, batch, draft_s: float, span: int, verify_s: float) -> None:
-        """Book a forward with chunks in the scheduler's attention rate; a decode-only step's
-        times in the cost model (a prefill chunk's would not say what a tree costs)."""
-        self.scheduler.observe(batch.chunks, sum(p.layout.num_rows for p in batch.plans), verify_s)
+    def _observe_cost(self, batch, draft_s: float, span: int) -> None:
+        """Book a decode-only step's times in the cost model (a prefill chunk's would not say
+        what a tree costs)."""
         if self.adaptive is None or batch.chunks or not batch.plans or self.last_step is None:
             return
         t = self.last_step

@@ -13,8 +13,7 @@ drafter state). Each step takes one token from every decoding request first, the
 of the token budget with prefill chunks (chunked prefill), oldest request first; with a
 `chunk_cost` (engine/chunk_cost.py), a chunk beside decoding requests is cut further, to what
 the token budget's tokens cost at context 0, so their step does not grow with the prompt's
-context — its attention weighted by the measured `rate` when there is one (`observe` books
-each forward that carried chunks).
+context.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from specserve.engine.chunk_cost import MIN_SHARE, AttentionRate, ChunkCost
+from specserve.engine.chunk_cost import MIN_SHARE, ChunkCost
 from specserve.engine.sequence import Sequence, Status
 from specserve.errors import CapacityExhausted
 from specserve.kvcache.block_manager import BlockManager, pages_for
@@ -39,7 +38,6 @@ class Scheduler:
     def __init__(
         self, num_pages: int, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
         scratch: int, max_waiting: int | None = None, chunk_cost: ChunkCost | None = None,
-        rate: AttentionRate | None = None,
     ) -> None:
         self.blocks = BlockManager(num_pages, page_size)
         self.max_num_seqs = max_num_seqs
@@ -47,7 +45,6 @@ class Scheduler:
         self.scratch = scratch  # extra slots reserved per request for draft trees
         self.max_waiting = max_waiting  # None: unbounded
         self.chunk_cost = chunk_cost  # None: chunks beside decodes are cut by tokens only
-        self.rate = rate  # None: the chunk's attention FLOPs at par with its weights'
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preempted = 0
@@ -60,9 +57,8 @@ class Scheduler:
                    config.max_num_batched_tokens,
                    scratch=config.max_draft_tokens + 1 if config.max_draft_tokens else 0,
                    max_waiting=config.max_waiting,
-                   chunk_cost=None if config.mixed_chunks == "tokens"
-                   else ChunkCost.of(model_config),
-                   rate=AttentionRate() if config.mixed_chunks == "cost" else None)
+                   chunk_cost=ChunkCost.of(model_config) if config.mixed_chunks == "cost"
+                   else None)
 
     def check_fits(self, seq: Sequence) -> None:
         need = pages_for(seq.reserve_tokens + self.scratch, self.blocks.page_size)
@@ -134,32 +130,18 @@ class Scheduler:
         requests ride in the step) and costed, also for at most `budget` tokens' cost at
         context 0 — the step's first chunk at least 1/MIN_SHARE of the budget."""
         cost = float(budget) if mixed and self.chunk_cost is not None else None
-        weight = self.attention_weight
         out: list[Scheduled] = []
         for seq in (s for s in self.running if s.in_prefill):
             n = min(seq.num_uncomputed, budget)
             if cost is not None:
                 least = 0 if out else min(n, max(1, self.max_num_batched_tokens // MIN_SHARE))
-                n = max(least, self.chunk_cost.tokens_within(seq.num_computed, cost, n, weight))
-                cost -= self.chunk_cost(n, seq.num_computed, weight)
+                n = max(least, self.chunk_cost.tokens_within(seq.num_computed, cost, n))
+                cost -= self.chunk_cost(n, seq.num_computed)
             if n <= 0:
                 break
             out.append(Scheduled(seq, seq.num_computed, n))
             budget -= n
         return out
-
-    @property
-    def attention_weight(self) -> float:
-        """κ: what a chunk's attention FLOP costs in weights' FLOPs (1 unless measured)."""
-        return 1.0 if self.rate is None else self.rate.weight
-
-    def observe(self, chunks: list[Scheduled], tree_rows: int, seconds: float) -> None:
-        """Book a forward that carried `chunks` (and `tree_rows` rows of trees and decodes) in
-        the attention rate."""
-        if self.rate is not None and chunks:
-            rows = tree_rows + sum(w.num_tokens for w in chunks)
-            attention = sum(self.chunk_cost.attention(w.num_tokens, w.start) for w in chunks)
-            self.rate.observe(rows, attention, seconds)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a request from the queues and return its pages."""

@@ -56,7 +56,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("kv_pages_used", "kv_pages_free", "kv_pages_total", "active_requests", "waiting_requests", "drafter_connected", "fallbacks", "steps", "drafter_transport", "context_rows", "profile", "kv_pages_reserved", "preempted", "attention_weight")
+    __slots__ = ("kv_pages_used", "kv_pages_free", "kv_pages_total", "active_requests", "waiting_requests", "drafter_connected", "fallbacks", "steps", "drafter_transport", "context_rows", "profile", "kv_pages_reserved", "preempted")
     class FallbacksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,7 +91,6 @@ class StatsReply(_message.Message):
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_RESERVED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
-    ATTENTION_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     kv_pages_used: int
     kv_pages_free: int
     kv_pages_total: int
@@ -105,5 +104,4 @@ class StatsReply(_message.Message):
     profile: _containers.ScalarMap[str, float]
     kv_pages_reserved: int
     preempted: int
-    attention_weight: float
-    def __init__(self, kv_pages_used: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., drafter_connected: _Optional[bool] = ..., fallbacks: _Optional[_Mapping[str, int]] = ..., steps: _Optional[int] = ..., drafter_transport: _Optional[str] = ..., context_rows: _Optional[_Mapping[str, int]] = ..., profile: _Optional[_Mapping[str, float]] = ..., kv_pages_reserved: _Optional[int] = ..., preempted: _Optional[int] = ..., attention_weight: _Optional[float] = ...) -> None: ...
+    def __init__(self, kv_pages_used: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., drafter_connected: _Optional[bool] = ..., fallbacks: _Optional[_Mapping[str, int]] = ..., steps: _Optional[int] = ..., drafter_transport: _Optional[str] = ..., context_rows: _Optional[_Mapping[str, int]] = ..., profile: _Optional[_Mapping[str, float]] = ..., kv_pages_reserved: _Optional[int] = ..., preempted: _Optional[int] = ...) -> None: ...

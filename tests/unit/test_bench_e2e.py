@@ -170,12 +170,10 @@ def test_bench_served_tiny(tmp_path):
         assert s["ttft_each_ms"] == [round(s["ttft_ms"], 1)]  # one request
         assert s["first_token_spread_ms"] == 0 == s["last_token_spread_ms"]
         assert r["floor"]["step_ms"] > 0 and r["ratio"]["ttft"] > 0
-    assert all(0.25 <= r["attention_weight"] <= 8 for r in rows if r["path"] == "in-process")
     served = [r for r in rows if r["path"] == "served auto"]
     assert all(r["verifier"]["transport"] == "lane+ring" for r in served)
     assert served[-1]["verifier"]["context_rows"]["ring"] >= 48 + 130 + 7 * 48 + 150
     assert {"draft_wait", "drafter_work", "engine_step"} <= set(served[-1]["profile_ms"])
-    assert 0.25 <= served[-1]["verifier"]["attention_weight"] <= 8
 
 
 def test_trace_breakdown_splits_each_step(tmp_path):
