@@ -9,7 +9,9 @@ same `VerifierConfig`, then runs the same requests (predictable text cut to each
 variant (`--variants`: `auto` = same host, context ring + lane; `grpc` = everything on the
 gRPC stream, rows fc-projected, i.e. what crossing hosts costs; extra verifier flags after a
 colon, e.g. `auto:--keep-context=off`; `--interference 32768`: a prompt of that length sent
-while 7 requests of the shortest context decode — its TTFT and their steps meanwhile). Prints
+while 7 requests of the shortest context decode — its TTFT and their steps meanwhile). Each
+case's longest prompt runs once alone first (its TTFT in the JSON: `shapes_once_ttft_ms`, what
+a first prompt of that length after start-up gets). Prints
 TTFT, the first decode step (where a feed stall shows), steady step p50/p90 (mean / p99 / max,
 and how far apart the requests' first tokens came) and tok/s with the ratios to in process,
 next to the physical floors (prefill FLOPs / this run's matmul rate; a step's weights + KV
@@ -243,11 +245,12 @@ def run(args, results: dict, tmp: Path) -> None:
 def run_in_process(args, results: dict, engine, cases) -> None:
     """Every case through the in-process engine (each case's shapes run once first)."""
     for case, ctx, prompts, late in cases:
-        in_process(engine, prompts[-1:], 4, args.budget)  # this case's shapes once
+        once = in_process(engine, prompts[-1:], 4, args.budget)  # this case's shapes once
         drafter_ms: list[float] = []
         timings = in_process(engine, prompts, args.new_tokens, args.budget, drafter_ms, late)
         add_row(results, case, ctx, len(prompts), "in-process", timings,
-                dict(drafter_ms=sorted(drafter_ms)[len(drafter_ms) // 2]), late)
+                dict(drafter_ms=sorted(drafter_ms)[len(drafter_ms) // 2],
+                     shapes_once_ttft_ms=summary(once)["ttft_ms"]), late)
         save(results, args.out)
         log(f"in-process {case}: {results['rows'][-1]['summary']}")
 
@@ -257,12 +260,13 @@ def run_served(args, results: dict, svc: Services, variant: str, cases) -> None:
     svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier")])
     svc.wait()
     for case, ctx, prompts, late in cases:
-        served(svc.addr("gateway"), prompts[-1:], 4, args.budget)
+        once = served(svc.addr("gateway"), prompts[-1:], 4, args.budget)
         before = verifier_stats(svc.addr("verifier"))
         timings = served(svc.addr("gateway"), prompts, args.new_tokens, args.budget, late)
         stats = verifier_stats(svc.addr("verifier"))
         add_row(results, case, ctx, len(prompts), f"served {variant}", timings,
-                dict(verifier=stats, profile_ms=profile_per_step(before, stats)), late)
+                dict(verifier=stats, profile_ms=profile_per_step(before, stats),
+                     shapes_once_ttft_ms=summary(once)["ttft_ms"]), late)
         save(results, args.out)
         row = results["rows"][-1]
         log(f"served {variant} {case}: {row['summary']} {row['profile_ms']}")

@@ -32,34 +32,13 @@ from dataclasses import dataclass
 from functools import partial
 
 from services.common.metrics import fallback_kind
+from services.verifier.events import LoopStats, StepEvent
 from specserve.engine.engine import Engine
 from specserve.errors import RequestAborted
-from specserve.spec.metrics import RequestSpecStats, StepRecord
+from specserve.spec.metrics import RequestSpecStats
 from specserve.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    """What one step committed for one request."""
-
-    output: RequestOutput
-    step: StepRecord | None  # None for the token sampled at the end of prefill
-    stats: RequestSpecStats | None = None  # a snapshot, on the request's final event only
-
-
-@dataclass(frozen=True)
-class LoopStats:
-    pages_used: int
-    pages_free: int
-    pages_total: int
-    pages_reserved: int  # promised to running requests (used ≤ reserved ≤ total)
-    preempted: int  # requests preempted since start (recomputed later)
-    active: int
-    waiting: int
-    fallbacks: dict[str, int]  # fallback kind (metrics.FALLBACK_KINDS) -> steps, since start
-    steps: int
 
 
 @dataclass(eq=False)
@@ -114,6 +93,13 @@ class StepLoop:
             self.abort(request_id, owner=q)  # it may have been added meanwhile
             raise
         return q
+
+    async def call(self, fn, *args):
+        """`fn(*args)` on the engine thread, between steps; its result. The warm-up runs here:
+        torch keeps cuDNN's attention plans per thread (built on another, requests rebuild them)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(partial(_settle, done, fn, args))
+        return await asyncio.wrap_future(done)
 
     def abort(self, request_id: str, owner: asyncio.Queue | None = None) -> None:
         """Cancel a request and free its pages (and drafter state) at the next inbox drain.
@@ -295,3 +281,11 @@ class StepLoop:
 def _put_all(events: list[tuple[asyncio.Queue, object]]) -> None:
     for q, item in events:
         q.put_nowait(item)
+
+
+def _settle(done: concurrent.futures.Future, fn, args) -> None:
+    if done.set_running_or_notify_cancel():
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 — the caller's, whatever it is
+            done.set_exception(e)

@@ -25,7 +25,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from services.common import telemetry
 from services.common.errors import status_for
 from services.verifier.convert import GenerateArgs
-from services.verifier.loop import StepEvent, StepLoop
+from services.verifier.events import StepEvent
+from services.verifier.loop import StepLoop
 
 log = logging.getLogger(__name__)
 

@@ -79,14 +79,14 @@ async def _build(config: VerifierConfig, metrics: VerifierMetrics
                         "n-gram drafting can work")
         engine.set_drafter(drafter)  # checks the tap layers against the target
         drafter.tracing = tracer
-    if switched_on(config.warmup, engine.runner.device.type):
-        rows = (1, config.default_budget + 1) if config.drafter else (1,)  # AR, trees
-        await asyncio.to_thread(warm_up_engine, engine, rows)  # with the drafter's taps
-    if drafter is not None:
-        await drafter.start()
     loop = StepLoop(engine, metrics=metrics, tracer=tracer,
                     admission_window_s=config.admission_window_ms / 1e3)
-    loop.start()
+    loop.start()  # no requests before this returns: the server is not up yet
+    if switched_on(config.warmup, engine.runner.device.type):
+        rows = (1, config.default_budget + 1) if config.drafter else (1,)  # AR, trees
+        await loop.call(warm_up_engine, engine, rows)  # on the thread that serves
+    if drafter is not None:
+        await drafter.start()
     return loop, drafter
 
 

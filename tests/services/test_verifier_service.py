@@ -367,3 +367,37 @@ async def test_the_admission_window_prefills_a_burst_in_one_step(target, expecte
         assert after - before == steps
     else:
         assert after - before > 2
+
+
+@aio
+async def test_warm_up_runs_on_the_thread_that_serves(target, expected, monkeypatch):
+    """What the warm-up leaves per thread (torch's cuDNN attention plans) must be the serving
+    steps': the warm-up runs on the engine thread, and a thread-local value it sets is seen
+    by every step of a request served after it."""
+    import threading
+
+    import services.verifier.server as server_mod
+    from specserve.engine.engine import Engine
+
+    want = expected(REPETITIVE, 12)  # the oracle's steps before the spy
+    local, seen, real_warm, real_step = threading.local(), [], server_mod.warm_up_engine, \
+        Engine.step
+
+    def warm(engine, rows):
+        local.plans = "built"
+        return real_warm(engine, rows)
+
+    def step(self):
+        seen.append((threading.current_thread().name, getattr(local, "plans", None)))
+        return real_step(self)
+
+    monkeypatch.setattr(server_mod, "warm_up_engine", warm)
+    monkeypatch.setattr(Engine, "step", step)
+    server, port = await serve(_config(target, warmup="on"))
+    try:
+        async with channel(f"127.0.0.1:{port}") as ch:
+            events = await _generate(verifier_pb2_grpc.VerifierStub(ch), REPETITIVE, 12)
+    finally:
+        await server.stop(0)
+    assert _tokens(events) == want
+    assert len(seen) >= 12 and set(seen) == {("specserve-engine", "built")}

@@ -170,6 +170,7 @@ def test_bench_served_tiny(tmp_path):
         assert s["ttft_each_ms"] == [round(s["ttft_ms"], 1)]  # one request
         assert s["first_token_spread_ms"] == 0 == s["last_token_spread_ms"]
         assert r["floor"]["step_ms"] > 0 and r["ratio"]["ttft"] > 0
+    assert all(r["shapes_once_ttft_ms"] > 0 for r in rows)  # each case's first prompt alone
     served = [r for r in rows if r["path"] == "served auto"]
     assert all(r["verifier"]["transport"] == "lane+ring" for r in served)
     assert served[-1]["verifier"]["context_rows"]["ring"] >= 48 + 130 + 7 * 48 + 150
