@@ -141,7 +141,8 @@ def run_prefill(b) -> None:
         if b.device.type == "cuda":  # as the verifier's warm-up: cuDNN plans of the chunks
             t0 = time.perf_counter()
             prefill_warmup.warm_up(c.num_heads, c.num_kv_heads, c.head_dim, engine.runner.dtype,
-                            b.device, a.page_size, chunk=a.chunk, max_len=max(a.prefill_lens))
+                                   b.device, a.page_size, chunk=a.chunk,
+                                   max_len=max(a.prefill_lens))
             sec["plan_warmup_s"] = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 — the timed runs below still try
         sec["warmup_error"] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -74,13 +74,14 @@ def interference(timings: list[Timing], late: int) -> dict:
         return [(b[0] - a[0]) * 1e3 for a, b in zip(t.arrivals, t.arrivals[1:], strict=False)
                 if b[0] > t0 and a[0] < t1]
 
-    steps = [ms for t in early for ms in meanwhile(t)]
+    each = [meanwhile(t) for t in early]
+    steps = [ms for got in each for ms in got]
     return dict(late_ttft_ms=statistics.median((t.arrivals[0][0] - t.sent) * 1e3
                                                for t in later if t.arrivals),
                 steps_meanwhile=len(steps), step_meanwhile_p50_ms=_p(steps, 0.5),
                 step_meanwhile_p90_ms=_p(steps, 0.9),
                 step_meanwhile_max_ms=max(steps, default=float("nan")),
-                step_meanwhile_series_ms=[round(ms, 2) for ms in meanwhile(early[0])])
+                step_meanwhile_series_ms=[round(ms, 2) for ms in each[0]])
 
 
 def _phases(stats) -> dict:

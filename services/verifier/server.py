@@ -82,11 +82,15 @@ async def _build(config: VerifierConfig, metrics: VerifierMetrics
     loop = StepLoop(engine, metrics=metrics, tracer=tracer,
                     admission_window_s=config.admission_window_ms / 1e3)
     loop.start()  # no requests before this returns: the server is not up yet
-    if switched_on(config.warmup, engine.runner.device.type):
-        rows = (1, config.default_budget + 1) if config.drafter else (1,)  # AR, trees
-        await loop.call(warm_up_engine, engine, rows)  # on the thread that serves
-    if drafter is not None:
-        await drafter.start()
+    try:
+        if switched_on(config.warmup, engine.runner.device.type):
+            rows = (1, config.default_budget + 1) if config.drafter else (1,)  # AR, trees
+            await loop.call(warm_up_engine, engine, rows)  # on the thread that serves
+        if drafter is not None:
+            await drafter.start()
+    except BaseException:
+        await asyncio.to_thread(loop.stop)  # the engine thread ends with the failed start
+        raise
     return loop, drafter
 
 

@@ -167,10 +167,16 @@ def per_shape_plan(n: int, ctx: int) -> bool:
     budget lasts."""
     if (n, ctx) in _per_shape:
         return True
-    if n >= 2048 and n & (n - 1) == 0 and ctx % n == 0 and len(_per_shape) < DENSE_PLANS_MAX:
+    if regular_chunk(n, ctx) and len(_per_shape) < DENSE_PLANS_MAX:
         _per_shape.add((n, ctx))
         return True
     return False
+
+
+def regular_chunk(n: int, ctx: int) -> bool:
+    """A chunk of chunked prefill's regular shapes: a power of two of ≥ 2048 rows over a whole
+    number of such chunks."""
+    return n >= 2048 and n & (n - 1) == 0 and ctx % n == 0
 
 
 def _one_batch_stride(t: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ def ragged_shapes(chunk: int, max_len: int, flop) -> list[tuple[int, int]]:
         for p2 in [0, *_powers_to(max_len)]:
             n = min(c2, chunk, max_len - (p2 // 2 + 1 if p2 else 0))
             p = min(p2, max_len - n)
-            if n >= 2048 and n & (n - 1) == 0 and p % n == 0:  # regular: a dense plan
+            if prefill.regular_chunk(n, p):  # a dense plan (per_shape_plan), not a ragged one
                 n -= 1
             if n > c2 // 2 and (p > p2 // 2 or p2 == 0) and flop(n, p) >= prefill.MIN_FLOP:
                 out.append((n, p))

@@ -98,8 +98,8 @@ def warm_up_engine(engine, batch_rows: Seq[int] = ()) -> float:
     if engine.runner.device.type == "cuda":  # long prefill chunks: cuDNN + the merge kernel
         mc = engine.model_config
         prefill_warmup.warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, engine.runner.dtype,
-                        engine.runner.device, engine.blocks.page_size,
-                        chunk=cfg.max_num_batched_tokens, max_len=engine.max_model_len)
+                               engine.runner.device, engine.blocks.page_size,
+                               chunk=cfg.max_num_batched_tokens, max_len=engine.max_model_len)
         warm_up_causal_chunks(mc, engine.runner.dtype, engine.runner.device,
                               engine.blocks.page_size)
     seconds = time.perf_counter() - t0
@@ -138,7 +138,7 @@ def warm_up_causal_chunks(mc, dtype: torch.dtype, device: torch.device, page_siz
     model's pool), so each causal kernel variant a prompt can reach is compiled. Calls made."""
     shapes = causal_chunk_shapes(mc)
     chunks = prefill_warmup.random_chunks([(n, ctx) for n, ctx, _ in shapes], mc.num_heads,
-                                   mc.num_kv_heads, mc.head_dim, dtype, device, page_size)
+                                          mc.num_kv_heads, mc.head_dim, dtype, device, page_size)
     for (_, _, window), (q, k, v, batch) in zip(shapes, chunks, strict=True):
         prefill.prefill_attention(q, k, v, batch, mc.head_dim ** -0.5, window)
     return len(shapes)

@@ -401,3 +401,22 @@ async def test_warm_up_runs_on_the_thread_that_serves(target, expected, monkeypa
         await server.stop(0)
     assert _tokens(events) == want
     assert len(seen) >= 12 and set(seen) == {("specserve-engine", "built")}
+
+
+@aio
+async def test_a_failed_warm_up_fails_the_start_and_ends_the_engine_thread(target, monkeypatch):
+    import threading
+
+    import services.verifier.server as server_mod
+
+    def engines() -> int:
+        return sum(t.name == "specserve-engine" and t.is_alive() for t in threading.enumerate())
+
+    def warm(engine, rows):
+        raise RuntimeError("no room for the warm-up")
+
+    before = engines()
+    monkeypatch.setattr(server_mod, "warm_up_engine", warm)
+    with pytest.raises(RuntimeError, match="no room for the warm-up"):
+        await serve(_config(target, warmup="on"))
+    assert engines() == before
