@@ -20,6 +20,7 @@ bytes / copy bandwidth); writes JSON after every row.
     python3 bench/bench_served.py --out $OUT/served.json                  # H200
     python3 bench/bench_served.py --mps --out $OUT/served_mps.json        # under CUDA MPS
     python3 bench/bench_served.py --tiny --contexts 64,200 --out /tmp/s.json   # CPU smoke
+    python3 bench/bench_served.py --variants auto --batch8-contexts= --paired 6  # drift-free ratio
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import time
 from pathlib import Path
 
 from _served_models import BODY_8B, TAPS_8B, TINY, write_pair
+from _served_paired import paired
+from _served_report import paired_table, table
 from _served_run import (
     Services,
     build_engine,
@@ -71,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--chunk", type=int, default=8192, help="max-num-batched-tokens (prefill chunk)")
     add("--drafter-pages", type=int, default=16384)
     add("--mps", action="store_true", help="run everything under a CUDA MPS daemon")
+    add("--paired", type=int, default=0, metavar="N", help="also N rounds of each batch-1 "
+        "case in process and served, interleaved (the steady-step ratio without drift)")
     return ap.parse_args(argv)
 
 
@@ -134,42 +139,6 @@ def floors(args, ceil: dict, ctx: int, batch: int) -> dict:
                 step_ms=(2 * (weights + draft) + kv_bytes) / (ceil["copy_GBps"] * 1e9) * 1e3)
 
 
-def table(rows: list[dict]) -> str:
-    head = (f"{'case':<10} {'path':<24} {'TTFT ms':>9} {'x':>5} {'1st step':>9} "
-            f"{'steady p50':>10} {'p90':>7} {'x':>5} {'tok/s':>7} {'x':>5}  floor TTFT/step")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        s, base = r["summary"], r["ratio"]
-        lines.append(f"{r['case']:<10} {r['path']:<24} {s['ttft_ms']:9.1f} {base['ttft']:5.2f} "
-                     f"{s['first_step_ms']:9.2f} {s['steady_p50_ms']:10.2f} "
-                     f"{s['steady_p90_ms']:7.2f} {base['steady']:5.2f} {s['tok_s']:7.1f} "
-                     f"{base['tok_s']:5.2f}  {r['floor']['prefill_ms']:.1f} / "
-                     f"{r['floor']['step_ms']:.2f}")
-    lines += ["", "steady tail, ms (mean / p99 / max) and how far apart the requests' first "
-              "and last tokens came"]
-    for r in rows:
-        s = r["summary"]
-        lines.append(f"{r['case']:<10} {r['path'][:40]:<40} {s['steady_mean_ms']:.2f} / "
-                     f"{s['steady_p99_ms']:.2f} / {s['steady_max_ms']:.2f}  first "
-                     f"{s['first_token_spread_ms']:.1f}  last {s['last_token_spread_ms']:.1f}")
-    late = [r for r in rows if "interference" in r["summary"]]
-    if late:
-        lines += ["", "a prompt sent while 7 requests decode: its TTFT ms; their steps meanwhile "
-                  "(how many, p50 / p90 / max ms)"]
-    for r in late:
-        i = r["summary"]["interference"]
-        lines.append(f"{r['case']:<16} {r['path'][:34]:<34} {i['late_ttft_ms']:9.1f}  "
-                     f"{i['steps_meanwhile']:4d}  {i['step_meanwhile_p50_ms']:.2f} / "
-                     f"{i['step_meanwhile_p90_ms']:.2f} / {i['step_meanwhile_max_ms']:.2f}")
-    lines += ["", "ms per step: in process the drafter's own forward + tree; served the "
-              "verifier's profile (Stats.profile)"]
-    for r in rows:
-        parts = r.get("profile_ms") or {"drafter": r.get("drafter_ms", float("nan"))}
-        lines.append(f"{r['case']:<10} {r['path'][:40]:<40} " + " ".join(
-            f"{k}={v:.2f}" for k, v in sorted(parts.items())))
-    return "\n".join(lines)
-
-
 def add_row(results: dict, case: str, ctx: int, batch: int, path: str, timings,
             extra: dict | None = None, late: int = 0) -> None:
     s = summary(timings)
@@ -230,6 +199,13 @@ def run(args, results: dict, tmp: Path) -> None:
     svc.wait()
     cases = workload(args, args.model)
     run_in_process(args, results, engine, cases)  # the services are idle meanwhile
+    if args.paired:
+        svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier")])
+        svc.wait()
+        results["paired"] = paired(engine, svc, cases, args.new_tokens, args.budget,
+                                   args.paired, log)
+        svc.stop("gateway")
+        save(results, args.out)
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -293,6 +269,8 @@ def main(argv=None) -> int:
             stop_mps()
         save(results, args.out)
     print(table(results["rows"]))
+    if results.get("paired"):
+        print("\n" + paired_table(results["paired"]))
     return 0
 
 

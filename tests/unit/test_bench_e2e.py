@@ -141,15 +141,25 @@ def test_bench_served_tiny(tmp_path):
     """bench/bench_served.py on a tiny random pair on the CPU: the same requests in process and
     through the three services (same host: ring + lane), every row timed and its rows' path
     from the verifier's Stats; a prompt sent late, while 7 others decode, with their steps
-    meanwhile."""
+    meanwhile; each batch-1 case also in interleaved rounds (`--paired`)."""
     out = tmp_path / "served.json"
     proc = subprocess.run([sys.executable, str(BENCH / "bench_served.py"), "--tiny",
                            "--ckpt-dir", str(tmp_path / "pair"), "--contexts", "48,130",
                            "--batch8-contexts", "", "--new-tokens", "6", "--variants", "auto",
-                           "--interference", "150", "--out", str(out)], cwd=ROOT,
+                           "--interference", "150", "--paired", "3", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [p["case"] for p in data["paired"]] == ["48 x1", "130 x1"]  # batch 1 only
+    for p in data["paired"]:
+        assert len(p["in_process_p50_ms"]) == len(p["served_p50_ms"]) == 3 == p["rounds"]
+        for r, s, i in zip(p["ratios"], p["served_p50_ms"], p["in_process_p50_ms"],
+                           strict=True):  # each round: served over in process, same round
+            assert abs(r - s / i) < 1e-3 * r
+        assert p["ratio_min"] <= p["ratio_median"] <= p["ratio_max"]
+        assert p["served_pooled_p50_ms"] > 0 and p["in_process_pooled_p50_ms"] > 0
+    assert "interleaved (--paired)" in proc.stdout
     assert [(r["case"], r["path"]) for r in rows] == [
         ("48 x1", "in-process"), ("130 x1", "in-process"), ("150 into 7x48", "in-process"),
         ("48 x1", "served auto"), ("130 x1", "served auto"), ("150 into 7x48", "served auto")]

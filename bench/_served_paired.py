@@ -1,0 +1,62 @@
+"""bench/bench_served.py `--paired N`: the steady step in process and served, interleaved.
+
+The rows of bench_served run every case in process first and through the services after, so
+a drift of the machine between the two (clocks, other tenants of the host) lands in the ratio.
+Here the in-process engine and the services are alive together and each batch-1 case runs N
+rounds, each round one request in process and one served, the order alternating (ABBA …):
+a round's ratio compares two requests a second apart. Reported per case: every round's
+steady p50 both ways and its ratio, the median ratio and its range, and the ratio of the
+pooled steps' medians. Benchmark-only code.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from _served_run import Services, in_process, served, summary
+
+
+def paired(engine, svc: Services, cases, new_tokens: int, budget: int, rounds: int,
+           log=print) -> list[dict]:
+    """N interleaved rounds of each batch-1 case (`cases` as bench_served.workload gives
+    them); the gateway must be up on the running verifier."""
+    out = []
+    for case, ctx, prompts, late in cases:
+        if len(prompts) != 1 or late:
+            continue
+        got = {"in-process": [], "served": []}
+        for i in range(rounds):
+            order = ("in-process", "served") if i % 4 in (0, 3) else ("served", "in-process")
+            for path in order:
+                got[path].append(_one(path, engine, svc, prompts, new_tokens, budget))
+        row = _row(case, ctx, got, rounds)
+        log(f"paired {case}: ratio median {row['ratio_median']:.3f} "
+            f"[{row['ratio_min']:.3f}, {row['ratio_max']:.3f}] pooled {row['ratio_pooled']:.3f}")
+        out.append(row)
+    return out
+
+
+def _one(path: str, engine, svc: Services, prompts, new_tokens: int, budget: int):
+    if path == "in-process":
+        return in_process(engine, prompts, new_tokens, budget)
+    return served(svc.addr("gateway"), prompts, new_tokens, budget)
+
+
+def _steps(timings) -> list[float]:
+    return [(b[0] - a[0]) * 1e3 for t in timings
+            for a, b in zip(t.arrivals[1:], t.arrivals[2:], strict=False)]
+
+
+def _row(case: str, ctx: int, got: dict, rounds: int) -> dict:
+    p50 = {path: [summary(t)["steady_p50_ms"] for t in runs] for path, runs in got.items()}
+    ratios = [s / i for s, i in zip(p50["served"], p50["in-process"], strict=True)]
+    pooled = {path: statistics.median(ms for t in runs for ms in _steps(t))
+              for path, runs in got.items()}
+    return dict(case=case, ctx=ctx, rounds=rounds,
+                in_process_p50_ms=[round(x, 3) for x in p50["in-process"]],
+                served_p50_ms=[round(x, 3) for x in p50["served"]],
+                ratios=[round(r, 4) for r in ratios],
+                ratio_median=statistics.median(ratios), ratio_min=min(ratios),
+                ratio_max=max(ratios), ratio_pooled=pooled["served"] / pooled["in-process"],
+                in_process_pooled_p50_ms=pooled["in-process"],
+                served_pooled_p50_ms=pooled["served"])
