@@ -10,7 +10,12 @@ class SpecServeError(Exception):
 
 
 class InvalidRequest(SpecServeError, ValueError):
-    """The request itself is wrong (empty prompt, bad sampling params, token out of vocabulary…)."""
+    """The request itself is wrong (empty prompt, bad sampling params, token out of vocabulary…).
+    `param`: the request field at fault, when it is one (a SamplingParams field name)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class CapacityExhausted(SpecServeError):

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from specserve.spec.metrics import StepOutcome
 
 GREEDY_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's _SAMPLING_EPS)
+# the wire's ranges (proto/specserve/v1/common.proto: int32, float, uint64, int64 fields)
+INT32_MAX, INT64_MAX, UINT64_MAX = 2**31 - 1, 2**63 - 1, 2**64 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,20 +42,28 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k <= 0):
-            raise InvalidRequest(f"top_k must be a positive integer or None, got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or not 0 < self.max_tokens <= INT32_MAX:
+            raise InvalidRequest(f"max_tokens must be an integer in [1, {INT32_MAX}], got "
+                                 f"{self.max_tokens!r}", "max_tokens")
+        if not math.isfinite(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            raise InvalidRequest(f"temperature must be in [0, {FLOAT32_MAX:.4g}], got "
+                                 f"{self.temperature!r}", "temperature")
+        if self.top_k is not None and (not isinstance(self.top_k, int)
+                                       or not 0 < self.top_k <= INT32_MAX):
+            raise InvalidRequest(f"top_k must be an integer in [1, {INT32_MAX}] or None, got "
+                                 f"{self.top_k!r}", "top_k")
         if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= UINT64_MAX):
+            raise InvalidRequest(f"seed must be an integer in [0, 2**64), got {self.seed!r}",
+                                 "seed")
         if any(not s for s in self.stop):
-            raise InvalidRequest("stop strings must be non-empty")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequest("stop strings must be non-empty", "stop")
+        if any(not isinstance(t, int) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             raise InvalidRequest(
-                f"stop_token_ids must be non-negative ints: {self.stop_token_ids!r}"
-            )
+                f"stop_token_ids must be integers in [0, 2**63): {self.stop_token_ids!r}",
+                "stop_token_ids")
 
     @property
     def greedy(self) -> bool:

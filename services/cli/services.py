@@ -1,15 +1,18 @@
 """`specserve serve NAME` (one service in this process) and `specserve up` (all three as
-subprocesses, health-checked, logs prefixed, stopped together; their gRPC and metrics ports
-both follow `--ports`).
+subprocesses, health-checked, logs prefixed, a service that exits started again
+(services/cli/supervise.py), stopped together; their gRPC and metrics ports both follow
+`--ports`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 from services.cli import usage
+from services.cli.supervise import supervise
 
 SERVICES = ("drafter", "verifier", "gateway")  # the start order of `up`
 OFFSET = {"gateway": 0, "verifier": 1, "drafter": 2}  # ports from a base: --ports, --metrics-ports
@@ -62,6 +65,10 @@ def add_up(sub) -> None:
                    help="no drafter service (the verifier decodes without the DFlash drafter)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0,
                    help="how long each service may take to report SERVING")
+    p.add_argument("--restart", choices=("on-failure", "no"), default="on-failure",
+                   help="a service that exits once all are SERVING: start it again (after 1, "
+                        "2, 4 … 30 s; the others keep serving; 5 failed restarts in a row stop "
+                        "everything) or stop everything at once (no)")
     p.set_defaults(func=_up)
 
 
@@ -169,7 +176,12 @@ async def _start(name: str, addr: str, flags: list[str], timeout_s: float, procs
         died.cancel()
     if proc.returncode is not None:
         raise RuntimeError(f"{name} exited with code {proc.returncode} during startup")
-    ready.result()  # TimeoutError if it never became SERVING
+    try:
+        ready.result()  # TimeoutError if it never became SERVING
+    except BaseException:
+        proc.kill()  # not SERVING in time: it must not hold its ports for the next try
+        await proc.wait()
+        raise
 
 
 async def _stop_all(procs: dict, grace_s: float = 15.0) -> None:
@@ -198,10 +210,8 @@ async def _up_run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
     try:
-        for _name, addr, _flags in plan:  # a port in use fails now, before anything starts
-            check_bindable(args.host, int(addr.rsplit(":", 1)[1]))
-        if str(args.http_port).lower() not in ("off", "0"):
-            check_bindable(args.host, int(args.http_port))
+        for port in _ports(args, plan):  # a port in use fails now, before anything starts
+            check_bindable(args.host, port)
         for name, addr, flags in plan:
             await _start(name, addr, flags, args.startup_timeout_s, procs, pumps)
             print(f"specserve up: {name} SERVING on {addr} (pid {procs[name].pid})", flush=True)
@@ -211,11 +221,10 @@ async def _up_run(args) -> int:
                 host = next(a for n, a, _f in plan if n == "gateway").rsplit(":", 1)[0]
                 ready += f", OpenAI API http://{host}:{int(f.read())}/v1"
         print(f"specserve up: ready — {ready}", flush=True)
-        waits = {asyncio.ensure_future(p.wait()): n for n, p in procs.items()}
-        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        name = waits[next(iter(done))]
-        print(f"specserve up: {name} exited with code {procs[name].returncode}", file=sys.stderr)
-        return 1
+        steps = {n: (a, f) for n, a, f in plan}
+        return await supervise(procs, lambda n: _start(n, *steps[n], args.startup_timeout_s,
+                                                       procs, pumps),
+                               restart=args.restart == "on-failure")
     except asyncio.CancelledError:
         print("specserve up: stopping", flush=True)
         return 0
@@ -228,6 +237,17 @@ async def _up_run(args) -> int:
                                                   if p.returncode is None])
         await _stop_all(procs)
         await asyncio.gather(*pumps, return_exceptions=True)
+        if args.http_port_file:
+            shutil.rmtree(os.path.dirname(args.http_port_file), ignore_errors=True)
+
+
+def _ports(args, plan) -> list[int]:
+    """Every port `up` will bind: each service's gRPC and /metrics, the HTTP API's."""
+    ports = [int(addr.rsplit(":", 1)[1]) for _n, addr, _f in plan]
+    ports += [int(f[f.index("--metrics-port") + 1]) for _n, _a, f in plan]
+    if str(args.http_port).lower() not in ("off", "0"):
+        ports.append(int(args.http_port))
+    return [p for p in ports if p]
 
 
 def _up(args) -> int:

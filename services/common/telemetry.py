@@ -168,8 +168,8 @@ def extract_metadata(metadata: Iterable | None) -> Context:
 # ---- Prometheus --------------------------------------------------------------------------------
 def start_metrics_server(registry, host: str, port: int):
     """Serve `registry` on http://host:port/metrics in a daemon thread; returns the server
-    (None when port is 0, or when the port cannot be bound: metrics are a side channel, so the
-    service keeps serving and says why)."""
+    (None when port is 0). A port in use is an error, as for the service's own ports: another
+    process's /metrics there would be scraped as this one's."""
     if not port:
         return None
     from prometheus_client import start_http_server
@@ -177,8 +177,7 @@ def start_metrics_server(registry, host: str, port: int):
     try:
         server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as e:
-        log.error("metrics endpoint %s:%d not started: %s", host, port, e)
-        return None
+        raise OSError(f"could not bind {host}:{port} for /metrics (in use?)") from e
     log.info("metrics on http://%s:%d/metrics", host, port)
     return server
 

@@ -63,9 +63,14 @@ async def serve(config: DrafterConfig, core: DrafterCore | None = None,
 async def start(config: DrafterConfig) -> Started:
     """`serve` with metrics on `metrics_port`; what `run_service` runs."""
     metrics = DrafterMetrics()
-    server, port = await serve(config, metrics=metrics)
+    # /metrics before the model loads: a port in use fails now, not after the load
     metrics_server = telemetry.start_metrics_server(metrics.registry, config.host,
                                                     config.metrics_port)
+    try:
+        server, port = await serve(config, metrics=metrics)
+    except BaseException:
+        telemetry.stop_metrics_server(metrics_server)
+        raise
 
     async def stop(grace: float) -> None:
         await server.stop(grace)

@@ -125,14 +125,16 @@ async def serve(config: VerifierConfig) -> tuple[VerifierServer, int]:
     server, port, health = await start_server(
         [(verifier_pb2_grpc.add_VerifierServicer_to_server, servicer)], [SERVICE],
         host=config.host, port=config.port, security=config.security)
-    try:
+    metrics_server = None
+    try:  # /metrics before the models load: a port in use fails now, not after minutes
+        metrics_server = telemetry.start_metrics_server(metrics.registry, config.host,
+                                                        config.metrics_port)
         loop, drafter = await _build(config, metrics)
     except BaseException:
+        telemetry.stop_metrics_server(metrics_server)
         await server.stop(0)
         raise
     servicer.attach(loop, drafter)
-    metrics_server = telemetry.start_metrics_server(metrics.registry, config.host,
-                                                    config.metrics_port)
     await mark_serving(health, [SERVICE])
     return VerifierServer(server, port, health, loop, drafter, config, metrics,
                           metrics_server), port

@@ -2,8 +2,8 @@
 
 Pure Python (no torch). Owns the BlockManager: which KV pages each request holds. Admission is
 by what a request needs now: its tokens so far plus a step's draft scratch, reserved there; a
-request that could never fit the pool alone is rejected at once (`CapacityExhausted`), one that
-fits later waits in FIFO order, and the waiting queue is bounded (`max_waiting`: past it,
+request that could never fit the pool alone is rejected at once (`InvalidRequest`: no retry
+helps), one that fits later waits in FIFO order, and the waiting queue is bounded (`max_waiting`: past it,
 `CapacityExhausted`). Before each step every decoding request's reservation grows to its length
 plus the scratch; when the pool cannot give that, the newest running request is preempted: its
 pages are freed and it waits at the head of the queue to be recomputed — a prefill of its prompt
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from specserve.engine.chunk_cost import MIN_SHARE, ChunkCost
 from specserve.engine.sequence import Sequence, Status
-from specserve.errors import CapacityExhausted
+from specserve.errors import CapacityExhausted, InvalidRequest
 from specserve.kvcache.block_manager import BlockManager, pages_for
 
 
@@ -62,12 +62,12 @@ class Scheduler:
 
     def check_fits(self, seq: Sequence) -> None:
         need = pages_for(seq.reserve_tokens + self.scratch, self.blocks.page_size)
-        if need > self.blocks.num_pages:
-            raise CapacityExhausted(
+        if need > self.blocks.num_pages:  # never, not even alone: not a retry-later
+            raise InvalidRequest(
                 f"request {seq.request_id!r} needs {need} KV pages "
                 f"({seq.reserve_tokens} tokens + {self.scratch} scratch) but the pool has only "
-                f"{self.blocks.num_pages}"
-            )
+                f"{self.blocks.num_pages}: it can never run on this server (fewer prompt "
+                "tokens or max_tokens; the server: more KV memory)", "max_tokens")
 
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)

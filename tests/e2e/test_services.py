@@ -460,7 +460,7 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def test_up_serves_then_stops_cleanly_on_sigterm(checkpoints, expected, prompts):
+def test_up_restarts_a_dead_drafter_and_stops_on_sigterm(checkpoints, expected, prompts):
     tdir, ddir = map(str, checkpoints)
     g, v, d = _free_ports(3)
     proc = subprocess.Popen(
@@ -485,11 +485,21 @@ def test_up_serves_then_stops_cleanly_on_sigterm(checkpoints, expected, prompts)
                                        max_tokens=8)
 
         assert asyncio.run(one()).ids == expected[0][:8]
+        os.kill(pids[0], signal.SIGKILL)  # the drafter dies: up starts it again, alone
+        for line in proc.stdout:
+            lines.append(line)
+            if "drafter SERVING again" in line or proc.poll() is not None:
+                break
+        assert "specserve up: drafter exited with code -9\n" in lines, "".join(lines)
+        assert "specserve up: drafter SERVING again (pid " in lines[-1], "".join(lines)
+        pids.append(int(lines[-1].rsplit("(pid ", 1)[1].rstrip(")\n")))
+        assert all(os.kill(pid, 0) is None for pid in pids[1:])  # the others kept serving
+        assert asyncio.run(one()).ids == expected[0][:8]
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, "".join(lines) + rest
         assert "specserve up: stopping" in rest
-        for pid in pids:  # every service was stopped and reaped
+        for pid in pids:  # every service was stopped and reaped, the dead drafter too
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
     finally:

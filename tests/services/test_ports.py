@@ -2,14 +2,13 @@
 
 A second `start_server` on a bound port raises OSError "could not bind HOST:PORT (in use?)"; each
 `python -m services.NAME` on it exits non-zero with that message; `specserve up` refuses before
-starting anything; a metrics port in use leaves the service without metrics (logged), never
-sharing the port.
+starting anything; a metrics port in use is the same error (another process's /metrics there
+would be scraped as this one's), found before the models load.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import socket
 import subprocess
@@ -50,13 +49,14 @@ async def test_a_second_server_on_a_used_port_raises():
     assert bound == port
 
 
-def _serve(service: str, port: int, model: Path) -> subprocess.CompletedProcess:
+def _serve(service: str, port: int, model: Path, metrics_port: int = 0
+           ) -> subprocess.CompletedProcess:
     flags = {"gateway": ["--verifier", "127.0.0.1:9"],
              "verifier": ["--device", "cpu", "--dtype", "float32", "--kv-memory-gb", "0.01"],
              "drafter": ["--device", "cpu", "--dtype", "float32", "--drafter-pages", "64"]}
     return subprocess.run(
         [sys.executable, "-m", f"services.{service}", "--host", "127.0.0.1", "--port", str(port),
-         "--model", str(model), "--metrics-port", "0", *flags[service]],
+         "--model", str(model), "--metrics-port", str(metrics_port), *flags[service]],
         capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=60)
 
 
@@ -98,17 +98,28 @@ async def test_up_refuses_a_used_port_before_starting_anything(model_dir):
     assert "SERVING on" not in out.stdout and "(pid " not in out.stdout  # nothing started
 
 
-def test_a_metrics_port_in_use_is_logged_and_not_shared(caplog):
+@pytest.mark.parametrize("service", ["gateway", "verifier", "drafter"])
+def test_a_service_whose_metrics_port_is_in_use_exits_with_the_reason(model_dir, service):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        out = _serve(service, 0, model_dir, metrics_port=port)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"specserve {service}: error: could not bind 127.0.0.1:{port} for /metrics " \
+        "(in use?)" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_metrics_port_in_use_raises_and_is_not_shared():
     registry = CollectorRegistry()
     Counter("specserve_probe_hits", "a metric", registry=registry).inc(3)
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        with caplog.at_level(logging.ERROR, logger=telemetry.__name__):
-            assert telemetry.start_metrics_server(registry, "127.0.0.1", port) is None
-    assert any(f"metrics endpoint 127.0.0.1:{port} not started" in r.getMessage()
-               for r in caplog.records), caplog.text
+        with pytest.raises(OSError, match=rf"could not bind 127\.0\.0\.1:{port} for /metrics"):
+            telemetry.start_metrics_server(registry, "127.0.0.1", port)
     server = telemetry.start_metrics_server(registry, "127.0.0.1", port)  # free now: it starts
     try:
         assert server is not None

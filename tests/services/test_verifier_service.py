@@ -136,13 +136,14 @@ async def test_bad_requests_are_invalid_argument(plain, expected, prompt, sampli
 
 
 @aio
-async def test_request_larger_than_the_pool_is_resource_exhausted(plain):
+async def test_request_larger_than_the_pool_is_invalid_argument(plain):
+    """It can never run here: RESOURCE_EXHAUSTED (HTTP 429) would tell the client to retry."""
     stats = await plain.stub.Stats(verifier_pb2.StatsRequest(), timeout=RPC_S)
     assert stats.kv_pages_total < (MAX_POS + 17) // 16  # so a full-context request cannot fit
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await _generate(plain.stub, [1, 2, 3], MAX_POS - 3)  # fits the context, not the pool
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "KV pages" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "KV pages" in err.value.details() and "can never run" in err.value.details()
 
 
 async def _pages_back_within_1s(stub, used: int) -> None:

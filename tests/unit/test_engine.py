@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specserve.errors import CapacityExhausted, InvalidRequest
+from specserve.errors import InvalidRequest
 from specserve.types import FinishReason, SamplingParams
 from tests.helpers import random_prompts, run_together
 
@@ -103,13 +103,21 @@ BAD_INPUTS = [
     ([1, -3], {}, "out of vocabulary"),
     (np.array([5, 211, 7], dtype=np.int64), {}, r"out of vocabulary \[0, 211\): \[211\]"),
 ]
-BAD_PARAMS = [
-    (dict(max_tokens=0), "max_tokens must be a positive integer"),
-    (dict(max_tokens=-4), "max_tokens"),
-    (dict(temperature=-0.1), "temperature must be >= 0"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=0), "top_k must be a positive integer"),
+BAD_PARAMS = [  # (kwargs, message, the param the error names); the wire's ranges included
+    (dict(max_tokens=0), r"max_tokens must be an integer in \[1, 2147483647\]", "max_tokens"),
+    (dict(max_tokens=-4), "max_tokens", "max_tokens"),
+    (dict(max_tokens=2**31), "got 2147483648", "max_tokens"),
+    (dict(temperature=-0.1), "temperature must be in", "temperature"),
+    (dict(temperature=1e300), "got 1e[+]?300", "temperature"),
+    (dict(temperature=float("nan")), "temperature", "temperature"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]", "top_p"),
+    (dict(top_p=1.5), "top_p", "top_p"),
+    (dict(top_k=0), r"top_k must be an integer in \[1, 2147483647\]", "top_k"),
+    (dict(top_k=10**12), "top_k", "top_k"),
+    (dict(seed=-1), r"seed must be an integer in \[0, 2\*\*64\)", "seed"),
+    (dict(seed=2**64), "seed", "seed"),
+    (dict(stop=("",)), "stop strings must be non-empty", "stop"),
+    (dict(stop_token_ids=(3, 2**63)), "stop_token_ids", "stop_token_ids"),
 ]
 
 
@@ -125,9 +133,12 @@ def test_bad_input_rejected_others_unaffected(checkpoint_cache, make_engine):
     for prompt, _, msg in BAD_INPUTS:
         with pytest.raises(InvalidRequest, match=msg):
             engine.add_request(f"bad{len(prompt)}", prompt, params)
-    for kwargs, msg in BAD_PARAMS:
-        with pytest.raises(InvalidRequest, match=msg):
+    for kwargs, msg, param in BAD_PARAMS:
+        with pytest.raises(InvalidRequest, match=msg) as err:
             SamplingParams(**kwargs)
+        assert err.value.param == param
+    assert SamplingParams(max_tokens=2**31 - 1, top_k=2**31 - 1, seed=2**64 - 1,
+                          temperature=3.4e38, stop_token_ids=(2**63 - 1,)).seed == 2**64 - 1
     with pytest.raises(InvalidRequest, match="already in use"):
         engine.add_request("g0", good[0], params)
     with pytest.raises(InvalidRequest, match="needs a tokenizer"):
@@ -148,7 +159,7 @@ def test_out_of_pages_queues_or_rejects(checkpoint_cache, make_engine):
     prompts = random_prompts(5, hf.config.vocab_size, [30], seed=9)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     alone = [engine.generate([p], params)[0] for p in prompts]
-    with pytest.raises(CapacityExhausted, match="needs 7 KV pages"):
+    with pytest.raises(InvalidRequest, match="needs 7 KV pages .* can never run"):
         engine.add_request("huge", list(range(100)), params)
     for i, p in enumerate(prompts):
         engine.add_request(f"q{i}", p, params)
