@@ -15,6 +15,11 @@ from services.cli import usage
 from services.cli.client import add_gateway_flags, gateway_channel
 from specserve.drafters import registry
 
+# SamplingParams field (InvalidRequest.param) → the flag that sets it
+PARAM_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k",
+               "top_p": "--top-p", "seed": "--seed", "stop": "--stop",
+               "stop_token_ids": "--stop-token-id"}
+
 
 def add(sub) -> None:
     p = sub.add_parser("generate", help="stream a generation from the gateway",
@@ -22,7 +27,7 @@ def add(sub) -> None:
                        description="Stream text from the gateway (gRPC); the stats line goes "
                                    "to stderr. --in-process runs an engine here instead.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt", type=usage.text, help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt text from this file ('-': stdin)")
     src.add_argument("--token-ids", type=usage.token_ids,
                      help="prompt token ids, comma-separated (each must be in the model's "
@@ -34,9 +39,10 @@ def add(sub) -> None:
     p.add_argument("--budget", type=usage.budget, default=None,
                    help=f"draft nodes per step, 0..{usage.MAX_BUDGET} (the verifier caps it at "
                         "its --max-draft-tokens; default: the verifier's; gateway only)")
-    p.add_argument("--request-id", default="", help="the request's id (default: one the "
-                                                    "gateway makes up)")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of the call")
+    p.add_argument("--request-id", default="", type=usage.text,
+                   help="the request's id (default: one the gateway makes up)")
+    p.add_argument("--timeout-s", type=usage.float_range(0, lo_open=True), default=600.0,
+                   help="deadline of the call, seconds (> 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--in-process", action="store_true",
                    help="run an engine in this process (no drafter: plain decoding)")
@@ -49,20 +55,21 @@ def add(sub) -> None:
 
 
 def _add_sampling(p) -> None:
-    p.add_argument("--max-tokens", type=usage.positive_int, default=64,
+    p.add_argument("--max-tokens", type=usage.int_range(1, usage.INT32_MAX), default=64,
                    help="most tokens to generate")
-    p.add_argument("--temperature", type=float, default=None,
+    p.add_argument("--temperature", type=usage.float_range(0, usage.FLOAT32_MAX), default=None,
                    help="0 = greedy (default: the model's generation_config.json, else greedy)")
-    p.add_argument("--top-k", type=int, default=None,
+    p.add_argument("--top-k", type=usage.int_range(1, usage.INT32_MAX), default=None,
                    help="sample from the k likeliest tokens (default: the model's, else no cut)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus mass "
-                                                             "(default: the model's, else 1)")
-    p.add_argument("--seed", type=int, default=None,
+    p.add_argument("--top-p", type=usage.float_range(0, 1, lo_open=True), default=None,
+                   help="nucleus mass, (0, 1] (default: the model's, else 1)")
+    p.add_argument("--seed", type=usage.int_range(0, usage.UINT64_MAX), default=None,
                    help="sampling seed (default: none, not reproducible)")
     p.add_argument("--stop", action="append", default=[], type=usage.unescape,
                    help=r"stop string (repeatable); \n, \t, \r and \\ are unescaped, so "
                         r"--stop '\n\n' stops at a blank line")
-    p.add_argument("--stop-token-id", type=int, action="append", default=[],
+    p.add_argument("--stop-token-id", type=usage.int_range(0, usage.INT64_MAX), action="append",
+                   default=[],
                    help="stop token id (repeatable; besides the model's EOS)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past EOS (until --max-tokens or a stop)")
@@ -72,43 +79,63 @@ def _prompt(args) -> str | list[int]:
     if args.token_ids is not None:
         return args.token_ids
     if args.prompt_file is not None:
-        if args.prompt_file == "-":
-            return sys.stdin.read()
-        with open(args.prompt_file, encoding="utf-8") as f:
-            return f.read()
+        return usage.read_text(args.prompt_file, "--prompt-file")
     return args.prompt
 
 
 def _generate(args) -> int:
+    if args.in_process and not args.model:
+        raise usage.UsageError("--in-process needs --model DIR")
+    prompt = _prompt(args)  # a bad prompt file fails here: before a model loads or a byte is sent
+    params = _sampling_params(args)
+    if args.in_process:
+        return _generate_in_process(args, prompt, params)
+    return _generate_remote(args, prompt, params)
+
+
+def _sampling_params(args):
+    """The request's SamplingParams; a value the core refuses (InvalidRequest, a ValueError) is
+    a usage error that names its flag."""
     from specserve.models.config import GenerationDefaults, load_generation_defaults
     from specserve.types import SamplingParams
 
-    if args.in_process and not args.model:
-        raise usage.UsageError("--in-process needs --model DIR")
     # remote: the server fills what is not given (the fields are cleared on the wire)
     d = load_generation_defaults(args.model) if args.in_process else GenerationDefaults()
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=d.temperature if args.temperature is None else args.temperature,
-        top_k=d.top_k if args.top_k is None else args.top_k,
-        top_p=d.top_p if args.top_p is None else args.top_p, seed=args.seed, stop=tuple(args.stop),
-        stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos)
-    if args.in_process:
-        return _generate_in_process(args, params)
-    return _generate_remote(args, params)
+    try:
+        return SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=d.temperature if args.temperature is None else args.temperature,
+            top_k=d.top_k if args.top_k is None else args.top_k,
+            top_p=d.top_p if args.top_p is None else args.top_p, seed=args.seed,
+            stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
+            ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        param = getattr(e, "param", None) or str(e).split(" ", 1)[0]
+        flag = PARAM_FLAGS.get(param)
+        raise usage.UsageError(f"argument {flag}: {e}" if flag else str(e)) from None
 
 
-def _generate_remote(args, params) -> int:
+def _request(args, prompt, params):
+    """The GenerateRequest; a value that does not fit its protobuf field is a usage error."""
+    from services.cli import wire
+
+    try:
+        req = wire.generate_request(prompt, params, args.drafter, args.budget, args.request_id)
+    except ValueError as e:  # protobuf's "Value out of range", a string that is not UTF-8
+        raise usage.UsageError(f"the request does not fit the wire format: {e}") from None
+    for name in ("temperature", "top_k", "top_p"):  # not given: the model's defaults apply
+        if getattr(args, name) is None:
+            req.sampling.ClearField(name)
+    return req
+
+
+def _generate_remote(args, prompt, params) -> int:
     import grpc
 
     from services.cli import wire
     from specserve.v1 import gateway_pb2_grpc
 
-    req = wire.generate_request(_prompt(args), params, args.drafter, args.budget,
-                                args.request_id)
-    for name in ("temperature", "top_k", "top_p"):  # not given: the model's defaults apply
-        if getattr(args, name) is None:
-            req.sampling.ClearField(name)
+    req = _request(args, prompt, params)
     text, ids, final = [], [], None
     ch, metadata = gateway_channel(args)
     with ch:
@@ -159,12 +186,12 @@ def _report(text: str, ids: list[int], final, as_json: bool, trace_id: str | Non
         print(f"[trace {trace_id}]", file=sys.stderr)
 
 
-def _generate_in_process(args, params) -> int:
+def _generate_in_process(args, prompt, params) -> int:
     from specserve.config import EngineConfig
     from specserve.engine.engine import Engine
 
     engine = Engine(EngineConfig(args.model, dtype=args.dtype, device=args.device))
-    engine.add_request("cli", _prompt(args), params)
+    engine.add_request("cli", prompt, params)
     t0, text, ids, reason = time.perf_counter(), [], [], None
     while engine.has_unfinished:
         for out in engine.step():

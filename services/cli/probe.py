@@ -28,7 +28,7 @@ def add(sub) -> None:
                         "[env SPECSERVE_MODEL; default: the demo target in checkpoints/]")
     p.add_argument("--contexts", type=_contexts, default="1k,16k,64k,128k",
                    help="prompt lengths in tokens, comma-separated (k = 1024)")
-    p.add_argument("--new-tokens", type=usage.positive_int, default=64,
+    p.add_argument("--new-tokens", type=usage.int_range(1, usage.INT32_MAX), default=64,
                    help="tokens generated per row")
     p.add_argument("--drafter", choices=registry.CHOICES, default=None,
                    help="drafter for the requests (default: the verifier's)")
@@ -39,7 +39,8 @@ def add(sub) -> None:
                    help=f"which texts to probe, comma-separated: {', '.join(probe.TEXTS)}")
     p.add_argument("--text-file", help="novel text to use instead of the built-in one "
                                        "(default: stdlib docstrings)")
-    p.add_argument("--timeout-s", type=float, default=3600.0, help="deadline per request")
+    p.add_argument("--timeout-s", type=usage.float_range(0, lo_open=True), default=3600.0,
+                   help="deadline per request, seconds (> 0)")
     p.add_argument("--lossless-check", choices=["on", "off"], default="on",
                    help="per row, the same request without speculation must give the same "
                         "first tokens (one more short request each)")
@@ -70,7 +71,8 @@ def _probe(args) -> int:
     if not args.model:
         raise usage.UsageError("--model (or SPECSERVE_MODEL) is required (no demo pair under "
                                "checkpoints/)")
-    contexts, texts, source = args.contexts, args.texts, _sources(args.text_file)
+    novel = usage.read_text(args.text_file, "--text-file") if args.text_file else None
+    contexts, texts, source = args.contexts, args.texts, _sources(novel)
     tok = Tokenizer.from_dir(args.model)
     rows = []
     ch, metadata = gateway_channel(args)
@@ -101,9 +103,10 @@ def _probe(args) -> int:
     return 3 if any(r.lossless is False for r in rows) else 0
 
 
-def _sources(text_file: str | None) -> dict:
-    """text name → (context length → the corpus to cut prompts from)."""
-    novel = (lambda n: Path(text_file).read_text(encoding="utf-8")) if text_file else \
+def _sources(novel_text: str | None) -> dict:
+    """text name → (context length → the corpus to cut prompts from); `novel_text`: --text-file's
+    (None: the built-in novel corpus)."""
+    novel = (lambda n: novel_text) if novel_text is not None else \
         (lambda n: probe.novel_corpus(6 * n))
     return {"predictable": lambda n: probe.PREDICTABLE * (n // 4 + 8), "novel": novel}
 

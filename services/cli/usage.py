@@ -1,6 +1,8 @@
 """What the CLI's flags accept: the `type=` parsers that turn a bad value into a one-line usage
-error (`Parser`, exit 2), the help formatter of every subcommand (defaults shown) and
-`UsageError`, for the checks that can only run after parsing (`main` reports it the same way).
+error (`Parser`, exit 2) — numbers within the wire's ranges, so a request that parses also fits
+its protobuf message —, the help formatter of every subcommand (defaults shown) and
+`UsageError`, for the checks that can only run after parsing (`main` reports it the same way;
+`read_text` raises it for a file that is not UTF-8 text).
 
 Nothing heavy is imported at module level: torch only to check a CUDA device that was asked for.
 """
@@ -8,9 +10,16 @@ Nothing heavy is imported at module level: torch only to check a CUDA device tha
 from __future__ import annotations
 
 import argparse
+import math
 import re
+import sys
+from pathlib import Path
 
 MAX_BUDGET = 1024  # = specserve.spec.tree.MAX_BUDGET (a test keeps them equal; tree.py is numpy)
+# the wire's ranges (proto/specserve/v1/common.proto's int32, int64, uint64 and float fields; a
+# test checks each against the messages)
+INT32_MAX, INT64_MAX, UINT64_MAX = 2**31 - 1, 2**63 - 1, 2**64 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
@@ -36,20 +45,32 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def text(value: str) -> str:
+    """A flag value that goes on the wire as a string: it must be UTF-8 (an argument that is not
+    arrives with surrogate escapes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"must be UTF-8 text, got {value!r}") from None
+    return value
+
+
 def unescape(value: str) -> str:
     r"""C-style escapes \n, \t, \r and \\ in a flag value (the shell passes them literally)."""
-    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], value)
+    return text(re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], value))
 
 
 def token_ids(value: str) -> list[int]:
-    """'1,2 3' → [1, 2, 3] (comma- or space-separated, non-negative)."""
-    try:
-        ids = [int(t) for t in value.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be integers separated by commas, got {value!r}") \
-            from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"must be non-negative token ids, got {value!r}")
+    """'1,2 3' → [1, 2, 3] (comma- or space-separated, each in [0, 2**63)); an empty item
+    ('1,,2', a trailing comma) is an error, not skipped."""
+    items = re.split(r"\s*,\s*|\s+", value.strip())
+    if not all(re.fullmatch(r"[+-]?\d+", t) for t in items):
+        raise argparse.ArgumentTypeError(f"must be integers separated by commas (no empty "
+                                         f"items), got {value!r}")
+    ids = [int(t) for t in items]
+    if not all(0 <= t <= INT64_MAX for t in ids):
+        raise argparse.ArgumentTypeError(f"must be non-negative token ids (at most {INT64_MAX})"
+                                         f", got {value!r}")
     return ids
 
 
@@ -66,6 +87,55 @@ def positive_int(value: str) -> int:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
     return n
+
+
+def int_range(lo: int, hi: int):
+    """A `type=` for an integer in [lo, hi] (a wire field's range, say)."""
+
+    def parse(value: str) -> int:
+        n = _int(value)
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {n}")
+        return n
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def float_range(lo: float, hi: float = math.inf, *, lo_open: bool = False):
+    """A `type=` for a finite number in [lo, hi] ((lo, hi] when `lo_open`)."""
+    low = f"{'>' if lo_open else '>='} {lo:g}"
+    want = f"a finite number {low}" if hi == math.inf else \
+        f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {value!r}") from None
+        if not (math.isfinite(x) and (x > lo if lo_open else x >= lo) and x <= hi):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {value!r}")
+        return x
+
+    parse.__name__ = "number"
+    return parse
+
+
+def read_text(path: str, flag: str) -> str:
+    """The UTF-8 text of the file `path` named by `flag` ('-': stdin); UsageError if it is not
+    UTF-8 text (an unreadable file: its OSError)."""
+    if path == "-":
+        stdin = getattr(sys.stdin, "buffer", None)
+        if stdin is None:  # a text stream (already decoded)
+            return sys.stdin.read()
+        data, name = stdin.read(), "stdin"
+    else:
+        data, name = Path(path).read_bytes(), repr(path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"argument {flag}: {name} is not UTF-8 text ({e.reason} at byte "
+                         f"{e.start})") from None
 
 
 def port(value: str) -> int:

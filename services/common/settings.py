@@ -7,7 +7,10 @@ service's flag table is `config_flags(Config)` and `config_from_args(Config, arg
 config: the two cannot drift. Fields without a flag keep their defaults.
 
 A flag given on the command line wins over its environment variable, which wins over the
-default. docker-compose.yml sets exactly these variables. A malformed value fails loudly.
+default. docker-compose.yml sets exactly these variables. A malformed value fails loudly: a
+variable that does not parse leaves a `BadEnv` as its flag's default, which `config_from_args`
+raises as a ValueError (so the service ends with `specserve NAME: error: …`, exit code 2, like a
+bad flag value) unless the flag itself was given.
 """
 
 from __future__ import annotations
@@ -81,7 +84,12 @@ def config_flags(cls: type) -> list[Flag]:
 
 
 def config_from_args(cls: type, args: argparse.Namespace) -> Any:
-    """`cls` of the parsed flags (raises ValueError for bad values)."""
+    """`cls` of the parsed flags (raises ValueError for bad values, an environment variable's
+    that does not parse among them)."""
+    for flag in config_flags(cls):
+        value = getattr(args, flag.dest, None)
+        if isinstance(value, BadEnv):
+            raise value.error()
     return cls(**{f.name: f.metadata[FLAGS].value(args) for f in dataclasses.fields(cls)
                   if FLAGS in f.metadata})
 
@@ -116,15 +124,32 @@ def check_port(name: str, port: int | None) -> None:
 
 
 # ---- argparse ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BadEnv:
+    """The default of a flag whose environment variable does not parse (`config_from_args`
+    raises its `error()`)."""
+
+    flag: Flag
+    raw: str
+    reason: str
+
+    def error(self) -> ValueError:
+        kind = getattr(self.flag.type, "__name__", "value")
+        return ValueError(f"{self.flag.env}={self.raw!r} is not a valid {kind} (the default of "
+                          f"{self.flag.name}{': ' + self.reason if self.reason else ''})")
+
+
 def _env_default(flag: Flag) -> Any:
+    """The flag's default: its environment variable's value when set (a `BadEnv` when that
+    does not parse), else its own."""
     raw = os.environ.get(flag.env) if flag.env else None
     if raw is None:
         return flag.default
     try:
         return flag.type(raw)
-    except ValueError:
-        raise SystemExit(f"specserve: {flag.env}={raw!r} is not a valid {flag.type.__name__}") \
-            from None
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+        reason = str(e) if isinstance(e, argparse.ArgumentTypeError) else ""
+        return BadEnv(flag, raw, reason)
 
 
 def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:

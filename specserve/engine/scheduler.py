@@ -3,17 +3,17 @@
 Pure Python (no torch). Owns the BlockManager: which KV pages each request holds. Admission is
 by what a request needs now: its tokens so far plus a step's draft scratch, reserved there; a
 request that could never fit the pool alone is rejected at once (`InvalidRequest`: no retry
-helps), one that fits later waits in FIFO order, and the waiting queue is bounded (`max_waiting`: past it,
-`CapacityExhausted`). Before each step every decoding request's reservation grows to its length
-plus the scratch; when the pool cannot give that, the newest running request is preempted: its
-pages are freed and it waits at the head of the queue to be recomputed — a prefill of its prompt
-and the tokens it has generated (`Sequence.recompute_to`), whose last sample is its next token,
-so its output goes on unchanged (`take_preempted` tells the engine, which drops the request's
-drafter state). Each step takes one token from every decoding request first, then fills the rest
-of the token budget with prefill chunks (chunked prefill), oldest request first; with a
-`chunk_cost` (engine/chunk_cost.py), a chunk beside decoding requests is cut further, to what
-the token budget's tokens cost at context 0, so their step does not grow with the prompt's
-context.
+helps), one that fits later waits in FIFO order, and the waiting queue is bounded
+(`max_waiting`: past it, `CapacityExhausted`). Before each step every decoding request's
+reservation grows to its length plus the scratch; when the pool cannot give that, the newest
+running request is preempted: its pages are freed and it waits at the head of the queue to be
+recomputed — a prefill of its prompt and the tokens it has generated (`Sequence.recompute_to`),
+whose last sample is its next token, so its output goes on unchanged (`take_preempted` tells the
+engine, which drops the request's drafter state). Each step takes one token from every decoding
+request first, then fills the rest of the token budget with prefill chunks (chunked prefill),
+oldest request first; with a `chunk_cost` (engine/chunk_cost.py), a chunk beside decoding
+requests is cut further, to what the token budget's tokens cost at context 0, so their step does
+not grow with the prompt's context.
 """
 
 from __future__ import annotations

@@ -5,11 +5,13 @@ Every config field but the library-only ones has a flag with help, every flag's 
 field's (the metrics ports excepted: 0 in the library), the flags parse into the config, an
 environment variable sits between the default and the command line, docs/configuration.md has a
 row for each variable; `run_service` writes the port file, drains for grace_s on stop and
-flushes spans; `service_main` answers a bad value with `specserve NAME: error: …` and exit 2.
+flushes spans; `service_main` answers a bad value with `specserve NAME: error: …` and exit 2,
+a bad environment value too (naming the variable), unless the flag itself is given.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import re
@@ -183,3 +185,53 @@ def test_service_main_exits_2_with_the_reason(error, capsys, monkeypatch):
 
 def test_flag_dest():
     assert Flag("--max-num-seqs", None, 1).dest == "max_num_seqs"
+
+
+def _port_or_nothing(raw: str) -> int:
+    if not raw.isdigit():
+        raise argparse.ArgumentTypeError(f"must be digits, got {raw!r}")
+    return int(raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvToy:
+    size: int = flag_field("--size", "SPECSERVE_TOY_SIZE", "a size", default=3, type=int)
+    slot: int = flag_field("--slot", "SPECSERVE_TOY_SLOT", "a slot", default=1,
+                           type=_port_or_nothing)
+
+
+@pytest.mark.parametrize("env, value, want", [
+    ("SPECSERVE_TOY_SIZE", "abc", "SPECSERVE_TOY_SIZE='abc' is not a valid int (the default of "
+                                  "--size)"),
+    ("SPECSERVE_TOY_SLOT", "x1", "SPECSERVE_TOY_SLOT='x1' is not a valid _port_or_nothing (the "
+                                 "default of --slot: must be digits, got 'x1')"),
+])
+def test_a_bad_environment_value_exits_2_naming_the_variable(env, value, want, capsys,
+                                                             monkeypatch):
+    monkeypatch.setattr(bootstrap.telemetry, "setup_tracing", lambda name: None)
+    monkeypatch.setenv(env, value)
+    ran = []
+
+    async def run(config):
+        ran.append(config)
+
+    parser = bootstrap.build_parser("toy", "", EnvToy)  # building it does not exit
+    assert bootstrap.service_main("toy", parser, EnvToy, run, []) == 2
+    assert capsys.readouterr().err == f"specserve toy: error: {want}\n" and ran == []
+    flag = "--size" if env.endswith("SIZE") else "--slot"  # the flag given: the variable unused
+    assert bootstrap.service_main("toy", parser, EnvToy, run, [flag, "7"]) == 0
+    assert ran == [EnvToy(**{flag[2:]: 7})]
+
+
+@pytest.mark.parametrize("env, value", [("SPECSERVE_MAX_STOP_STRINGS", "abc"),
+                                        ("SPECSERVE_GATEWAY_HTTP_PORT", "banana")])
+def test_the_gateway_refuses_a_bad_environment_value_with_exit_2(env, value, tmp_path, capsys,
+                                                                 monkeypatch):
+    from services.gateway.__main__ import main
+
+    monkeypatch.setattr(bootstrap.telemetry, "setup_tracing", lambda name: None)
+    monkeypatch.setenv(env, value)
+    assert main(["--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"specserve gateway: error: {env}={value!r} is not a valid ") and \
+        err.count("\n") == 1, err
