@@ -1,7 +1,10 @@
 """uvicorn serving an ASGI app inside the caller's running event loop (the gateway's, beside its
 gRPC server): bound before it starts (port 0 resolves at once), TLS / mutual TLS from the same
 `Security` as the gRPC port, no signal handlers of its own (the gateway owns SIGINT/SIGTERM),
-and a graceful stop that lets in-flight responses finish for `grace_s`.
+and a graceful stop that lets in-flight responses finish for `grace_s`. Then the app's
+`state.grace_over()`, if it has one (the OpenAI front's), ends the requests still running so
+that they answer (503, a stream's error event); uvicorn cancels what is left `ANSWER_S` later,
+and `stop` returns once those requests have ended.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import uvicorn
 
 from services.common.security import Security
 
+ANSWER_S = 2.0  # after the grace: how long the requests still running have to answer
+
 
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
@@ -27,9 +32,11 @@ class HttpListener:
                  log_level: str = "warning") -> None:
         self._sock = socket.create_server((host, port), family=_family(host))
         self.port = self._sock.getsockname()[1]
+        self._grace_s = max(grace_s, 0.0)
+        self._grace_over = getattr(getattr(app, "state", None), "grace_over", None)
         config = uvicorn.Config(
             app, log_level=log_level.lower(), access_log=False, lifespan="off",
-            timeout_graceful_shutdown=max(grace_s, 0.1), ssl_certfile=security.tls_cert,
+            timeout_graceful_shutdown=self._grace_s + ANSWER_S, ssl_certfile=security.tls_cert,
             ssl_keyfile=security.tls_key, ssl_ca_certs=security.tls_client_ca,
             ssl_cert_reqs=ssl.CERT_REQUIRED if security.tls_client_ca else ssl.CERT_NONE)
         self._server = _Server(config)
@@ -47,13 +54,18 @@ class HttpListener:
         return self.port
 
     async def stop(self) -> None:
-        """Stop accepting, let open responses finish (up to the grace), close."""
+        """Stop accepting, let open responses finish (up to the grace), end the rest, close."""
         if self._task is None:
             self._sock.close()
             return
         self._server.should_exit = True
+        done, _ = await asyncio.wait({self._task}, timeout=self._grace_s)
+        if not done and self._grace_over is not None:
+            self._grace_over()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+        if left := set(self._server.server_state.tasks):  # cancelled, not yet ended
+            await asyncio.wait(left, timeout=ANSWER_S)
         self._sock.close()
 
 

@@ -9,9 +9,12 @@ health is SERVING, i.e. while the verifier serves; 503 otherwise). With a token 
 Errors before the first token answer with their HTTP status (400 invalid, 404 another model,
 413 a body over the limit, 429 the verifier's queue is full, 503 the verifier is unavailable,
 504 the deadline passed); an error once the stream has started is one `data: {"error": …}`
-event before `[DONE]`. A client that disconnects — while waiting, mid-stream, or before a whole
-response — cancels the request: the verifier call ends and the request's pages are freed. When
-spans are exported the response carries the trace id in the `x-specserve-trace-id` header.
+event before `[DONE]`. A client that disconnects — while sending its body (logged, not an
+error), while waiting, mid-stream, or before a whole response — cancels the request: the
+verifier call ends and the request's pages are freed. At shutdown, once the grace is over
+(`grace_over`, called by services/gateway/http_server.py), the generations still running end
+with 503 "the gateway is shutting down" (a stream: its error event, then `[DONE]`). When spans
+are exported the response carries the trace id in the `x-specserve-trace-id` header.
 """
 
 from __future__ import annotations
@@ -20,19 +23,22 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from services.common import telemetry
 from services.gateway import openai_responses as out
 from services.gateway.convert import TRACE_ID_KEY, GatewayFinal
-from services.gateway.openai_api import ApiError, ApiRequest, parse
+from services.gateway.openai_api import ApiError, ApiRequest, loads, parse
 from services.gateway.pipeline import GenerationFailed, Pipeline, TextChunk
 
 API = "openai"  # the `api` label of specserve_gateway_requests_total
+SHUTTING_DOWN = "the gateway is shutting down"
+log = logging.getLogger("specserve.gateway")
 
 
 class Disconnected(Exception):
@@ -47,12 +53,19 @@ class OpenAIFront:
         self.max_body_bytes, self.serving, self.created = max_body_bytes, serving, created
 
     def app(self) -> Starlette:
-        return Starlette(routes=[
+        """The ASGI app; its `state.grace_over` is `grace_over` (HttpListener calls it)."""
+        app = Starlette(routes=[
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
         ])
+        app.state.grace_over = self.grace_over
+        return app
+
+    def grace_over(self) -> None:
+        """Shutdown's grace is over: the generations still running end with 503."""
+        self.pipeline.abort_all(SHUTTING_DOWN)
 
     async def _health(self, request: Request) -> JSONResponse:
         ok = self.serving()
@@ -76,16 +89,25 @@ class OpenAIFront:
         return _error(ApiError(401, "missing or wrong bearer token (Authorization: Bearer …)",
                                "authentication_error", code="invalid_api_key"))
 
+    async def _parse(self, request: Request, chat: bool) -> ApiRequest | JSONResponse:
+        """The request, or the answer to a body that is refused or was not sent whole."""
+        try:
+            body = await _read_json(request, self.max_body_bytes)
+            return parse(body, chat, self.model, self.template, self.pipeline.defaults)
+        except ApiError as e:
+            self._count("NOT_FOUND" if e.status == 404 else "INVALID_ARGUMENT")
+            return _error(e)
+        except ClientDisconnect:  # nobody reads the answer; not the gateway's error
+            log.info("%s: the client disconnected while sending its request", request.url.path)
+            self._count("CANCELLED")
+            return _error(ApiError(499, "client disconnected", "cancelled"))
+
     async def _generate(self, request: Request, chat: bool):
         if (denied := self._denied(request)) is not None:
             self._count("UNAUTHENTICATED")
             return denied
-        try:
-            body = await _read_json(request, self.max_body_bytes)
-            api = parse(body, chat, self.model, self.template, self.pipeline.defaults)
-        except ApiError as e:
-            self._count("NOT_FOUND" if e.status == 404 else "INVALID_ARGUMENT")
-            return _error(e)
+        if not isinstance(api := await self._parse(request, chat), ApiRequest):
+            return api
         span = self.pipeline.start_span(request.headers.items())
         trace_id = telemetry.trace_id_of(span) if telemetry.exporting() else None
         headers = {TRACE_ID_KEY: trace_id} if trace_id else {}
@@ -94,7 +116,7 @@ class OpenAIFront:
             first = await _unless_disconnect(request, anext(events))
         except (GenerationFailed, StopAsyncIteration, Disconnected) as e:
             await events.aclose()
-            return _failed(e, headers)
+            return _failed(e, headers, api)
         if api.stream:
             return StreamingResponse(self._sse(api, first, events), headers=headers,
                                      media_type="text/event-stream")
@@ -102,7 +124,7 @@ class OpenAIFront:
             return JSONResponse(await _unless_disconnect(
                 request, self._whole(api, first, events)), headers=headers)
         except (GenerationFailed, Disconnected) as e:
-            return _failed(e, headers)
+            return _failed(e, headers, api)
         finally:
             await events.aclose()
 
@@ -131,7 +153,7 @@ class OpenAIFront:
                         break
                     event = await anext(events)
             except GenerationFailed as e:
-                yield _data(ApiError.of_grpc(e.code, e.message).body())
+                yield _data(ApiError.of_grpc(e.code, e.message, api.names).body())
             yield "data: [DONE]\n\n"
 
     def _count(self, code: str) -> None:
@@ -147,9 +169,9 @@ def _error(e: ApiError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(e.body(), e.status, headers=headers)
 
 
-def _failed(e: Exception, headers: dict) -> JSONResponse:
+def _failed(e: Exception, headers: dict, api: ApiRequest) -> JSONResponse:
     if isinstance(e, GenerationFailed):
-        return _error(ApiError.of_grpc(e.code, e.message), headers)
+        return _error(ApiError.of_grpc(e.code, e.message, api.names), headers)
     if isinstance(e, Disconnected):  # nobody reads it; the status is for the access log
         return _error(ApiError(499, "client disconnected", "cancelled"), headers)
     return _error(ApiError(500, "the generation ended without a result", "internal_error"),
@@ -167,10 +189,7 @@ async def _read_json(request: Request, limit: int):
         if total > limit:
             raise ApiError(413, f"request body is over the limit of {limit} bytes")
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not JSON: {e}") from None
+    return loads(b"".join(chunks))
 
 
 async def _unless_disconnect(request: Request, awaitable):
@@ -180,16 +199,23 @@ async def _unless_disconnect(request: Request, awaitable):
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # the handler itself (shutdown): the work goes with it
-        work.cancel()
+        await _ended(work)
         raise
     finally:
         gone.cancel()
     if not work.done():
-        work.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await work
+        await _ended(work)
         raise Disconnected()
     return work.result()
+
+
+async def _ended(work: asyncio.Future) -> None:
+    """Cancel `work` and wait until it has ended (what it raised is dropped), so the generator
+    it was advancing is no longer running when the caller closes it."""
+    work.cancel()
+    await asyncio.wait({work})
+    if not work.cancelled():
+        work.exception()
 
 
 async def _disconnected(request: Request) -> None:

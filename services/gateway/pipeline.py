@@ -9,8 +9,10 @@ the least-loaded healthy verifier replica (services/gateway/replicas.py; its add
 span's `verifier` attribute and the final's `verifier`). Verifier errors keep
 their status code and message, but UNAVAILABLE's (it can name the verifier's address) goes to
 the log and the client reads "verifier unavailable". Cancelling the consumer (a gRPC client's
-cancel, an HTTP client's disconnect) cancels the verifier call. A call whose deadline passed is
-counted as DEADLINE_EXCEEDED in `specserve_gateway_requests_total`.
+cancel, an HTTP client's disconnect) cancels the verifier call. `abort_all` (the gateway's
+shutdown once its grace is over) cancels every verifier call in flight, and those generations
+fail with UNAVAILABLE and its message. A call whose deadline passed is counted as
+DEADLINE_EXCEEDED in `specserve_gateway_requests_total`.
 
 Each request is one `generate` span (SERVER; a child of the caller's span if it sent a W3C
 `traceparent`), whose context goes to the verifier in the call metadata: the root of the
@@ -35,6 +37,7 @@ from services.common.convert import MAX_STOP_BYTES, MAX_STOP_STRINGS, check_stop
 from services.common.errors import status_for
 from services.gateway import convert
 from services.gateway.convert import GatewayFinal, GatewayRequest, Step, VerifierFinal
+from services.gateway.prompt_encoder import PromptEncoder
 from services.gateway.replicas import Replica, Replicas
 from specserve.errors import InvalidRequest, SpecServeError
 from specserve.spec.metrics import RequestSpecStats
@@ -42,7 +45,6 @@ from specserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Token
 from specserve.types import FinishReason
 
 log = logging.getLogger("specserve.gateway")
-_TOKENIZE_OFF_LOOP_CHARS = 16_384  # longer prompts are tokenized in a worker thread
 STOP_FLAGS = ("--max-stop-strings", "--max-stop-bytes")  # what sets StopLimits
 
 
@@ -120,8 +122,11 @@ class Pipeline:
     def __init__(self, tokenizer: Tokenizer, replicas: Replicas,
                  default_timeout_s: float, metrics=None, *,
                  stop_limits: StopLimits | None = None,
-                 peer_metadata: tuple[tuple[str, str], ...] = (), defaults=None) -> None:
+                 peer_metadata: tuple[tuple[str, str], ...] = (), defaults=None,
+                 prompts: PromptEncoder | None = None) -> None:
         self.tokenizer = tokenizer
+        # long prompt texts are encoded in a worker process (without one: inline)
+        self.prompts = prompts or PromptEncoder(tokenizer, None)
         self.defaults = defaults  # the model's GenerationDefaults (None: greedy)
         self._peer_metadata = peer_metadata  # the token the verifier wants, if any
         self.replicas = replicas  # the verifiers; each request goes to the least loaded
@@ -129,6 +134,15 @@ class Pipeline:
         self._stop_limits = stop_limits or StopLimits()
         self.metrics = metrics  # GatewayMetrics | None
         self._tracer = telemetry.tracer("specserve.gateway")
+        self._calls: set = set()  # the verifier calls in flight
+        self._aborting: str | None = None  # abort_all's message, once called
+
+    def abort_all(self, message: str) -> None:
+        """End every generation in flight (and any that reaches the verifier later) with
+        UNAVAILABLE `message`: their verifier calls are cancelled."""
+        self._aborting = message
+        for call in list(self._calls):
+            call.cancel()
 
     def start_span(self, carrier: Iterable | None):
         """The request's `generate` span, a child of the caller's (W3C headers / metadata)."""
@@ -158,14 +172,14 @@ class Pipeline:
             try:
                 async for event in self._relay(call, state):
                     yield event
-            except grpc.aio.AioRpcError as e:
-                code = e.code()
-                raise GenerationFailed(code, self._verifier_error(req, replica, e)) from None
-            except SpecServeError as e:
-                code = status_for(e)
-                raise GenerationFailed(code, str(e)) from None
+            except (grpc.aio.AioRpcError, SpecServeError, asyncio.CancelledError) as e:
+                if (failed := self._failed(e, req, replica)) is None:
+                    raise
+                code = failed.code
+                raise failed from None
             finally:
                 call.cancel()
+                self._calls.discard(call)
             code = grpc.StatusCode.OK
         finally:
             if replica is not None:
@@ -211,12 +225,30 @@ class Pipeline:
 
     def _call(self, replica: Replica, req: GatewayRequest, prompt_ids: list[int],
               deadline: float, span):
-        """The verifier's Generate stream for the request, with the trace and peer metadata."""
-        return replica.stub.Generate(
+        """The verifier's Generate stream for the request, with the trace and peer metadata
+        (cancelled at once after `abort_all`)."""
+        call = replica.stub.Generate(
             convert.verify_request_to_pb(req, prompt_ids),
             timeout=max(deadline - time.monotonic(), 0.001),
             metadata=(*telemetry.inject_metadata(trace.set_span_in_context(span)),
                       *self._peer_metadata))
+        self._calls.add(call)
+        if self._aborting is not None:
+            call.cancel()
+        return call
+
+    def _failed(self, e: BaseException, req: GatewayRequest,
+                replica: Replica) -> GenerationFailed | None:
+        """The client's error for a verifier call that ended in `e` (None: the consumer's own
+        cancel, passed on; a call cancelled by `abort_all` is UNAVAILABLE)."""
+        if isinstance(e, grpc.aio.AioRpcError):
+            return GenerationFailed(e.code(), self._verifier_error(req, replica, e))
+        if isinstance(e, SpecServeError):
+            return GenerationFailed(status_for(e), str(e))
+        task = asyncio.current_task()
+        if self._aborting is None or (task is not None and task.cancelling()):
+            return None
+        return GenerationFailed(grpc.StatusCode.UNAVAILABLE, self._aborting)
 
     def _verifier_error(self, req: GatewayRequest, replica: Replica,
                         e: grpc.aio.AioRpcError) -> str:
@@ -233,10 +265,7 @@ class Pipeline:
     async def _prompt_ids(self, req: GatewayRequest) -> list[int]:
         if req.token_ids is not None:
             return self.tokenizer.check_ids(req.token_ids)
-        if len(req.text) > _TOKENIZE_OFF_LOOP_CHARS:
-            ids = await asyncio.to_thread(self.tokenizer.encode, req.text)
-        else:
-            ids = self.tokenizer.encode(req.text)
+        ids = await self.prompts.encode(req.text)
         if not ids:
             raise InvalidRequest("prompt text encodes to no tokens")
         return ids

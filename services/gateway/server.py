@@ -31,6 +31,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.http_server import HttpListener
 from services.gateway.openai_http import OpenAIFront
 from services.gateway.pipeline import Pipeline, StopLimits
+from services.gateway.prompt_encoder import PromptEncoder
 from services.gateway.replicas import Replicas
 from services.gateway.servicer import GatewayServicer
 from specserve.chat_template import ChatTemplate
@@ -63,11 +64,14 @@ async def _cancel(task: asyncio.Task) -> None:
 
 
 def _pipeline(config: GatewayConfig, replicas: Replicas, metrics) -> Pipeline:
+    tokenizer = Tokenizer.from_dir(config.model)
+    prompts = PromptEncoder(tokenizer, config.model)
+    prompts.start()
     return Pipeline(
-        Tokenizer.from_dir(config.model), replicas, config.request_timeout_s, metrics,
+        tokenizer, replicas, config.request_timeout_s, metrics,
         stop_limits=StopLimits(config.max_stop_strings, config.max_stop_bytes),
         peer_metadata=config.security.peer_metadata(),
-        defaults=load_generation_defaults(config.model))
+        defaults=load_generation_defaults(config.model), prompts=prompts)
 
 
 async def _start_http(config: GatewayConfig, pipeline: Pipeline, serving) -> HttpListener | None:
@@ -98,6 +102,7 @@ class GatewayServer:
     http: HttpListener | None = None
     watcher: asyncio.Task | None = None
     metrics_server: object = None
+    prompts: PromptEncoder | None = None  # the pipeline's prompt tokenization worker
     serving: dict = field(default_factory=lambda: {"now": False})  # HTTP /health reads it
 
     async def stop(self, grace: float) -> None:
@@ -111,6 +116,8 @@ class GatewayServer:
                                  self.http.stop() if self.http is not None else asyncio.sleep(0))
         if self.replicas is not None:
             await self.replicas.close()
+        if self.prompts is not None:
+            self.prompts.close()
         telemetry.stop_metrics_server(self.metrics_server)
 
 
@@ -122,6 +129,7 @@ async def start(config: GatewayConfig) -> GatewayServer:
     try:
         metrics = GatewayMetrics()
         pipeline = _pipeline(config, gw.replicas, metrics)
+        gw.prompts = pipeline.prompts
         gw.server, gw.port, gw.health = await start_server(
             [(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(pipeline))],
             [SERVICE_NAME], config.host, config.port, config.max_message_bytes,

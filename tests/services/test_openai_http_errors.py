@@ -1,0 +1,244 @@
+"""The OpenAI HTTP front's refusals and ends that used to be a plain-text 500, a cut stream or a
+traceback: out-of-range numbers, lone surrogates, integers too long to parse and values the
+wire cannot carry are 400s naming the body's field (chat's `max_completion_tokens` and
+`messages` included), as are the pipeline's and the verifier's INVALID_ARGUMENTs; a client gone
+while sending its body is logged quietly; a cancelled handler closes its generation cleanly;
+and at shutdown, once the grace is over, open requests get a 503 error object (a stream: an
+error event, then `[DONE]`). The front runs in process on a scripted pipeline, except for the
+shutdown, which stops a served gateway in front of an endless fake verifier."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import logging
+import threading
+
+import grpc
+import pytest
+
+from services.gateway import openai_api
+from services.gateway.convert import GatewayFinal
+from services.gateway.openai_http import OpenAIFront
+from services.gateway.pipeline import GenerationFailed, TextChunk
+from specserve.chat_template import ChatTemplate
+from specserve.spec.metrics import RequestSpecStats
+from specserve.types import FinishReason
+from tests.services.test_gateway_service import model_dir  # noqa: F401 (fixture)
+from tests.services.test_openai_http import BODY, Endless, _call, _error, _gateway, _request
+
+pytestmark = pytest.mark.timeout(60)
+MODEL = "tiny"
+TEMPLATE = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+WATCHED = ("uvicorn.error", "asyncio", "specserve")  # the loggers of the HTTP front's failures
+HANG = object()  # in a script: the generation waits until cancelled
+FINAL = GatewayFinal(FinishReason.LENGTH, 2, 1, RequestSpecStats(), 0.0, "r", 0.1, 0.2)
+
+
+class ScriptedPipeline:
+    """What OpenAIFront uses of the pipeline; `run` plays `script` (an exception is raised)."""
+
+    defaults = metrics = None
+
+    def __init__(self, *script) -> None:
+        self.script, self.requests, self.ended, self.hanging = script, [], False, None
+
+    def start_span(self, carrier):
+        return None
+
+    async def run(self, parse, span, timeout_s, api, on_done=None):
+        self.requests.append(parse())
+        try:
+            for item in self.script:
+                if isinstance(item, BaseException):
+                    raise item
+                if item is HANG:
+                    self.hanging.set()
+                    await asyncio.Future()
+                yield item
+        finally:
+            self.ended = True
+
+
+async def _asgi(pipeline, path: str, body, cut: bool = False):
+    """(status, body bytes) of one POST to the front's app in process; `cut`: the client goes
+    away after half its body."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    inbox = [{"type": "http.request", "body": raw[:len(raw) // 2], "more_body": True},
+             {"type": "http.disconnect"}] if cut else \
+        [{"type": "http.request", "body": raw, "more_body": False}]
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+             "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    status, out = [], []
+
+    async def receive():
+        return inbox.pop(0) if inbox else await asyncio.Future()  # then: until cancelled
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+        else:
+            out.append(message.get("body", b""))
+
+    await OpenAIFront(pipeline, MODEL, TEMPLATE).app()(scope, receive, send)
+    return status[0], b"".join(out)
+
+
+def _events(raw: bytes) -> list:
+    return [e.removeprefix("data: ") for e in raw.decode().split("\n\n") if e]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chat, body, param", [
+    (False, {"max_tokens": 2**31}, "max_tokens"), (False, {"max_tokens": 2**64}, "max_tokens"),
+    (True, {"max_completion_tokens": 2**40}, "max_completion_tokens"),
+    (True, {"max_completion_tokens": 0}, "max_completion_tokens"),
+    (True, {"max_tokens": 0}, "max_tokens"), (False, {"top_k": 10**12}, "top_k"),
+    (False, {"top_k": -5}, "top_k"), (True, {"seed": -1}, "seed"),
+    (False, {"seed": 2**64}, "seed"), (True, {"seed": 2**64}, "seed"),
+    (False, {"temperature": 1e300}, "temperature"),
+    (False, {"temperature": 10**400}, "temperature"), (False, {"temperature": -1}, "temperature"),
+    (False, {"top_p": 1.5}, "top_p"), (False, {"stop": ["a", ""]}, "stop"),
+    (True, {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    (False, {"prompt": "\ud800 hi"}, "prompt"),
+    (True, {"messages": [{"role": "user", "content": "a\udfffb"}]}, "messages"),
+    (False, {"stop": ["\ud800"]}, "stop"),
+])
+async def test_a_bad_value_is_a_400_naming_the_bodys_field(chat, body, param, stream):
+    pipeline = ScriptedPipeline()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    status, raw = await _asgi(pipeline, path, {**(CHAT if chat else {"prompt": "hi"}), **body,
+                                               "stream": stream})
+    assert status == 400, raw
+    err = _error(raw)
+    assert (err["param"], err["type"]) == (param, "invalid_request_error")
+    if param != "messages":
+        assert err["message"].startswith(param), err  # the body's name, not SamplingParams'
+    assert "inf" not in err["message"]  # 1e300 is not turned into float32's inf first
+    assert pipeline.requests == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("raw, param", [
+    (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "max_tokens"),
+    (b'{"prompt": [1, -' + b"7" * 5000 + b"]}", "prompt"),
+    (b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+])
+async def test_an_integer_too_long_or_json_too_deep_is_a_400(raw, param):
+    status, body = await _asgi(ScriptedPipeline(), "/v1/completions", raw)
+    assert status == 400 and _error(body)["param"] == param, body
+
+
+@pytest.mark.asyncio
+async def test_a_value_the_wire_cannot_carry_is_a_400_not_a_500(monkeypatch):
+    def out_of_range(request, prompt_ids):
+        raise ValueError("Value out of range: 2147483648")
+
+    monkeypatch.setattr(openai_api, "verify_request_to_pb", out_of_range)
+    status, raw = await _asgi(ScriptedPipeline(), "/v1/completions", {"prompt": "hi"})
+    err = _error(raw)
+    assert status == 400 and err["type"] == "invalid_request_error"
+    assert "Value out of range" in err["message"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("chat, message, param", [
+    (False, "3 stop strings; at most 2 are allowed (--max-stop-strings)", "stop"),
+    (False, "token id 99999 is not in the vocabulary of 4096", "prompt"),
+    (True, "prompt has 40 tokens and max_tokens is 5000; the model's context is 64 tokens",
+     "messages"),
+    (False, "budget must be in [0, 16] (the engine's max_draft_tokens), got 99", "budget"),
+    (False, "request id 'x' is already in use", None),
+])
+async def test_the_pipelines_and_verifiers_invalid_argument_names_the_field(chat, message,
+                                                                            param):
+    path, body = ("/v1/chat/completions", CHAT) if chat else ("/v1/completions", BODY)
+    failed = GenerationFailed(grpc.StatusCode.INVALID_ARGUMENT, message)
+    status, raw = await _asgi(ScriptedPipeline(failed), path, body)
+    assert status == 400 and _error(raw)["param"] == param
+    status, raw = await _asgi(ScriptedPipeline(TextChunk("a", None), failed), path,
+                              {**body, "stream": True})  # mid-stream: the error event
+    events = _events(raw)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["param"] == param
+
+
+@pytest.mark.asyncio
+async def test_a_client_gone_while_sending_its_body_is_logged_quietly(caplog):
+    pipeline = ScriptedPipeline()
+    with caplog.at_level(logging.INFO):
+        status, _ = await _asgi(pipeline, "/v1/completions", {"prompt": "x" * 1000}, cut=True)
+    assert status == 499 and pipeline.requests == []
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "disconnected while sending" in caplog.records[0].getMessage()
+    assert caplog.records[0].exc_info is None
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_handler_closes_its_generation_cleanly():
+    """uvicorn cancels a handler still running past the shutdown's grace: the cancel goes
+    through (no "aclose(): asynchronous generator is already running")."""
+    pipeline = ScriptedPipeline(TextChunk("a", None), HANG, FINAL)
+    pipeline.hanging = asyncio.Event()
+    handler = asyncio.ensure_future(_asgi(pipeline, "/v1/completions", BODY))
+    await pipeline.hanging.wait()
+    handler.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await handler
+    assert pipeline.ended
+
+
+def _stream(port: int, body: dict, started: threading.Event) -> tuple[int, bytes]:
+    """A streamed request read to its end; `started` is set at its first event."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"content-type": "application/json"})
+    resp, lines = conn.getresponse(), []
+    while line := resp.readline():
+        lines.append(line)
+        if line.startswith(b"data: "):
+            started.set()
+    conn.close()
+    return resp.status, b"".join(lines)
+
+
+@pytest.mark.asyncio
+async def test_shutdown_answers_open_requests_with_503(model_dir, tmp_path):  # noqa: F811
+    fake, errors, catch = Endless(), [], logging.Handler(logging.ERROR)
+    catch.emit = errors.append
+    server, gateway, port_file = await _gateway(tmp_path, model_dir, fake)
+    long = {**BODY, "max_tokens": 10_000}
+    try:
+        async with gateway:  # its grace: 0.2 s
+            port = int(port_file.read_text())
+            status, _, raw = await _call(port, "/v1/completions", {**BODY, "max_tokens": 2**31})
+            assert status == 400 and _error(raw)["param"] == "max_tokens"
+            for name in WATCHED:
+                logging.getLogger(name).addHandler(catch)
+            started, loop = threading.Event(), asyncio.get_running_loop()
+            # futures, not tasks: the gateway's exit checks that it left no task behind
+            stream = loop.run_in_executor(None, _stream, port, {**long, "stream": True},
+                                          started)
+            whole = loop.run_in_executor(None, _request, port, "/v1/completions", long)
+            while len(fake.requests) < 2 or not started.is_set():
+                await asyncio.sleep(0.01)
+        status, _, raw = await whole
+        assert status == 503 and _error(raw) == {
+            "message": "the gateway is shutting down", "type": "service_unavailable",
+            "param": None, "code": "unavailable"}
+        status, raw = await stream
+        events = _events(raw)
+        assert status == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["message"] == "the gateway is shutting down"
+        assert all("choices" in json.loads(e) for e in events[:-2])
+        assert [r.getMessage() for r in errors] == []  # no traceback, no forced cancel
+    finally:
+        for name in WATCHED:
+            logging.getLogger(name).removeHandler(catch)
+        await server.stop(0)
