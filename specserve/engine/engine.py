@@ -73,14 +73,9 @@ class Engine:
         return self.scheduler.blocks
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | Seq[int],
-        params: SamplingParams | None = None,
-        budget: int = 0,
-        drafter_kind: str | None = None,
-    ) -> None:
+    def add_request(self, request_id: str, prompt: str | Seq[int],
+                    params: SamplingParams | None = None, budget: int = 0,
+                    drafter_kind: str | None = None) -> None:
         """Validate and queue a request; `budget` draft nodes per step (0 = no speculation),
         by the drafter named `drafter_kind` where the drafter serves several (None: its default).
 
@@ -138,6 +133,9 @@ class Engine:
         return ids
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        if bad := [t for t in params.stop_token_ids if t >= self.model_config.vocab_size]:
+            raise InvalidRequest(f"stop_token_ids out of vocabulary [0, "
+                                 f"{self.model_config.vocab_size}): {bad[:8]}", "stop_token_ids")
         eos = () if params.ignore_eos else self._eos_ids()
         return frozenset(params.stop_token_ids) | frozenset(eos)
 

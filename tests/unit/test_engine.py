@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -139,6 +141,10 @@ def test_bad_input_rejected_others_unaffected(checkpoint_cache, make_engine):
         assert err.value.param == param
     assert SamplingParams(max_tokens=2**31 - 1, top_k=2**31 - 1, seed=2**64 - 1,
                           temperature=3.4e38, stop_token_ids=(2**63 - 1,)).seed == 2**64 - 1
+    with pytest.raises(InvalidRequest, match=r"stop_token_ids out of vocabulary \[0, 211\): "
+                       r"\[211, 4000\]") as err:
+        engine.add_request("s", good[0], replace(params, stop_token_ids=(5, 211, 4000)))
+    assert err.value.param == "stop_token_ids"
     with pytest.raises(InvalidRequest, match="already in use"):
         engine.add_request("g0", good[0], params)
     with pytest.raises(InvalidRequest, match="needs a tokenizer"):
