@@ -31,6 +31,8 @@ from specserve.models.loader import DTYPES as MODEL_DTYPES
 HEADER_BYTES = 64
 NONCE_BYTES = 16
 DTYPES = MODEL_DTYPES  # what a ring may hold: the models' dtypes
+# the drafter's entry error for rows in a ring it does not hold (the verifier then attaches again)
+RING_UNKNOWN = "is not attached here"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.convert import DRAFTER_NAMES, tensor_from_pb
-from services.common.ring import RingInfo
+from services.common.ring import RING_UNKNOWN, RingInfo
 from services.drafter.core import DraftTimes, Entry, Result
 from specserve.drafters.base import DraftRequest
 from specserve.errors import InvalidRequest
@@ -86,9 +86,9 @@ def entry_from_pb(msg: pb.DraftEntry, device: torch.device, dtype: torch.dtype,
 
 
 def _ring_rows(ref: pb.ContextRef, rings: dict[int, torch.Tensor]) -> torch.Tensor:
-    ring = rings.get(ref.generation)
+    ring = getattr(rings, "read", rings.get)(ref.generation)  # Rings: noted as used
     if ring is None:
-        raise InvalidRequest(f"context ring {ref.generation} is not attached here")
+        raise InvalidRequest(f"context ring {ref.generation} {RING_UNKNOWN}")
     if ref.offset < 0 or ref.rows <= 0 or ref.offset + ref.rows > ring.shape[0]:
         raise InvalidRequest(f"context rows [{ref.offset}, {ref.offset + ref.rows}) are "
                              f"outside the ring's {ring.shape[0]}")

@@ -35,13 +35,28 @@ def error_text(error: BaseException) -> str:
     return f"{status_for(error).name}: {error}"
 
 
+class Rings(dict):
+    """Mapped context rings by generation (`[rows, width]` views) and when each was last read
+    or attached (`used`, monotonic seconds): the least recently used is evicted first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used: dict[int, float] = {}
+
+    def read(self, generation: int) -> torch.Tensor | None:
+        ring = self.get(generation)
+        if ring is not None:
+            self.used[generation] = time.monotonic()
+        return ring
+
+
 class BatchRunner:
     """Runs batches against `core`; `rings` maps a ring generation to its `[rows, width]`
     view (attach.py fills it)."""
 
     def __init__(self, metrics=None) -> None:
         self.metrics = metrics  # DrafterMetrics | None
-        self.rings: dict[int, torch.Tensor] = {}
+        self.rings = Rings()
         self._tracer = telemetry.tracer("specserve.drafter")
 
     def reply(self, core: DrafterCore, batch: convert.Batch, owner: object = None

@@ -171,6 +171,8 @@ class Pipeline:
                 on_done(lambda _ctx: call.cancel())
             try:
                 async for event in self._relay(call, state):
+                    if isinstance(event, GatewayFinal):  # done, even if not read further
+                        code = grpc.StatusCode.OK
                     yield event
             except (grpc.aio.AioRpcError, SpecServeError, asyncio.CancelledError) as e:
                 if (failed := self._failed(e, req, replica)) is None:

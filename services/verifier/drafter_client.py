@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from services.common import lane
-from services.common.ring import ContextRing
+from services.common.ring import RING_UNKNOWN, ContextRing
 from services.common.security import NONE, Security
 from services.verifier import convert
 from services.verifier.drafter_entries import DraftEntries
@@ -89,6 +89,7 @@ class RemoteDrafter(Drafter):
         self._grpc = GrpcLink(self.stream, timeout_s)
         self._lane: LaneLink | None = None
         self._lane_tried = 0  # the epoch whose lane was last tried
+        self._ring_reattached = 0  # the epoch that last attached again for a lost ring
         self._step_ids = itertools.count(1)
         # seconds: building a step's batch, waiting for its reply, the drafter's own forward +
         # tree build (from the reply), turning the reply into trees
@@ -200,6 +201,8 @@ class RemoteDrafter(Drafter):
             self._resend(requests)
             raise
         trees = self.entries.trees(requests, reply, marks)
+        if self.entries.errors:
+            self._check_ring(self.entries.errors.values())
         self.profile.update(draft_build=(stamps[2] - stamps[0]) * 1e-9,
                             draft_wait=(stamps[3] - stamps[2]) * 1e-9,
                             drafter_work=reply.forward_s + reply.tree_build_s,
@@ -249,9 +252,26 @@ class RemoteDrafter(Drafter):
         if link.ring is not None:
             link.ring.publish()
         ids = [e.request_id for e in batch.entries]
-        failed_feeds = self.entries.feed_failed
         link.feed(step_id, epoch, batch, release, ids,
-                  lambda failed: failed_feeds.update(ids if failed is None else failed))
+                  lambda failed: self._feed_done(ids, failed))
+
+    def _feed_done(self, ids: list[str], failed: dict[str, str] | None) -> None:
+        self.entries.feed_failed.update(ids if failed is None else failed)
+        if failed:
+            self._check_ring(failed.values())
+
+    def _check_ring(self, errors) -> None:
+        """The drafter no longer holds our context ring (it dropped it, or it is a new drafter
+        process behind the same stream): attach again, once per stream epoch. Requests whose
+        rows only the ring had decode plainly; new ones speculate again."""
+        stream = self.stream
+        if self._ring_reattached == stream.epoch or stream.loop is None or \
+                not any(RING_UNKNOWN in e for e in errors):
+            return
+        self._ring_reattached = stream.epoch
+        log.warning("the drafter does not hold our context ring: attaching again")
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            stream.loop.call_soon_threadsafe(stream.restart, "lost our context ring")
 
     def release(self, request_id: str) -> None:
         """Forget the request here and (fire-and-forget) on the drafter."""

@@ -27,12 +27,13 @@ from services.verifier import convert
 from services.verifier.drafter_stream import DrafterStream, DrafterTimeout, DrafterUnavailable
 
 FEED_DEADLINE = 10  # a prefill feed's deadline, in draft deadlines (timeout_s)
-# on_done(failed request ids, or None when the whole feed failed)
-FeedDone = Callable[[list[str] | None], None]
+# on_done({failed request id: the drafter's error}, or None when the whole feed failed)
+FeedDone = Callable[[dict[str, str] | None], None]
 
 
-def _failed_ids(reply) -> list[str]:
-    return [rid for rid, tree in convert.trees_from_pb(reply).items() if isinstance(tree, str)]
+def _failed_ids(reply) -> dict[str, str]:
+    return {rid: tree for rid, tree in convert.trees_from_pb(reply).items()
+            if isinstance(tree, str)}
 
 
 class GrpcLink:

@@ -146,3 +146,45 @@ async def test_overlapped_groups_equal_the_engine(stack, prompts, reference):
         assert ids == ref_ids
         assert steps == ref_steps
     assert stats.drafter_transport == "lane+ring"
+
+
+@aio
+async def test_a_verifier_whose_ring_the_drafter_dropped_attaches_again(stack, prompts, device,
+                                                                         reference):
+    """More verifiers attach than the drafter keeps rings for (MAX_RINGS) while this one is
+    idle: its ring is the least recently read and is dropped. Its next request is told so
+    (RING_UNKNOWN), the verifier attaches again, and the request after that speculates exactly
+    as in process."""
+    import torch
+
+    from services.common.ring import ContextRing
+    from services.drafter.attach import MAX_RINGS
+    from services.verifier import convert as vconvert
+    from specserve.v1 import drafter_pb2_grpc
+
+    if device != "cpu":
+        pytest.skip("the rings attached here are shared-memory (CPU) rings")
+    others = [ContextRing(8, 4, torch.float32, "cpu") for _ in range(MAX_RINGS + 1)]
+    try:
+        async with channel(stack.addr("drafter")) as ch:
+            stub = drafter_pb2_grpc.DrafterStub(ch)
+            for ring in others:
+                reply = await stub.Attach(vconvert.attach_to_pb(ring.info), timeout=30)
+                assert reply.ring_attached
+        async with channel(stack.addr("shared")) as ch:
+            stub = verifier_pb2_grpc.VerifierStub(ch)
+            req = verifier_pb2.VerifyRequest(
+                request_id="after-drop-0", prompt_ids=prompts[0],
+                sampling=common_pb2.SamplingParams(max_tokens=NEW, ignore_eos=True),
+                spec=common_pb2.SpecOptions(drafter=common_pb2.DRAFTER_KIND_DFLASH,
+                                            budget=BUDGET))
+            first = [e async for e in stub.Generate(req, timeout=120)]
+            assert [t for e in first for t in e.token_ids] == reference[0][0]  # still exact
+            fallbacks = {e.fallback.split(":")[0] for e in first if e.fallback}
+            assert fallbacks and fallbacks <= {"drafter_context_lost", "drafter_entry_error"}
+        got, stats = await _served(stack.addr("shared"), prompts[:1], "after-drop")
+    finally:
+        for ring in others:
+            ring.close()
+    assert got == reference[:1]  # tokens and every step's acceptance, as in process
+    assert stats.drafter_transport == "lane+ring"

@@ -245,3 +245,34 @@ async def test_https_with_the_grpc_ports_certificate(model_dir, tmp_path):  # no
                 await _call(port, "/health", method="GET")
     finally:
         await server.stop(0)
+
+
+@pytest.mark.asyncio
+async def test_completed_requests_are_counted_ok(model_dir, tmp_path):  # noqa: F811
+    """The HTTP front stops reading at the final (streamed or not): still OK, not CANCELLED."""
+    import re
+    import urllib.request
+
+    from tests.services.test_gateway_service import FakeVerifier
+
+    metrics_port = free_port()
+    server, gateway, port_file = await _gateway(tmp_path, model_dir, FakeVerifier(),
+                                                metrics_port=metrics_port)
+    try:
+        async with gateway:
+            port = int(port_file.read_text())
+            for stream in (False, True, True):
+                got, _, raw = await _call(port, "/v1/completions", {**BODY, "stream": stream})
+                assert got == 200, raw
+            deadline = time.monotonic() + 5
+            while True:
+                page = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                              timeout=5).read().decode()
+                counts = dict(re.findall(r'^specserve_gateway_requests_total\{api="openai",'
+                                         r'code="(\w+)"\} (\S+)$', page, re.M))
+                if sum(map(float, counts.values())) >= 3 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            assert counts == {"OK": "3.0"}
+    finally:
+        await server.stop(0)
