@@ -71,6 +71,7 @@ class StepLoop:
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the engine thread; outputs are delivered on `loop` (default: the running one)."""
         self._loop = loop or asyncio.get_running_loop()
+        self._update_gauges()  # the pool's pages from the start, not from the first step
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self._thread.start()
 

@@ -71,10 +71,12 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
-        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+        # those the next step starts (free running slots) are not waiting: a burst between two
+        # steps is refused only past running slots + max_waiting
+        queued = len(self.waiting) - max(self.max_num_seqs - len(self.running), 0)
+        if self.max_waiting is not None and queued >= self.max_waiting:
             raise CapacityExhausted(
-                f"the queue is full: {len(self.waiting)} requests are waiting (max_waiting); "
-                "retry later")
+                f"the queue is full: {queued} requests are waiting (max_waiting); retry later")
         self.waiting.append(seq)
 
     def _admit(self) -> None:

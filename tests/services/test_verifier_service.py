@@ -136,6 +136,21 @@ async def test_bad_requests_are_invalid_argument(plain, expected, prompt, sampli
 
 
 @aio
+async def test_the_page_gauges_hold_the_pool_before_the_first_request(target):
+    server, port = await serve(_config(target))
+    try:
+        async with channel(f"127.0.0.1:{port}") as ch:
+            stats = await verifier_pb2_grpc.VerifierStub(ch).Stats(verifier_pb2.StatsRequest(),
+                                                                   timeout=RPC_S)
+        value = server.metrics.registry.get_sample_value
+        assert stats.kv_pages_free == stats.kv_pages_total > 0
+        assert value("specserve_kv_pages_free") == stats.kv_pages_free  # was 0 until a step
+        assert value("specserve_kv_pages_used") == 0
+    finally:
+        await server.stop(0)
+
+
+@aio
 async def test_request_larger_than_the_pool_is_invalid_argument(plain):
     """It can never run here: RESOURCE_EXHAUSTED (HTTP 429) would tell the client to retry."""
     stats = await plain.stub.Stats(verifier_pb2.StatsRequest(), timeout=RPC_S)

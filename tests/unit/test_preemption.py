@@ -17,11 +17,11 @@ from tests.helpers import AheadDrafter, random_prompts
 PAGE = 8
 
 
-def _engine(path, num_pages: int, max_waiting: int | None = None, drafter=NgramDrafter
-            ) -> Engine:
+def _engine(path, num_pages: int, max_waiting: int | None = None, drafter=NgramDrafter,
+            max_num_seqs: int = 64) -> Engine:
     engine = Engine(EngineConfig(str(path), page_size=PAGE, num_pages=num_pages,
                                  max_draft_tokens=8, max_num_batched_tokens=48,
-                                 max_waiting=max_waiting))
+                                 max_waiting=max_waiting, max_num_seqs=max_num_seqs))
     engine.set_drafter(drafter())
     return engine
 
@@ -76,16 +76,23 @@ def test_a_pool_sized_request_does_not_starve_the_rest(checkpoint_cache, drafter
 
 
 def test_the_waiting_queue_is_bounded(checkpoint_cache):
+    """max_num_seqs 2, max_waiting 2: four requests arriving between two steps are taken (the
+    next step starts two of them), the fifth is refused until one of them finishes."""
     path, hf = checkpoint_cache("qwen3-gqa4-yarn")
-    engine = _engine(path, num_pages=64, max_waiting=2)
-    prompts = random_prompts(4, hf.config.vocab_size, [7, 12, 5, 9], seed=2)
+    engine = _engine(path, num_pages=64, max_waiting=2, max_num_seqs=2)
+    prompts = random_prompts(6, hf.config.vocab_size, [7, 12, 5, 9, 6, 8], seed=2)
     params = SamplingParams(max_tokens=5, ignore_eos=True)
-    engine.add_request("a", prompts[0], params)
-    engine.add_request("b", prompts[1], params)
+    for i in range(4):
+        engine.add_request(f"r{i}", prompts[i], params)
     with pytest.raises(CapacityExhausted, match="queue is full: 2 requests are waiting"):
-        engine.add_request("c", prompts[2], params)
-    assert "c" not in engine.requests
-    engine.step()  # a and b are admitted: the queue has room again
-    engine.add_request("c", prompts[2], params)
+        engine.add_request("r4", prompts[4], params)
+    assert "r4" not in engine.requests
+    engine.step()  # two are admitted, two wait: still full
+    with pytest.raises(CapacityExhausted, match="queue is full: 2 requests are waiting"):
+        engine.add_request("r4", prompts[4], params)
+    while len(engine.scheduler.waiting) == 2:
+        engine.step()
+    engine.add_request("r4", prompts[4], params)  # one started: room again
     while engine.has_unfinished:
         engine.step()
+    assert engine.blocks.num_used_pages == engine.blocks.num_reserved_pages == 0
