@@ -11,7 +11,8 @@ their status code and message, but UNAVAILABLE's (it can name the verifier's add
 the log and the client reads "verifier unavailable". Cancelling the consumer (a gRPC client's
 cancel, an HTTP client's disconnect) cancels the verifier call. `abort_all` (the gateway's
 shutdown once its grace is over) cancels every verifier call in flight, and those generations
-fail with UNAVAILABLE and its message. A call whose deadline passed is counted as
+fail with UNAVAILABLE and its message. A call whose deadline passed (or was cancelled less
+than DEADLINE_SLACK_S before it: the client's own deadline) is counted as
 DEADLINE_EXCEEDED in `specserve_gateway_requests_total`.
 
 Each request is one `generate` span (SERVER; a child of the caller's span if it sent a W3C
@@ -46,6 +47,7 @@ from specserve.types import FinishReason
 
 log = logging.getLogger("specserve.gateway")
 STOP_FLAGS = ("--max-stop-strings", "--max-stop-bytes")  # what sets StopLimits
+DEADLINE_SLACK_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,10 @@ class Pipeline:
         finally:
             if replica is not None:
                 self.replicas.release(replica)
-            if code is grpc.StatusCode.CANCELLED and time.monotonic() >= deadline:
+            # the client's own deadline fires a transit time before ours (ours counts from
+            # arrival): a cancel that close to it is the deadline
+            late = time.monotonic() >= deadline - DEADLINE_SLACK_S
+            if code is grpc.StatusCode.CANCELLED and late:
                 code = grpc.StatusCode.DEADLINE_EXCEEDED
             self._finish(span, code, state, time.perf_counter() - t0, api)
 
