@@ -15,11 +15,10 @@ import re
 import sys
 from pathlib import Path
 
+# the wire's ranges, as SamplingParams checks them (a test checks each against the messages)
+from specserve.types import FLOAT32_MAX, INT32_MAX, INT64_MAX, UINT64_MAX  # noqa: F401
+
 MAX_BUDGET = 1024  # = specserve.spec.tree.MAX_BUDGET (a test keeps them equal; tree.py is numpy)
-# the wire's ranges (proto/specserve/v1/common.proto's int32, int64, uint64 and float fields; a
-# test checks each against the messages)
-INT32_MAX, INT64_MAX, UINT64_MAX = 2**31 - 1, 2**63 - 1, 2**64 - 1
-FLOAT32_MAX = 3.4028234663852886e38
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
@@ -79,13 +78,6 @@ def budget(value: str) -> int:
     n = _int(value)
     if not 0 <= n <= MAX_BUDGET:
         raise argparse.ArgumentTypeError(f"must be in [0, {MAX_BUDGET}], got {n}")
-    return n
-
-
-def positive_int(value: str) -> int:
-    n = _int(value)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
     return n
 
 
