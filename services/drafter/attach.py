@@ -12,10 +12,8 @@ attach, and at most `MAX_RINGS` are kept, the least recently used dropped first;
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -38,7 +36,6 @@ class Attachments:
         self.runner, self._core, self.lane_path = runner, core, lane_path
         self.max_message_bytes = 0  # what the drafter's server takes (0: unknown)
         self._tokens: OrderedDict[bytes, None] = OrderedDict()
-        self._paths: dict[int, str] = {}  # a CPU ring's shared file, by generation
         self._lock = threading.Lock()
         self._server: lane.LaneServer | None = None
 
@@ -58,25 +55,11 @@ class Attachments:
         return convert.attach_reply_to_pb(attached, error, *self._lane(), self.max_message_bytes)
 
     def _keep(self, info, view) -> None:
-        """Hold a ring; drop those whose shared file is gone (their verifier exited), then the
-        least recently used past MAX_RINGS (a verifier whose ring is dropped while it lives is
-        told so by its next entry and attaches again)."""
+        """Hold a ring (a verifier whose ring is dropped while it lives is told so by its next
+        entry and attaches again)."""
         with self._lock:  # attaches run on gRPC's threads
-            self._keep_locked(info, view)
-
-    def _keep_locked(self, info, view) -> None:
-        rings = self.runner.rings
-        rings[info.generation], rings.used[info.generation] = view, time.monotonic()
-        if info.shm_path is not None:
-            self._paths[info.generation] = info.shm_path
-        gone = [g for g, path in self._paths.items() if not os.path.exists(path)]
-        while len(rings) - len(gone) > MAX_RINGS:
-            gone.append(min((g for g in rings if g not in gone),
-                            key=lambda g: rings.used.get(g, 0.0)))
+            gone = self.runner.rings.hold(info.generation, view, info.shm_path, MAX_RINGS)
         for gen in gone:
-            rings.pop(gen, None)
-            rings.used.pop(gen, None)
-            self._paths.pop(gen, None)
             log.info("context ring %d dropped", gen)
 
     def _lane(self) -> tuple[str | None, bytes]:

@@ -9,11 +9,13 @@ or read in place from an attached ring; an entry that fails to decode fails alon
 drafts, the trees go back under the batch's step id, and each traced entry gets its
 `draft.forward` / `ddtree.build` (or `ngram.draft`) spans, timed by the batch's measurements.
 Runs in whatever thread calls it (a worker thread for the stream, the lane's own thread).
+`Rings` holds the attached rings and which to drop (attach.py fills it).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -36,18 +38,36 @@ def error_text(error: BaseException) -> str:
 
 
 class Rings(dict):
-    """Mapped context rings by generation (`[rows, width]` views) and when each was last read
-    or attached (`used`, monotonic seconds): the least recently used is evicted first."""
+    """Mapped context rings by generation (`[rows, width]` views), when each was last read or
+    attached (`used`, monotonic seconds) and a CPU ring's shared file (`paths`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.used: dict[int, float] = {}
+        self.paths: dict[int, str] = {}
 
     def read(self, generation: int) -> torch.Tensor | None:
         ring = self.get(generation)
         if ring is not None:
             self.used[generation] = time.monotonic()
         return ring
+
+    def hold(self, generation: int, view: torch.Tensor, path: str | None,
+             most: int) -> list[int]:
+        """Hold a ring; drop those whose shared file is gone (their verifier exited), then the
+        least recently used past `most`. Returns the generations dropped."""
+        self[generation], self.used[generation] = view, time.monotonic()
+        if path is not None:
+            self.paths[generation] = path
+        gone = [g for g, p in self.paths.items() if not os.path.exists(p)]
+        while len(self) - len(gone) > most:
+            gone.append(min((g for g in self if g not in gone),
+                            key=lambda g: self.used.get(g, 0.0)))
+        for gen in gone:
+            self.pop(gen, None)
+            self.used.pop(gen, None)
+            self.paths.pop(gen, None)
+        return gone
 
 
 class BatchRunner:
