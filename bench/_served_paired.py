@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 
-from _served_run import Services, in_process, served, summary
+from _served_run import Services, in_process, served, steady_steps, summary
 
 
 def paired(engine, svc: Services, cases, new_tokens: int, budget: int, rounds: int,
@@ -42,15 +42,10 @@ def _one(path: str, engine, svc: Services, prompts, new_tokens: int, budget: int
     return served(svc.addr("gateway"), prompts, new_tokens, budget)
 
 
-def _steps(timings) -> list[float]:
-    return [(b[0] - a[0]) * 1e3 for t in timings
-            for a, b in zip(t.arrivals[1:], t.arrivals[2:], strict=False)]
-
-
 def _row(case: str, ctx: int, got: dict, rounds: int) -> dict:
     p50 = {path: [summary(t)["steady_p50_ms"] for t in runs] for path, runs in got.items()}
     ratios = [s / i for s, i in zip(p50["served"], p50["in-process"], strict=True)]
-    pooled = {path: statistics.median(ms for t in runs for ms in _steps(t))
+    pooled = {path: statistics.median(ms for t in runs for ms in steady_steps(t))
               for path, runs in got.items()}
     return dict(case=case, ctx=ctx, rounds=rounds,
                 in_process_p50_ms=[round(x, 3) for x in p50["in-process"]],

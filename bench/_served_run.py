@@ -41,8 +41,7 @@ def summary(timings: list[Timing]) -> dict:
     tok/s = decode tokens of all requests / the decode wall time."""
     ttft = [(t.arrivals[0][0] - t.sent) * 1e3 for t in timings if t.arrivals]
     first = [(t.arrivals[1][0] - t.arrivals[0][0]) * 1e3 for t in timings if len(t.arrivals) > 2]
-    steady = [(b[0] - a[0]) * 1e3 for t in timings
-              for a, b in zip(t.arrivals[1:], t.arrivals[2:], strict=False)]
+    steady = steady_steps(timings)
     tokens = sum(n for t in timings for _, n in t.arrivals[1:])
     firsts = [t.arrivals[0][0] for t in timings if t.arrivals]
     lasts = [t.arrivals[-1][0] for t in timings if t.arrivals]
@@ -60,6 +59,12 @@ def summary(timings: list[Timing]) -> dict:
                 tok_s=tokens / (end - start) if end > start else float("nan"),
                 steps=len(steady) + len(first), requests=len(timings),
                 phases_per_step=per_step)
+
+
+def steady_steps(timings: list[Timing]) -> list[float]:
+    """Every request's steps after its first one (ms between its arrivals from the second on)."""
+    return [(b[0] - a[0]) * 1e3 for t in timings
+            for a, b in zip(t.arrivals[1:], t.arrivals[2:], strict=False)]
 
 
 def interference(timings: list[Timing], late: int) -> dict:
