@@ -101,8 +101,8 @@ def _compiled(source: str):
 
 
 def normalize_messages(messages) -> list[dict]:
-    """OpenAI chat messages → [{"role", "content": str}, ...] (text parts joined). Raises
-    InvalidRequest for anything else."""
+    """OpenAI chat messages → [{"role", "content": str}, ...] (text parts joined by newlines,
+    as vLLM does). Raises InvalidRequest for anything else."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list")
     out = []
@@ -115,7 +115,7 @@ def normalize_messages(messages) -> list[dict]:
             if not all(isinstance(p, dict) and p.get("type") == "text"
                        and isinstance(p.get("text"), str) for p in content):
                 raise InvalidRequest(f"messages[{i}].content: only text parts are supported")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)
         if content is None and m["role"] == "assistant":
             content = ""
         if not isinstance(content, str):

@@ -1,4 +1,8 @@
-"""The core's error hierarchy → gRPC status codes. Each servicer maps through `status_for`."""
+"""The core's error hierarchy → gRPC status codes. Each servicer maps through `status_for`.
+
+DEADLINE_SLACK_S: a call cancelled this close to its deadline counts as DEADLINE_EXCEEDED (the
+caller's own deadline fires a transit time before the server's, which counts from arrival).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from specserve.errors import (
     RequestAborted,
     SpecServeError,
 )
+
+DEADLINE_SLACK_S = 0.05
 
 STATUS_FOR: dict[type[SpecServeError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,

@@ -11,23 +11,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.telemetry import SECONDS_BUCKETS
+from specserve.spec.metrics import FALLBACK_KINDS, fallback_kind
+
+__all__ = ["FALLBACK_KINDS", "fallback_kind", "VerifierMetrics", "DrafterMetrics",
+           "GatewayMetrics"]
 
 COMMIT_LEN_BUCKETS = tuple(range(1, 18))  # commit_len 1..17 (budget 16: 16 accepted + bonus)
-
-
-FALLBACK_KINDS = ("drafter_timeout", "drafter_unavailable", "drafter_error",
-                  "drafter_entry_error", "drafter_context_lost", "invalid_tree", "other")
-_ERROR_KINDS = {"DrafterTimeout": "drafter_timeout", "DrafterUnavailable": "drafter_unavailable"}
-
-
-def fallback_kind(reason: str) -> str:
-    """A fallback reason's kind, one of FALLBACK_KINDS (a label value and the server-wide
-    counter's key: no request ids, counts or messages): "drafter_error: DrafterTimeout: no
-    reply…" → "drafter_timeout"; "invalid_tree: too deep" → "invalid_tree"."""
-    parts = [p.strip() for p in reason.split(":")]
-    if parts[0] == "drafter_error" and len(parts) > 1 and parts[1] in _ERROR_KINDS:
-        return _ERROR_KINDS[parts[1]]
-    return parts[0] if parts[0] in FALLBACK_KINDS else "other"
 
 
 class VerifierMetrics:
@@ -66,6 +55,9 @@ class VerifierMetrics:
                                    "pool ran out (recomputed later)", registry=r)
         self.running = Gauge("specserve_running_requests", "Requests in the engine",
                              registry=r)
+        self.waiting = Gauge("specserve_waiting_requests", "Requests in the engine waiting "
+                             "for a running slot or KV pages (part of running_requests)",
+                             registry=r)
         self.fallbacks = Counter("specserve_drafter_fallbacks", "Steps verified as a root-only "
                                  "tree, by reason", ["reason"], registry=r)
         self.shapes = Counter("specserve_adaptive_choices", "Steps by adaptive speculation's "
@@ -100,7 +92,7 @@ class VerifierMetrics:
         self.fallbacks.labels(reason=fallback_kind(reason)).inc()
 
     def set_pages(self, used: int, free: int, running: int, reserved: int = 0,
-                  preempted: int = 0) -> None:
+                  preempted: int = 0, waiting: int = 0) -> None:
         """Gauges now; `preempted`: the total so far (the counter catches up to it)."""
         self.kv_pages_used.set(used)
         self.kv_pages_free.set(free)
@@ -108,6 +100,7 @@ class VerifierMetrics:
         if preempted > self.preemptions._value.get():
             self.preemptions.inc(preempted - self.preemptions._value.get())
         self.running.set(running)
+        self.waiting.set(waiting)
 
 
 class GatewayMetrics:

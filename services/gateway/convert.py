@@ -40,6 +40,7 @@ class GatewayRequest:
     params: SamplingParams
     drafter: str | None  # None = the verifier's default
     budget: int | None  # None = the verifier's default
+    keep_special_tokens: bool = False  # text shows special tokens (EOS …); default: left out
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def request_from_pb(msg: gateway_pb2.GenerateRequest, defaults=None) -> GatewayR
         sampling_from_pb(common_pb2.SamplingParams(max_tokens=SamplingParams().max_tokens),
                          defaults)
     return GatewayRequest(msg.request_id or uuid.uuid4().hex, text, ids, params,
-                          DRAFTER_NAMES[msg.spec.drafter], budget)
+                          DRAFTER_NAMES[msg.spec.drafter], budget, msg.keep_special_tokens)
 
 
 def checked_budget(budget: int | None) -> int | None:

@@ -6,15 +6,16 @@ chunks, then `data: [DONE]`), `GET /v1/models`, `GET /health` (200 while the gat
 health is SERVING, i.e. while the verifier serves; 503 otherwise). With a token configured,
 `/v1/*` needs `Authorization: Bearer TOKEN` (401 otherwise); `/health` stays open.
 
-Errors before the first token answer with their HTTP status (400 invalid, 404 another model,
-413 a body over the limit, 429 the verifier's queue is full, 503 the verifier is unavailable,
-504 the deadline passed); an error once the stream has started is one `data: {"error": …}`
-event before `[DONE]`. A client that disconnects — while sending its body (logged, not an
-error), while waiting, mid-stream, or before a whole response — cancels the request: the
-verifier call ends and the request's pages are freed. At shutdown, once the grace is over
-(`grace_over`, called by services/gateway/http_server.py), the generations still running end
-with 503 "the gateway is shutting down" (a stream: its error event, then `[DONE]`). When spans
-are exported the response carries the trace id in the `x-specserve-trace-id` header.
+Errors are OpenAI error objects (an unknown route's 404 / 405 too). Before the first token they
+answer with their HTTP status (400 invalid, 404 another model, 413 a body over the limit, 429
+the verifier's queue is full, 503 the verifier is unavailable, 504 the deadline passed); an
+error once the stream has started is one `data: {"error": …}` event before `[DONE]`. A client
+that disconnects — while sending its body (logged, not an error), while waiting, mid-stream, or
+before a whole response — cancels the request: the verifier call ends and the request's pages
+are freed. At shutdown, once the grace is over (`grace_over`, called by
+services/gateway/http_server.py), the generations still running end with 503 "the gateway is
+shutting down" (a stream: its error event, then `[DONE]`). When spans are exported the
+response carries the trace id in the `x-specserve-trace-id` header.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import hmac
 import json
 import logging
 
+from opentelemetry.trace import Status, StatusCode
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -33,7 +36,9 @@ from starlette.routing import Route
 from services.common import telemetry
 from services.gateway import openai_responses as out
 from services.gateway.convert import TRACE_ID_KEY, GatewayFinal
-from services.gateway.openai_api import ApiError, ApiRequest, loads, parse
+from services.gateway.openai_api import ApiRequest, parse
+from services.gateway.openai_errors import ApiError
+from services.gateway.openai_fields import loads
 from services.gateway.pipeline import GenerationFailed, Pipeline, TextChunk
 
 API = "openai"  # the `api` label of specserve_gateway_requests_total
@@ -59,7 +64,7 @@ class OpenAIFront:
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
-        ])
+        ], exception_handlers={404: _no_route, 405: _no_route})
         app.state.grace_over = self.grace_over
         return app
 
@@ -89,28 +94,30 @@ class OpenAIFront:
         return _error(ApiError(401, "missing or wrong bearer token (Authorization: Bearer …)",
                                "authentication_error", code="invalid_api_key"))
 
-    async def _parse(self, request: Request, chat: bool) -> ApiRequest | JSONResponse:
-        """The request, or the answer to a body that is refused or was not sent whole."""
+    async def _parse(self, request: Request, chat: bool) -> ApiRequest | ApiError:
+        """The request, or the error for a body that is refused or was not sent whole."""
         try:
             body = await _read_json(request, self.max_body_bytes)
             return parse(body, chat, self.model, self.template, self.pipeline.defaults)
         except ApiError as e:
             self._count("NOT_FOUND" if e.status == 404 else "INVALID_ARGUMENT")
-            return _error(e)
+            return e
         except ClientDisconnect:  # nobody reads the answer; not the gateway's error
             log.info("%s: the client disconnected while sending its request", request.url.path)
             self._count("CANCELLED")
-            return _error(ApiError(499, "client disconnected", "cancelled"))
+            return ApiError(499, "client disconnected", "cancelled")
 
     async def _generate(self, request: Request, chat: bool):
         if (denied := self._denied(request)) is not None:
             self._count("UNAUTHENTICATED")
             return denied
-        if not isinstance(api := await self._parse(request, chat), ApiRequest):
-            return api
         span = self.pipeline.start_span(request.headers.items())
         trace_id = telemetry.trace_id_of(span) if telemetry.exporting() else None
         headers = {TRACE_ID_KEY: trace_id} if trace_id else {}
+        if isinstance(api := await self._parse(request, chat), ApiError):  # refused: traced too
+            span.set_status(Status(StatusCode.ERROR, f"HTTP {api.status}: {api.message[:300]}"))
+            span.end()
+            return _error(api, headers)
         events = self.pipeline.run(lambda: api.request, span, None, API)
         try:  # the first event, or the error that came instead: answered with its status
             first = await _unless_disconnect(request, anext(events))
@@ -167,6 +174,13 @@ def _data(obj: dict) -> str:
 
 def _error(e: ApiError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(e.body(), e.status, headers=headers)
+
+
+async def _no_route(request: Request, exc: HTTPException) -> JSONResponse:
+    """An unknown path or method: an OpenAI error object, as every other error."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return _error(ApiError(exc.status_code, f"{request.method} {request.url.path[:200]}: "
+                           f"{exc.detail}", kind), exc.headers)
 
 
 def _failed(e: Exception, headers: dict, api: ApiRequest) -> JSONResponse:

@@ -3,10 +3,12 @@ HTTP API): validate, tokenize, call the verifier, relay its steps as text, finis
 the metrics.
 
 The gateway owns what needs text: tokenizing the prompt, incremental detokenization and stop
-strings (a completed stop string cancels the verifier stream, which frees the request there; a
-stop list over `StopLimits` is refused before the verifier is called). Each request goes to
-the least-loaded healthy verifier replica (services/gateway/replicas.py; its address is the
-span's `verifier` attribute and the final's `verifier`). Verifier errors keep
+strings (a completed stop string ends the text, and usage, at the token that completed it; the
+verifier is told to `Stop` the request, which frees it there and counts it finished, then the
+call is cancelled; a stop list over `StopLimits` is refused before the verifier is called; the
+per-request state is services/gateway/request_state.py). Each request goes to the least-loaded
+healthy verifier replica (services/gateway/replicas.py; its address is the span's `verifier`
+attribute and the final's `verifier`). Verifier errors keep
 their status code and message, but UNAVAILABLE's (it can name the verifier's address) goes to
 the log and the client reads "verifier unavailable". Cancelling the consumer (a gRPC client's
 cancel, an HTTP client's disconnect) cancels the verifier call. `abort_all` (the gateway's
@@ -35,19 +37,20 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.common import telemetry
 from services.common.convert import MAX_STOP_BYTES, MAX_STOP_STRINGS, check_stop
-from services.common.errors import status_for
+from services.common.errors import DEADLINE_SLACK_S, status_for
 from services.gateway import convert
-from services.gateway.convert import GatewayFinal, GatewayRequest, Step, VerifierFinal
+from services.gateway.convert import GatewayFinal, GatewayRequest, Step
 from services.gateway.prompt_encoder import PromptEncoder
 from services.gateway.replicas import Replica, Replicas
+from services.gateway.request_state import RequestState
 from specserve.errors import InvalidRequest, SpecServeError
-from specserve.spec.metrics import RequestSpecStats
-from specserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from specserve.tokenizer import Tokenizer
 from specserve.types import FinishReason
+from specserve.v1 import verifier_pb2
 
 log = logging.getLogger("specserve.gateway")
 STOP_FLAGS = ("--max-stop-strings", "--max-stop-bytes")  # what sets StopLimits
-DEADLINE_SLACK_S = 0.05
+STOP_TIMEOUT_S = 1.0  # the verifier's Stop reply; past it the call is cancelled anyway
 
 
 @dataclass(frozen=True)
@@ -72,50 +75,6 @@ class GenerationFailed(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code, self.message = code, message
-
-
-class _RequestState:
-    """Per-request detokenizer, stop-string matcher and the stats seen so far."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], req: GatewayRequest) -> None:
-        self.req, self.prompt_ids = req, prompt_ids
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-        self.stopper = StopStringMatcher(req.params.stop) if req.params.stop else None
-        self.stats = RequestSpecStats()
-        self.completion_tokens = 0
-        self.t0 = time.perf_counter()
-        self.ttft_s = 0.0
-        self.final_: GatewayFinal | None = None  # what the client was sent last
-        self.verifier = ""  # the replica serving it
-
-    def push(self, step: Step) -> tuple[str, bool]:
-        """Text for a step's tokens (cut at a stop string) and whether a stop string completed."""
-        if not self.ttft_s:
-            self.ttft_s = time.perf_counter() - self.t0
-        if self.completion_tokens:  # the first event is prefill's sampled token, not a step
-            self.stats.record(step)  # the verifier's own stats replace these when it finishes
-        self.completion_tokens += len(step.token_ids)
-        return self._stop(self.detok.push(step.token_ids))
-
-    def tail(self) -> tuple[str, bool]:
-        """Held-back text at the end of generation."""
-        text, stopped = self._stop(self.detok.flush())
-        if self.stopper is not None and not stopped:
-            text += self.stopper.flush()
-        return text, stopped
-
-    def _stop(self, delta: str) -> tuple[str, bool]:
-        return (delta, False) if self.stopper is None else self.stopper.feed(delta)
-
-    def final(self, reason: FinishReason | None, v: VerifierFinal | None) -> GatewayFinal:
-        """The verifier's usage and stats when it finished the request, ours when we cut it."""
-        wall = time.perf_counter() - self.t0
-        stats, prompt, completion = (self.stats, len(self.prompt_ids), self.completion_tokens) \
-            if v is None else (v.stats, v.prompt_tokens, v.completion_tokens)
-        phases = stats.prefill_s + stats.draft_s + stats.verify_s + stats.commit_s
-        self.final_ = GatewayFinal(reason, prompt, completion, stats, max(0.0, wall - phases),
-                                   self.req.request_id, self.ttft_s, wall, self.verifier)
-        return self.final_
 
 
 class Pipeline:
@@ -157,6 +116,7 @@ class Pipeline:
         Raises GenerationFailed; `timeout_s` None: the default deadline. `on_done` (gRPC's
         `context.add_done_callback`) also cancels the verifier call when the caller's call ends."""
         t0, code, state, replica = time.perf_counter(), grpc.StatusCode.CANCELLED, None, None
+        detail = ""  # the client's error message
         deadline = time.monotonic() + (timeout_s or self.default_timeout_s)
         try:
             try:
@@ -164,9 +124,9 @@ class Pipeline:
                 prompt_ids = await self._admit(req, span)
                 replica = self._pick(span)
             except SpecServeError as e:
-                code = status_for(e)
-                raise GenerationFailed(code, str(e)) from None
-            state = _RequestState(self.tokenizer, prompt_ids, req)
+                code, detail = status_for(e), str(e)
+                raise GenerationFailed(code, detail) from None
+            state = RequestState(self.tokenizer, prompt_ids, req)
             state.verifier = replica.address
             call = self._call(replica, req, prompt_ids, deadline, span)
             if on_done is not None:
@@ -179,11 +139,10 @@ class Pipeline:
             except (grpc.aio.AioRpcError, SpecServeError, asyncio.CancelledError) as e:
                 if (failed := self._failed(e, req, replica)) is None:
                     raise
-                code = failed.code
+                code, detail = failed.code, failed.message
                 raise failed from None
             finally:
-                call.cancel()
-                self._calls.discard(call)
+                await self._end_call(call, replica, req, state)
             code = grpc.StatusCode.OK
         finally:
             if replica is not None:
@@ -193,7 +152,7 @@ class Pipeline:
             late = time.monotonic() >= deadline - DEADLINE_SLACK_S
             if code is grpc.StatusCode.CANCELLED and late:
                 code = grpc.StatusCode.DEADLINE_EXCEEDED
-            self._finish(span, code, state, time.perf_counter() - t0, api)
+            self._finish(span, code, state, time.perf_counter() - t0, api, detail)
 
     async def _admit(self, req: GatewayRequest, span) -> list[int]:
         """The validated request's prompt ids (raises InvalidRequest)."""
@@ -206,14 +165,14 @@ class Pipeline:
                              "drafter": req.drafter or "default"})
         return prompt_ids
 
-    async def _relay(self, call, state: _RequestState):
+    async def _relay(self, call, state: RequestState):
         async for event in call:
             step, final = convert.event_from_pb(event)
             if step is not None:
-                text, stopped = state.push(step)
+                text, step, stopped = state.push(step)
                 yield TextChunk(text, step)
-                if stopped:
-                    call.cancel()  # the verifier frees the request's pages
+                if stopped:  # the call is stopped at the verifier, then cancelled (run)
+                    state.cut = True
                     yield state.final(FinishReason.STOP, None)
                     return
             if final is not None:
@@ -243,6 +202,20 @@ class Pipeline:
         if self._aborting is not None:
             call.cancel()
         return call
+
+    async def _end_call(self, call, replica: Replica, req: GatewayRequest,
+                        state: RequestState) -> None:
+        """Cancel the verifier call; one cut at a stop string is first stopped there, so the
+        verifier frees the request at once and counts it finished, not cancelled."""
+        try:
+            if state.cut and not call.done() and self._aborting is None:
+                await replica.stub.Stop(verifier_pb2.StopRequest(request_id=req.request_id),
+                                        timeout=STOP_TIMEOUT_S, metadata=self._peer_metadata)
+        except grpc.aio.AioRpcError as e:  # a verifier without Stop, or going down
+            log.debug("request %s: Stop: %s", req.request_id, e.code().name)
+        finally:
+            call.cancel()
+            self._calls.discard(call)
 
     def _failed(self, e: BaseException, req: GatewayRequest,
                 replica: Replica) -> GenerationFailed | None:
@@ -277,8 +250,8 @@ class Pipeline:
             raise InvalidRequest("prompt text encodes to no tokens")
         return ids
 
-    def _finish(self, span, code: grpc.StatusCode, state: _RequestState | None, wall_s: float,
-                api: str) -> None:
+    def _finish(self, span, code: grpc.StatusCode, state: RequestState | None, wall_s: float,
+                api: str, detail: str = "") -> None:
         final = state.final_ if state is not None else None
         if final is not None and span.is_recording():
             span.set_attributes({
@@ -286,7 +259,8 @@ class Pipeline:
                 "finish_reason": str(final.finish_reason), "steps": final.stats.steps,
                 "mean_commit_len": final.stats.mean_commit_len})
         if code is not grpc.StatusCode.OK:
-            span.set_status(Status(StatusCode.ERROR, code.name))
+            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {detail[:300]}"
+                                   if detail else code.name))
         span.end()
         if self.metrics is None:
             return

@@ -21,6 +21,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         span = self.pipeline.start_span(context.invocation_metadata())
+        if request.request_id:  # named even if the request is refused
+            span.set_attribute("request.id", request.request_id[:200])
         trace_id = telemetry.trace_id_of(span) if telemetry.exporting() else None
         if trace_id is not None:  # the client can print where the request's trace is
             await context.send_initial_metadata(((convert.TRACE_ID_KEY, trace_id),))

@@ -247,10 +247,10 @@ class StepLoop:
 
     def _update_gauges(self) -> None:
         if self.metrics is not None:
-            blocks = self.engine.blocks
+            blocks, sched = self.engine.blocks, self.engine.scheduler
             self.metrics.set_pages(blocks.num_used_pages, blocks.num_free_pages,
                                    len(self._requests), blocks.num_reserved_pages,
-                                   self.engine.scheduler.num_preempted)
+                                   sched.num_preempted, len(sched.waiting))
 
     def _count_fallback(self, reason: str) -> None:
         with self._lock:  # by kind: the server-wide counter names no request

@@ -1,10 +1,11 @@
 """The Verifier gRPC servicer: thin — convert, hand to the request lifecycle, convert back.
 
 `Generate` streams one VerifyEvent per step that committed tokens for the request (the last one
-carries `final`); the request's span, its queue on the step loop, freeing it when the call ends
-early and its metrics are `requests.Requests`'; a failure is aborted with its status code
-(services/common/errors). The caller's span context comes in the call metadata (W3C
-`traceparent`).
+carries `final`); `Stop` ends a running request early as finished (the gateway matched a stop
+string; it cancels the call next). The request's span, its queue on the step loop, freeing it
+when the call ends early and its metrics are `requests.Requests`'; a failure is aborted with
+its status code (services/common/errors). The caller's span context comes in the call
+metadata (W3C `traceparent`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from services.common import telemetry
 from services.verifier import convert
 from services.verifier.loop import StepLoop
 from services.verifier.requests import RequestFailed, Requests
-from specserve.v1 import verifier_pb2_grpc
+from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -42,13 +43,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         request_id = f"verify-{next(self._ids)}"  # when the request names none
         outputs = self.requests.run(
             lambda: convert.generate_args_from_pb(request, self.limits, request_id),
-            telemetry.extract_metadata(context.invocation_metadata()))
+            telemetry.extract_metadata(context.invocation_metadata()), context.time_remaining)
         try:
             async with contextlib.aclosing(outputs):
                 async for item, wall_s in outputs:
                     yield convert.verify_event_to_pb(item, wall_s)
         except RequestFailed as e:
             await context.abort(e.code, e.message)
+
+    async def Stop(self, request, context):
+        return verifier_pb2.StopReply(stopped=self.loop is not None
+                                      and self.requests.stop(request.request_id))
 
     async def Stats(self, request, context):
         if self.loop is None:

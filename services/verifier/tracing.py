@@ -18,7 +18,8 @@ A step is draft → verify → commit → stream, so a `step` span (and `prefill
 ends when the loop starts its next step — or, for a request's last one, once its outputs are
 handed over: the time after `commit` (streaming the tokens, the loop's bookkeeping, waiting for
 the GIL held by the event loop) is the step span's self time. A request's prefill and steps thus
-cover its time in the engine without gaps.
+cover its time in the engine without gaps. A request that ends during its prefill (cancelled, its
+deadline passed) still gets its `prefill` span, with the chunks done, as an error.
 
 `trace_steps` N: trace a request's steps 0, N, 2N, … (1 = every step, 0 = none; prefill and the
 request spans are always traced). Every method runs on the engine thread; the registry is
@@ -75,8 +76,10 @@ class StepTracer:
             traced = self._requests.pop(request_id, None)
         if traced is None:
             return
-        self._end_open(traced, "the request ended mid-step")
-        self._end_open(traced, "the request ended with a draft in flight", ahead=True)
+        if traced.chunks and not traced.decoding:  # it ended during its prefill
+            self._prefill_span(traced, "the request ended mid-prefill")
+        self._end_open(traced, "the request ended mid-step", request_id)
+        self._end_open(traced, "the request ended with a draft in flight", request_id, ahead=True)
         self._end_tail(traced, end_ns or time.time_ns())
 
     def __contains__(self, request_id: str) -> bool:
@@ -145,7 +148,7 @@ class StepTracer:
                     continue
                 traced.decoding = True
                 if out.stats is None:  # the token sampled at the end of prefill
-                    self._prefill_span(traced, times.end_ns)
+                    self._prefill_span(traced)
                     continue
                 if traced.open is not None or self._traces_step(traced):
                     self._step_spans(traced, out.request_id, out.stats, times, t0)
@@ -156,22 +159,25 @@ class StepTracer:
         """End the step: spans still open for it end with `why` (the engine raised, or the
         request had no output); the drafts sent ahead during it become the next step's."""
         with self._lock:
-            opened = [t for t in self._requests.values() if t.open is not None]
-        for traced in opened:
-            self._end_open(traced, why)
+            opened = [(rid, t) for rid, t in self._requests.items() if t.open is not None]
+        for request_id, traced in opened:
+            self._end_open(traced, why, request_id)
         with self._lock:
             for traced in self._requests.values():
                 traced.open, traced.ahead = traced.ahead, None
 
     # ---- spans -------------------------------------------------------------------------------
-    def _prefill_span(self, traced: _Traced, end_ns: int) -> None:
-        start = traced.prefill_start_ns or end_ns
-        span = self._tracer.start_span("prefill", traced.parent, start_time=start)
+    def _prefill_span(self, traced: _Traced, error: str | None = None) -> None:
+        """The request's `prefill` span, its chunks as events (`error`: it ended mid-prefill)."""
+        span = self._tracer.start_span("prefill", traced.parent,
+                                       start_time=traced.prefill_start_ns or None)
         span.set_attribute("prefill.chunks", len(traced.chunks))
         span.set_attribute("prefill.tokens", sum(n for _, _, n in traced.chunks))
         for t, first, n in traced.chunks:
             span.add_event("chunk", {"tokens": n, "start": first}, timestamp=t)
         traced.chunks.clear()
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, error))
         self._set_tail(traced, span)
 
     def _step_spans(self, traced: _Traced, request_id: str, outcome: StepOutcome,
@@ -194,6 +200,8 @@ class StepTracer:
             if step.shape:  # adaptive speculation: what it chose and why
                 attrs["adaptive.shape"], attrs["adaptive.why"] = step.shape, step.why or ""
             step_span.set_attributes(attrs)
+        if step.fallback:  # the drafter's answer was lost or unusable: a root-only tree
+            draft.set_status(Status(StatusCode.ERROR, step.fallback[:200]))
         draft.end(end_time=times.draft_end_ns)
         ctx = trace.set_span_in_context(step_span)
         self._tracer.start_span("verify", ctx, start_time=times.draft_end_ns).end(
@@ -220,8 +228,12 @@ class StepTracer:
             traced.tail = None
 
     @staticmethod
-    def _end_open(traced: _Traced, why: str, ahead: bool = False) -> None:
+    def _end_open(traced: _Traced, why: str, request_id: str, ahead: bool = False) -> None:
+        """End the request's open `step` and `draft` spans as errors (`why`)."""
         spans = traced.ahead if ahead else traced.open
+        if spans is not None and spans[0].is_recording():
+            spans[0].set_attributes({"request.id": request_id,
+                                     "step.index": traced.steps + int(ahead and traced.decoding)})
         for span in reversed(spans or ()):
             span.set_status(Status(StatusCode.ERROR, why))
             span.end()

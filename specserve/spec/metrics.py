@@ -59,6 +59,22 @@ class StepTimes:
         return (self.end_ns - self.verify_end_ns) / 1e9
 
 
+FALLBACK_KINDS = ("drafter_timeout", "drafter_unavailable", "drafter_error",
+                  "drafter_entry_error", "drafter_context_lost", "invalid_tree", "other")
+_ERROR_KINDS = {"DrafterTimeout": "drafter_timeout", "DrafterUnavailable": "drafter_unavailable"}
+
+
+def fallback_kind(reason: str) -> str:
+    """A fallback reason's kind, one of FALLBACK_KINDS (the key of a request's `fallbacks`, a
+    metric's label value and the server-wide counter's key: no request ids, counts or
+    messages; the whole reason is the step's `fallback`): "drafter_error: DrafterTimeout: no
+    reply…" → "drafter_timeout"; "invalid_tree: too deep" → "invalid_tree"."""
+    parts = [p.strip() for p in reason.split(":")]
+    if parts[0] == "drafter_error" and len(parts) > 1 and parts[1] in _ERROR_KINDS:
+        return _ERROR_KINDS[parts[1]]
+    return parts[0] if parts[0] in FALLBACK_KINDS else "other"
+
+
 @dataclass
 class RequestSpecStats:
     """Accumulated over a request's speculative steps."""
@@ -69,7 +85,7 @@ class RequestSpecStats:
     committed_tokens: int = 0  # Σ commit_len
     commit_len_hist: Counter = field(default_factory=Counter)
     accepted_per_position: Counter = field(default_factory=Counter)  # depth -> times accepted
-    fallbacks: Counter = field(default_factory=Counter)
+    fallbacks: Counter = field(default_factory=Counter)  # fallback_kind(reason) -> steps
     shapes: Counter = field(default_factory=Counter)  # adaptive choice -> steps
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -87,7 +103,7 @@ class RequestSpecStats:
         for depth in range(1, step.accepted_depth + 1):
             self.accepted_per_position[depth] += 1
         if step.fallback:
-            self.fallbacks[step.fallback] += 1
+            self.fallbacks[fallback_kind(step.fallback)] += 1
         if step.shape:
             self.shapes[step.shape] += 1
 

@@ -44,6 +44,11 @@ class VerifierStub:
                 request_serializer=specserve_dot_v1_dot_verifier__pb2.StatsRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_verifier__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Stop = channel.unary_unary(
+                '/specserve.v1.Verifier/Stop',
+                request_serializer=specserve_dot_v1_dot_verifier__pb2.StopRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_verifier__pb2.StopReply.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -61,6 +66,15 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stop(self, request, context):
+        """The caller has all it needs of a request (a stop string completed in its text): the
+        verifier frees it and counts it finished (finish_reason STOP), not cancelled, when the
+        caller then cancels its Generate call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +87,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=specserve_dot_v1_dot_verifier__pb2.StatsRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_verifier__pb2.StatsReply.SerializeToString,
+            ),
+            'Stop': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stop,
+                    request_deserializer=specserve_dot_v1_dot_verifier__pb2.StopRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_verifier__pb2.StopReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +148,33 @@ class Verifier:
             '/specserve.v1.Verifier/Stats',
             specserve_dot_v1_dot_verifier__pb2.StatsRequest.SerializeToString,
             specserve_dot_v1_dot_verifier__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.Verifier/Stop',
+            specserve_dot_v1_dot_verifier__pb2.StopRequest.SerializeToString,
+            specserve_dot_v1_dot_verifier__pb2.StopReply.FromString,
             options,
             channel_credentials,
             insecure,

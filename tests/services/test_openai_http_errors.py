@@ -17,6 +17,11 @@ import threading
 
 import grpc
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from services.gateway import openai_api
 from services.gateway.convert import GatewayFinal
@@ -46,7 +51,7 @@ class ScriptedPipeline:
         self.script, self.requests, self.ended, self.hanging = script, [], False, None
 
     def start_span(self, carrier):
-        return None
+        return trace.INVALID_SPAN  # not recording
 
     async def run(self, parse, span, timeout_s, api, on_done=None):
         self.requests.append(parse())
@@ -152,7 +157,8 @@ async def test_a_value_the_wire_cannot_carry_is_a_400_not_a_500(monkeypatch):
     (False, "3 stop strings; at most 2 are allowed (--max-stop-strings)", "stop"),
     (False, "token id 99999 is not in the vocabulary of 4096", "prompt"),
     (True, "prompt has 40 tokens and max_tokens is 5000; the model's context is 64 tokens",
-     "messages"),
+     "max_completion_tokens"),  # what to lower
+    (True, "prompt has 40 tokens; the model's context is 32 tokens", "messages"),
     (False, "budget must be in [0, 16] (the engine's max_draft_tokens), got 99", "budget"),
     (False, "request id 'x' is already in use", None),
 ])
@@ -242,3 +248,25 @@ async def test_shutdown_answers_open_requests_with_503(model_dir, tmp_path):  # 
         for name in WATCHED:
             logging.getLogger(name).removeHandler(catch)
         await server.stop(0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path, status, kind", [
+    ("/v1/embeddings", 404, "not_found_error"), ("/v1/models", 405, "invalid_request_error")])
+async def test_an_unknown_route_or_method_answers_an_openai_error(path, status, kind):
+    got, raw = await _asgi(ScriptedPipeline(), path, BODY)  # a POST
+    assert got == status
+    error = _error(raw)
+    assert error["type"] == kind and error["message"].startswith(f"POST {path}: ")
+
+
+@pytest.mark.asyncio
+async def test_a_refused_request_is_traced_with_its_error():
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    pipeline = ScriptedPipeline()
+    pipeline.start_span = lambda carrier: provider.get_tracer("t").start_span("generate")
+    status, _ = await _asgi(pipeline, "/v1/completions", {**BODY, "temperature": -1})
+    (span,) = exporter.get_finished_spans()
+    assert status == 400 and span.status.status_code is StatusCode.ERROR
+    assert span.status.description.startswith("HTTP 400: temperature must be in [0, ")

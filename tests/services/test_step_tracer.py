@@ -151,8 +151,28 @@ def test_untraced_requests_and_abandoned_steps(spans):
     bad = exporter.get_finished_spans()
     assert sorted(s.name for s in bad) == ["draft", "step"]
     assert all(s.status.status_code is StatusCode.ERROR for s in bad)
+    step = next(s for s in bad if s.name == "step")  # cut short, it still says whose it was
+    assert (step.attributes["request.id"], step.attributes["step.index"]) == ("r", 0)
     with pytest.raises(ValueError):
         StepTracer(-1, otel)
+
+
+def test_a_request_that_ends_mid_prefill_keeps_its_prefill_span(spans):
+    otel, exporter = spans
+    tracer = StepTracer(1, otel)
+    parent = otel.start_span("verifier.request", start_time=T0)
+    tracer.add("r", trace.set_span_in_context(parent))
+    for i in range(3):  # three chunks of a longer prompt, no token yet
+        t = T0 + 10 * MS * i
+        tracer.begin_step(t)
+        tracer.end_step([], StepTimes(t, t + MS, t + 8 * MS, t + 9 * MS, (("r", 64 * i, 64),)))
+    tracer.remove("r", T0 + 35 * MS)  # its deadline passed
+    (prefill,) = exporter.get_finished_spans()
+    assert prefill.name == "prefill" and prefill.status.status_code is StatusCode.ERROR
+    assert (prefill.start_time, prefill.end_time) == (T0, T0 + 35 * MS)
+    assert (prefill.attributes["prefill.chunks"], prefill.attributes["prefill.tokens"]) == \
+        (3, 192)
+    assert [e.attributes["start"] for e in prefill.events] == [0, 64, 128]
 
 
 def test_w3c_context_round_trips_through_grpc_metadata(spans):
@@ -185,6 +205,12 @@ def test_fallback_labels_are_a_fixed_set():
         m.record_fallback(f"drafter_error: Error{i}: x")
     labels = {s.labels["reason"] for s in m.fallbacks.collect()[0].samples}
     assert labels <= set(FALLBACK_KINDS) and labels == {"other", "drafter_error"}
+    stats = RequestSpecStats()  # a request's own count uses the same kinds as the metric
+    for reason in ("drafter_error: DrafterUnavailable: no stream to the drafter",
+                   "drafter_error: DrafterUnavailable: [Errno 104] Connection reset by peer",
+                   "drafter_error: DrafterTimeout: no reply within 2.0 s"):
+        stats.record(StepRecord(0, 0, 0, 1, False, fallback=reason))
+    assert stats.fallbacks == {"drafter_unavailable": 2, "drafter_timeout": 1}
 
 
 def test_note_draft_puts_events_on_open_draft_spans_only(spans):
@@ -208,3 +234,28 @@ def test_note_draft_puts_events_on_open_draft_spans_only(spans):
     (draft,) = [s for s in exporter.get_finished_spans() if s.name == "draft"]
     assert [(e.name, e.timestamp) for e in draft.events] == events
     assert all(not s.events for s in exporter.get_finished_spans() if s.name != "draft")
+
+
+def test_a_fallback_steps_draft_span_is_an_error_with_the_reason(spans):
+    otel, exporter = spans
+    tracer = StepTracer(1, otel)
+    parent = otel.start_span("verifier.request", start_time=T0)
+    tracer.add("r", trace.set_span_in_context(parent))
+    tracer.begin_step(T0)
+    tracer.end_step([RequestOutput("r", [5])], StepTimes(T0, T0 + MS, T0 + 2 * MS, T0 + 3 * MS,
+                                                        (("r", 0, 8),)))
+    reason = "drafter_error: DrafterTimeout: no reply within 2.0 s"
+    for k, why in enumerate((reason, None)):
+        t = T0 + 10 * MS * (k + 1)
+        tracer.begin_step(t)
+        tracer.open_draft("r")
+        step = StepRecord(8, 0 if why else 8, 0, 1, False, fallback=why)
+        out = RequestOutput("r", [1], stats=StepOutcome(step, RequestSpecStats(), 9 + k))
+        tracer.end_step([out], StepTimes(t, t + 2 * MS, t + 6 * MS, t + 7 * MS))
+    tracer.remove("r", T0 + 40 * MS)
+    drafts = sorted((s for s in exporter.get_finished_spans() if s.name == "draft"),
+                    key=lambda s: s.start_time)
+    assert [(d.status.status_code, d.status.description) for d in drafts] == \
+        [(StatusCode.ERROR, reason), (StatusCode.UNSET, None)]
+    steps = [s for s in exporter.get_finished_spans() if s.name == "step"]
+    assert all(s.status.status_code is StatusCode.UNSET for s in steps)

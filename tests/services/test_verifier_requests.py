@@ -140,3 +140,41 @@ async def test_a_caller_that_goes_away_frees_the_request_at_once(lifecycle):
     assert requests.loop.aborted == [("r1", True)] and _count(requests, "CANCELLED") == 1
     (span,) = exporter.get_finished_spans()
     assert span.status.description == "CANCELLED"
+
+
+@pytest.mark.parametrize("left, code", [(0.01, "DEADLINE_EXCEEDED"), (5.0, "CANCELLED"),
+                                        (None, "CANCELLED")])
+async def test_a_cancel_at_the_calls_deadline_is_counted_as_deadline_exceeded(lifecycle, left,
+                                                                              code):
+    requests, exporter = lifecycle
+    requests.loop = FakeLoop([_item(1), _item(2)])
+    async with contextlib.aclosing(requests.run(_args, None, lambda: left)) as outputs:
+        async for _ in outputs:
+            break  # gRPC cancels the handler when the deadline passes
+    assert _count(requests, code) == 1 and requests.loop.aborted == [("r1", True)]
+    (span,) = exporter.get_finished_spans()
+    assert span.status.description == code
+
+
+async def test_a_stopped_request_is_freed_and_counted_finished(lifecycle):
+    """The gateway matched a stop string after 2 tokens: `stop` frees the request and ends its
+    span as a finished one; the caller's cancel that follows changes neither."""
+    requests, exporter = lifecycle
+    requests.loop = FakeLoop([_item(1), _item(2)])
+    assert not requests.stop("r1")  # not running yet
+    async with contextlib.aclosing(requests.run(_args, None)) as outputs:
+        async for item, _ in outputs:
+            if item.output.num_output_tokens == 2:
+                assert requests.stop("r1") and not requests.stop("r1")
+                assert requests.loop.aborted == [("r1", True)]
+                break
+    assert requests.loop.aborted == [("r1", True)]  # not aborted again
+    assert _count(requests, "OK") == 1 and _count(requests, "CANCELLED") is None
+    (span,) = exporter.get_finished_spans()
+    assert span.status.status_code is not StatusCode.ERROR
+    assert (span.attributes["finish_reason"], span.attributes["completion_tokens"]) == \
+        ("stop", 2)
+    registry = requests.metrics.registry
+    assert registry.get_sample_value("specserve_ttft_seconds_count") == 1
+    assert registry.get_sample_value("specserve_tpot_seconds_count") == 1
+    assert not requests.stop("r1")  # closed: no longer known

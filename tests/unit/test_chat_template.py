@@ -84,7 +84,7 @@ def test_the_demo_pair_template_renders_as_transformers(tmp_path):
 def test_text_parts_are_joined_and_bad_messages_refused(tmp_path):
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"},
                                           {"type": "text", "text": "b"}]}]
-    assert normalize_messages(parts) == [{"role": "user", "content": "ab"}]
+    assert normalize_messages(parts) == [{"role": "user", "content": "a\nb"}]  # as vLLM
     for bad, why in [([], "non-empty list"), ([{"role": "wizard", "content": "x"}], "role"),
                      ([{"role": "user", "content": [{"type": "image_url"}]}], "text parts"),
                      ([{"role": "user", "content": 3}], "string or text parts")]:

@@ -74,6 +74,18 @@ def test_chat_renders_the_template_and_prefers_max_completion_tokens():
                                    "stream_options"),
     ({"drafter": "eagle"}, 400, "drafter"), ({"budget": -2}, 400, "budget"),
     ({"stream": "yes"}, 400, "stream"), ({"seed": 1.5}, 400, "seed"),
+    # vLLM's extensions that would change the output, unless neutral; unknown fields
+    ({"repetition_penalty": 2.0}, 400, "repetition_penalty"), ({"min_p": 0.9}, 400, "min_p"),
+    ({"guided_json": {"type": "object"}}, 400, "guided_json"), ({"min_tokens": 5}, 400,
+                                                                  "min_tokens"),
+    ({"logprobs": 0}, 400, "logprobs"), ({"structured_outputs": {"regex": "a"}}, 400,
+                                         "structured_outputs"),
+    ({"temprature": 0.5}, 400, "temprature"), ({"model": 123}, 400, "model"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, 400, "include_usage"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     "stream_options"),
+    ({"stop_token_ids": [1, "2"]}, 400, "stop_token_ids"),
+    ({"skip_special_tokens": 0}, 400, "skip_special_tokens"),
 ])
 def test_what_is_refused(body, status, param):
     with pytest.raises(ApiError) as e:
@@ -82,6 +94,32 @@ def test_what_is_refused(body, status, param):
     assert e.value.body()["error"]["message"] == e.value.message
     assert e.value.body()["error"]["type"] == ("not_found_error" if status == 404 else
                                                "invalid_request_error")
+
+
+def test_neutral_values_and_bookkeeping_fields_are_taken():
+    """A client that sends vLLM's or OpenAI's defaults explicitly is served as without them."""
+    plain = _completion().request
+    api = _completion(repetition_penalty=1.0, min_p=0, logprobs=None, n=1, echo=False,
+                      include_stop_str_in_output=False, skip_special_tokens=True,
+                      user="u", metadata={"k": "v"}, store=False, request_id="mine")
+    assert (api.request.params, api.request.keep_special_tokens) == (plain.params, False)
+    chat = _chat(logprobs=False, tool_choice="none", parallel_tool_calls=True)
+    assert chat.request.params == _chat().request.params
+
+
+def test_stop_token_ids_and_kept_special_tokens():
+    r = _completion(stop_token_ids=[5, 17], skip_special_tokens=False).request
+    assert (r.params.stop_token_ids, r.keep_special_tokens) == ((5, 17), True)
+
+
+def test_refusals_quote_the_value_as_json():
+    with pytest.raises(ApiError) as e:
+        _completion(repetition_penalty=2, tools=None)
+    assert e.value.message == "repetition_penalty=2 is not supported by specserve (leave it unset)"
+    with pytest.raises(ApiError) as e:
+        _chat(tools=[{"type": "function", "function": {"name": "f", "strict": True}}])
+    assert e.value.message.startswith('tools=[{"type": "function", "function": {"name": "f", ')
+    assert "…" in e.value.message and "True" not in e.value.message
 
 
 def test_chat_without_a_template_or_with_bad_messages():

@@ -1,0 +1,107 @@
+"""How the gateway ends a request on a stop string, and what its text shows of special tokens.
+
+A stop string that completes mid-step ends the text, the step's token ids and the usage at the
+token that completed it (the verifier committed more); the gateway then calls the verifier's
+`Stop` for that request before cancelling the call, so the verifier counts it finished. EOS's
+text (`<|endoftext|>`) is left out of the text unless the request keeps special tokens.
+Demo target's tokenizer: "The cat sat on the mat." is 2028 285 282 308 282 555 296 2056 14.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.gateway import convert
+from services.gateway.convert import GatewayRequest, Step
+from services.gateway.request_state import RequestState
+from specserve.demo import default_pair
+from specserve.tokenizer import Tokenizer
+from specserve.types import FinishReason, SamplingParams
+from specserve.v1 import common_pb2, gateway_pb2_grpc, verifier_pb2
+from tests.services.test_gateway_service import (
+    RPC_S,
+    FakeVerifier,
+    channel,
+    running_gateway,
+    start_verifier,
+)
+
+TARGET, _ = default_pair()
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(TARGET is None, reason="the demo pair is not checked out")]
+SENTENCE = (2028, 285, 282, 308, 282, 555, 296, 2056, 14)
+EOS = 0
+
+
+def _state(stop=(), keep_special=False) -> RequestState:
+    tok = Tokenizer.from_dir(TARGET)
+    req = GatewayRequest("r", "x", None, SamplingParams(max_tokens=64, stop=tuple(stop)), None,
+                         None, keep_special)
+    return RequestState(tok, [2028], req)
+
+
+def test_a_stop_string_mid_step_ends_text_tokens_and_usage_at_its_token():
+    state = _state(stop=[" on"])
+    text, step, stopped = state.push(Step(SENTENCE[:3], 1, 0))  # "The cat"
+    assert (text, stopped, state.completion_tokens) == ("The cat", False, 3)
+    text, step, stopped = state.push(Step(SENTENCE[3:], 6, 5))  # " sat on the mat."
+    # " s" "at" " on": the stop completes at the step's third token of six
+    assert (text, step.token_ids, step.commit_len, stopped) == (" sat", SENTENCE[3:6], 6, True)
+    assert state.completion_tokens == 6
+    assert state.final(FinishReason.STOP, None).completion_tokens == 6
+
+
+def test_without_a_stop_every_token_counts():
+    state = _state(stop=["zebra"])
+    text, step, stopped = state.push(Step(SENTENCE, 9, 8))
+    assert (stopped, step.token_ids, state.completion_tokens) == (False, SENTENCE, 9)
+    assert text + state.tail()[0] == "The cat sat on the mat."
+
+
+@pytest.mark.parametrize("keep, want", [(False, "The cat"), (True, "The cat<|endoftext|>")])
+def test_eos_text_is_left_out_unless_special_tokens_are_kept(keep, want):
+    state = _state(keep_special=keep)
+    text, _, _ = state.push(Step((*SENTENCE[:3], EOS), 4, 3))
+    assert text + state.tail()[0] == want and state.completion_tokens == 4
+
+
+class StoppableVerifier(FakeVerifier):
+    """One step of the whole sentence, then waits (a long generation) until stopped."""
+
+    def __init__(self) -> None:
+        super().__init__(tokens=())
+        self.stopped: list[str] = []
+
+    async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+        self.requests.append(request)
+        yield verifier_pb2.VerifyEvent(token_ids=SENTENCE, commit_len=len(SENTENCE))
+        await asyncio.sleep(RPC_S)
+
+    async def Stop(self, request, context):  # noqa: N802
+        self.stopped.append(request.request_id)
+        return verifier_pb2.StopReply(stopped=True)
+
+
+@pytest.mark.asyncio
+async def test_the_gateway_stops_the_request_at_the_verifier(tmp_path):
+    fake = StoppableVerifier()
+    server, port, _ = await start_verifier(fake)
+    try:
+        async with running_gateway(tmp_path, model=TARGET,
+                                   verifier=f"127.0.0.1:{port}") as (address, _cfg):
+            params = SamplingParams(max_tokens=64, stop=(" on",))
+            async with channel(address) as ch:
+                msgs = gateway_pb2_grpc.GatewayStub(ch).Generate(
+                    convert.generate_request_to_pb("The", params), timeout=RPC_S)
+                replies = [m async for m in msgs]
+    finally:
+        await server.stop(None)
+    final = replies[-1].final
+    assert replies[0].chunk.text == "The cat sat" and list(replies[0].chunk.token_ids) == \
+        list(SENTENCE[:6])
+    assert final.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert final.usage.completion_tokens == 6
+    assert fake.stopped == [fake.requests[0].request_id] and fake.stopped[0]
+
