@@ -158,13 +158,28 @@ def _generate_remote(args, prompt, params) -> int:
             sep = "\n" if text and not args.json else ""
             print(f"{sep}specserve generate: error: {e.code().name}: {e.details()}",
                   file=sys.stderr)
+            _print_trace(_trace_id(call))
             return 2
     if final is None:
         print("\nspecserve generate: error: the gateway stream ended without a final message",
               file=sys.stderr)
+        _print_trace(_trace_id(call))
         return 2
-    _report("".join(text), ids, final, args.json, wire.trace_id(call.initial_metadata()))
+    _report("".join(text), ids, final, args.json, _trace_id(call))
     return 0
+
+
+def _trace_id(call) -> str | None:
+    """The request's trace id, from the gateway's initial or trailing metadata (None: the
+    gateway exports no spans, or the call ended before it said)."""
+    from services.cli import wire
+
+    return wire.trace_id(call.initial_metadata()) or wire.trace_id(call.trailing_metadata())
+
+
+def _print_trace(trace_id: str | None) -> None:
+    if trace_id is not None:
+        print(f"[trace {trace_id}]", file=sys.stderr)
 
 
 def _report(text: str, ids: list[int], final, as_json: bool, trace_id: str | None = None) -> None:
@@ -172,6 +187,7 @@ def _report(text: str, ids: list[int], final, as_json: bool, trace_id: str | Non
     if as_json:
         print(json.dumps({
             "text": text, "token_ids": ids, "request_id": final.request_id,
+            "verifier": final.verifier,
             "finish_reason": final.finish_reason.value if final.finish_reason else None,
             "usage": {"prompt_tokens": final.prompt_tokens,
                       "completion_tokens": final.completion_tokens},
@@ -182,8 +198,7 @@ def _report(text: str, ids: list[int], final, as_json: bool, trace_id: str | Non
     print(f"\n[{len(ids)} tokens in {final.wall_s:.2f} s, TTFT {final.ttft_s * 1e3:.0f} ms, "
           f"mean commit_len {stats.mean_commit_len:.2f} over {stats.steps} steps, "
           f"{sum(stats.fallbacks.values())} fallbacks, finish: {reason}]", file=sys.stderr)
-    if trace_id is not None:
-        print(f"[trace {trace_id}]", file=sys.stderr)
+    _print_trace(trace_id)
 
 
 def _generate_in_process(args, prompt, params) -> int:

@@ -7,12 +7,14 @@ subprocesses, health-checked, logs prefixed, a service that exits started again
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
 
 from services.cli import usage
 from services.cli.supervise import supervise
+from services.common.settings import HOST, add_flags
 
 SERVICES = ("drafter", "verifier", "gateway")  # the start order of `up`
 OFFSET = {"gateway": 0, "verifier": 1, "drafter": 2}  # ports from a base: --ports, --metrics-ports
@@ -47,7 +49,7 @@ def add_up(sub) -> None:
     p.add_argument("--device", default=None, type=usage.device(("auto", "cpu", "cuda")),
                    help="torch device of verifier and drafter: auto, cpu, cuda or cuda:N "
                         "(default: the services' own, auto)")
-    p.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    add_flags(p, [dataclasses.replace(HOST, help="address every service binds")])
     p.add_argument("--ports", type=_base_port, default=50051,
                    help="base port: gateway BASE, verifier BASE+1, drafter BASE+2")
     for name in SERVICES:

@@ -53,6 +53,7 @@ HTTP_PORT = 8000  # the gateway's OpenAI-compatible HTTP API (vLLM's default too
 # Prometheus /metrics (0 disables); bound on the --host address like the gRPC port
 GATEWAY_METRICS_PORT, VERIFIER_METRICS_PORT, DRAFTER_METRICS_PORT = 9101, 9102, 9103
 LOG_LEVEL = Flag("--log-level", "SPECSERVE_LOG_LEVEL", "INFO", str, "logging level")
+HOST = Flag("--host", "SPECSERVE_HOST", DEFAULT_HOST, str, "address to bind")  # `up`'s too
 
 
 def flag_field(name: str, env: str | None, help: str, *, default: Any = dataclasses.MISSING,
@@ -96,7 +97,7 @@ def config_from_args(cls: type, args: argparse.Namespace) -> Any:
 
 # ---- fields every service has ----------------------------------------------------------------
 def host_field() -> Any:
-    return flag_field("--host", "SPECSERVE_HOST", "address to bind", default=DEFAULT_HOST)
+    return flags_field((HOST,), lambda args: args.host, DEFAULT_HOST)
 
 
 def port_field(env: str, port: int) -> Any:

@@ -3,9 +3,10 @@
 `config -q` validates the file (and the CPU override); `config --format json` gives the normalized
 model, whose SPECSERVE_* variables are fed to each service's own flag parser: every variable
 must be one of that service's flags, the ports must be the ones the peers dial, and the
-services must bind 0.0.0.0 inside their containers. The GPU default (CUDA torch image, GPU
-reservations and SPECSERVE_DEVICE=cuda for verifier and drafter), the CPU override, the
-Dockerfile's torch/triton pins and `.dockerignore` are read from the files. The wrapper's
+services must bind 0.0.0.0 inside their containers (the image's own SPECSERVE_HOST too). The
+GPU default (CUDA torch image, GPU reservations and SPECSERVE_DEVICE=cuda for verifier and
+drafter), the CPU override, the Dockerfile's torch/triton pins and `.dockerignore` are read from
+the files. The wrapper's
 `docker-compose` console script always exits 0, so the ELF inside the `compose` package is
 called directly.
 """
@@ -169,6 +170,13 @@ def _devices(svc: dict) -> list:
 def _dockerfile_args() -> dict[str, str]:
     text = (ROOT / "docker/Dockerfile").read_text()
     return dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+
+
+def test_the_image_binds_every_address():
+    """The image's services bind 0.0.0.0 even without compose's SPECSERVE_HOST (the docs' host
+    default: `0.0.0.0` in containers)."""
+    text = (ROOT / "docker/Dockerfile").read_text()
+    assert re.findall(r"^ENV SPECSERVE_HOST=(\S+)$", text, re.M) == ["0.0.0.0"]
 
 
 def test_gpu_default_and_cpu_override():

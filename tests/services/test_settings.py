@@ -4,9 +4,10 @@ and one lifecycle runs the three (services/common/bootstrap.py).
 Every config field but the library-only ones has a flag with help, every flag's default is its
 field's (the metrics ports excepted: 0 in the library), the flags parse into the config, an
 environment variable sits between the default and the command line, docs/configuration.md has a
-row for each variable; `run_service` writes the port file, drains for grace_s on stop and
-flushes spans; `service_main` answers a bad value with `specserve NAME: error: …` and exit 2,
-a bad environment value too (naming the variable), unless the flag itself is given.
+row for each variable and names every long flag of every `specserve` command; `run_service`
+writes the port file, drains for grace_s on stop and flushes spans; `service_main` answers a bad
+value with `specserve NAME: error: …` and exit 2, a bad environment value too (naming the
+variable), unless the flag itself is given.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib
 import re
 from pathlib import Path
 
@@ -101,20 +103,55 @@ def test_security_flags_are_every_service_s():
         assert set(SECURITY_FLAGS) <= set(config_flags(cls))
 
 
-def _doc_sections() -> dict[str, str]:
+def _doc_section(command: str) -> str:
+    """configuration.md's text for `specserve COMMAND` (a service's: its section and "Every
+    service"'s); '' when no heading names the command."""
     text = (ROOT / "docs" / "configuration.md").read_text()
-    return {m.group(1).split()[0].lower(): m.group(2) for m in
-            re.finditer(r"^## (.+?)\n(.*?)(?=^## |\Z)", text, re.M | re.S)}
+    sections = {m.group(1): m.group(2) for m in
+                re.finditer(r"^## (.+?)\n(.*?)(?=^## |\Z)", text, re.M | re.S)}
+    every = sections["Every service"] if command.startswith("serve ") else ""
+    return every + "".join(body for head, body in sections.items()
+                           if f"`specserve {command}`" in head)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_configuration_md_has_a_row_for_every_variable(name):
-    sections = _doc_sections()
-    docs = sections[name] + sections["every"]
+    docs = _doc_section(f"serve {name}")
     for flag in config_flags(CONFIGS[name]):
-        if flag.env is None or flag in SECURITY_FLAGS:  # those: a paragraph and security.md
+        if flag.env is None:  # --port-file, --http-port-file: a paragraph
             continue
         assert f"| `{flag.env}` | `{flag.name}` |" in docs, f"{name}: no row for {flag.env}"
+
+
+def _command_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every `specserve` subcommand's parser, built by the CLI; `serve NAME`'s are the
+    services' own parsers."""
+    from services.cli import build_parser
+
+    commands = dict(build_parser()[1])
+    for name in CONFIGS:
+        main = importlib.import_module(f"services.{name}.__main__")
+        commands[f"serve {name}"] = main.build_parser()
+    return commands
+
+
+@pytest.mark.parametrize("command", [*CONFIGS, "up", "generate", "probe", "bench",
+                                     "train-demo"])
+def test_configuration_md_names_every_flag_of_every_command(command):
+    """Each long flag of the command is in its section of configuration.md; a client flag's row
+    (`| `--flag` | `VAR` |`) names a variable exactly when its help does (`[env VAR`)."""
+    command = f"serve {command}" if command in CONFIGS else command
+    parser, docs = _command_parsers()[command], _doc_section(command)
+    envs = {}
+    for action in parser._actions:
+        flags = [f for f in action.option_strings if f.startswith("--") and f != "--help"]
+        for flag in flags:
+            assert f"`{flag}`" in docs, f"configuration.md: `specserve {command} {flag}` missing"
+        env = re.search(r"\[env (SPECSERVE_\w+)", action.help or "")
+        envs.update({flag: env.group(1) for flag in flags if env})
+    if not command.startswith("serve "):  # the services' rows: the test above
+        rows = dict(re.findall(r"^\| `(--[\w-]+)` \| `(SPECSERVE_\w+)` \|", docs, re.M))
+        assert rows == envs, command
 
 
 class FakeService:

@@ -1,6 +1,7 @@
 """The console script: every subcommand answers --help; `bench NAME` runs bench/ scripts;
-`generate` talks to a gateway without torch, through the gateway's own wire format; `train-demo`
-keeps an existing output unless --force. (Flag values: test_cli_usage.py.)"""
+`generate` talks to a gateway without torch, through the gateway's own wire format (its --json
+names the verifier replica; a failed request still prints its trace id); `train-demo` keeps an
+existing output unless --force. (Flag values: test_cli_usage.py.)"""
 
 from __future__ import annotations
 
@@ -62,10 +63,18 @@ class _FakeGateway(gateway_pb2_grpc.GatewayServicer):
                           f"prompt token ids out of vocabulary [0, {VOCAB}): {bad}")
         stats = RequestSpecStats(steps=1, draft_tokens=4, accepted_tokens=1, committed_tokens=2,
                                  commit_len_hist=Counter({2: 1}), device="cpu")
+        if request.request_id.startswith("fail-"):  # a traced request that fails mid-stream
+            trace = ((wire.TRACE_ID_KEY, "feed0123"),)
+            if request.request_id == "fail-initial":
+                context.send_initial_metadata(trace)
+            else:
+                context.set_trailing_metadata(trace)
+            yield convert.chunk_to_pb("hi", Step((5,), 1, 0))
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         yield convert.chunk_to_pb("hi", Step((5,), 1, 0))
         yield convert.chunk_to_pb(" there", Step((6, 7), 2, 1))
         yield convert.final_to_pb(GatewayFinal(FinishReason.LENGTH, 2, 3, stats, 0.01, "r1",
-                                               0.02, 0.05))
+                                               0.02, 0.05, "10.0.0.7:50052"))
 
 
 @pytest.fixture
@@ -85,6 +94,7 @@ def test_generate_streams_from_the_gateway(gateway, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["text"] == "hi there" and out["token_ids"] == [5, 6, 7]
     assert out["finish_reason"] == "length" and out["stats"]["steps"] == 1
+    assert out["verifier"] == "10.0.0.7:50052" and out["trace_id"] is None  # spans not exported
     req = fake.requests[0]
     assert list(req.token_ids.ids) == [1, 2] and list(req.sampling.stop) == ["\n\n"]
     assert req.spec.budget == 7 and not req.sampling.HasField("temperature")
@@ -96,6 +106,18 @@ def test_out_of_vocabulary_ids_are_a_one_line_error(gateway, capsys):
     err = capsys.readouterr().err
     assert err == ("specserve generate: error: INVALID_ARGUMENT: prompt token ids out of "
                    "vocabulary [0, 4096): [9707]\n")
+
+
+@pytest.mark.parametrize("request_id", ["fail-initial", "fail-trailing"])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_failed_request_prints_its_trace_id(gateway, capsys, request_id, as_json):
+    addr, _ = gateway
+    argv = ["generate", "--gateway", addr, "--prompt", "x", "--request-id", request_id]
+    assert main(argv + ["--json"] * as_json) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ("" if as_json else "hi")
+    assert captured.err == ("" if as_json else "\n") + (
+        "specserve generate: error: DEADLINE_EXCEEDED: deadline exceeded\n[trace feed0123]\n")
 
 
 def test_the_client_wire_is_the_gateways():

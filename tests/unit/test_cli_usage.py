@@ -1,6 +1,7 @@
 """The console script's flags (issue 28, item 8): every option has help and shows its default; bad
 values are one-line usage errors with exit 2, found at parse time where they can be; --stop
-unescapes, --gateway HOST means port 50051, `up` moves its metrics ports with --ports."""
+unescapes, --gateway HOST means port 50051, `up` moves its metrics ports with --ports and binds
+SPECSERVE_HOST unless --host is given."""
 
 from __future__ import annotations
 
@@ -128,3 +129,15 @@ def test_up_moves_the_metrics_ports_with_ports(monkeypatch):
     monkeypatch.setenv("SPECSERVE_VERIFIER_METRICS_PORT", "0")  # a service's own setting wins
     assert _ports("--ports", "60051")["verifier"] == (60052, 0)
     assert _ports("--ports", "60051", "--metrics-ports", "7000")["verifier"] == (60052, 7001)
+
+
+def test_up_binds_specserve_host_unless_host_is_given(monkeypatch):
+    def hosts(*argv: str) -> set[str]:
+        plan = _up_plan(_parse("up", "--model", "m", "--http-port", "off", *argv))
+        return {f[f.index("--host") + 1] for _n, _a, f in plan}
+
+    monkeypatch.delenv("SPECSERVE_HOST", raising=False)
+    assert hosts() == {"127.0.0.1"}
+    monkeypatch.setenv("SPECSERVE_HOST", "0.0.0.0")  # the parser reads it when built
+    assert hosts() == {"0.0.0.0"}
+    assert hosts("--host", "127.0.0.2") == {"127.0.0.2"}
