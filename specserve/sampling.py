@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from specserve.types import SamplingParams
+from specserve.types import SamplingParams, TokenLogprob
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -54,3 +54,15 @@ def sample_rows(
         return logits.argmax(dim=-1).tolist()
     probs = probs_for(logits, params)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1).tolist()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the row of `logits` [len(tokens), V] that chose it
+    (raw logits' log-softmax, in float32), with the `top` most likely tokens'."""
+    logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [k, V]
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    if top == 0:
+        return [TokenLogprob(lp) for lp in chosen]
+    values, ids = logp.topk(top, dim=-1)  # [k, top]
+    return [TokenLogprob(lp, tuple(i), tuple(v))
+            for lp, i, v in zip(chosen, ids.tolist(), values.tolist(), strict=True)]

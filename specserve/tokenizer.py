@@ -9,6 +9,7 @@ and holding back text that might turn out to be the start of a stop string. It u
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -21,6 +22,17 @@ import tokenizers
 from specserve.errors import InvalidRequest, ModelError
 
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte (GPT-2's table), inverted: char -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + n): b for n, b in enumerate(moved)}}
+
+
+_BYTE_OF = _byte_level_alphabet()
 _PROMPT_CONTEXT = 5  # prompt tokens decoded as left context before the first generated token
 _MAX_PENDING = 4  # held-back tokens after which we look for a token boundary to cut the window at
 _MAX_CUT_SCAN = 8  # candidate boundaries examined per push when cutting
@@ -71,6 +83,18 @@ class Tokenizer:
         """Decode `ids`; an id outside the vocabulary raises InvalidRequest."""
         ids = self.check_ids(ids)
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (a byte-level BPE token may hold part of a UTF-8 character,
+        which its decoded text shows as U+FFFD)."""
+        piece = self.backend.id_to_token(self.check_ids([token_id])[0])
+        if self._byte_level and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return self.decode([token_id]).encode()
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return '"ByteLevel"' in json.dumps(json.loads(self.backend.to_str()).get("decoder"))
 
     def check_ids(self, ids: Sequence[int]) -> list[int]:
         """Return `ids` as a list of ints, raising InvalidRequest if one is not a valid token id."""

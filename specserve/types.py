@@ -20,6 +20,7 @@ GREEDY_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's _SAMPLING_EPS)
 # the wire's ranges (proto/specserve/v1/common.proto: int32, float, uint64, int64 fields)
 INT32_MAX, INT64_MAX, UINT64_MAX = 2**31 - 1, 2**63 - 1, 2**64 - 1
 FLOAT32_MAX = 3.4028234663852886e38
+MAX_LOGPROBS = 20  # most alternatives a token's logprobs list (as vLLM's default cap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +30,8 @@ class SamplingParams:
     temperature below GREEDY_TEMPERATURE (0 included) means greedy (argmax): softmax(z / T) at
     such T is argmax up to rounding. top_k None means no top-k cut; top_p 1.0 means no nucleus
     cut. seed None means a fresh random seed. Stop token ids end the generation and are emitted;
-    stop strings end it and are not emitted.
+    stop strings end it and are not emitted. logprobs None: none; N in [0, MAX_LOGPROBS]: each
+    generated token's log-probability under the target model, and the N most likely tokens'.
     """
 
     max_tokens: int = 64
@@ -40,6 +42,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or not 0 < self.max_tokens <= INT32_MAX:
@@ -65,6 +68,11 @@ class SamplingParams:
                 f"stop_token_ids must be integers in [0, 2**63): {self.stop_token_ids!r}",
                 "stop_token_ids")
 
+        if self.logprobs is not None and (type(self.logprobs) is not int
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                                 f"got {self.logprobs!r}", "logprobs")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
@@ -74,6 +82,17 @@ class FinishReason(StrEnum):
     STOP = "stop"  # a stop token or stop string
     LENGTH = "length"  # max_tokens (admission makes prompt + max_tokens fit the context)
     ABORT = "abort"  # cancelled
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability under the target model (log-softmax of its raw
+    logits: before temperature, top-k and top-p, as vLLM reports them by default) and the most
+    likely tokens' (`top_ids`, `top_logprobs`: SamplingParams.logprobs of them, best first)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)
@@ -92,6 +111,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     stats: StepOutcome | None = None  # a decode step's record (None after prefill's token)
     error: Exception | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, if the request asked
 
     @property
     def finished(self) -> bool:

@@ -18,7 +18,7 @@ from specserve.drafters import registry
 # SamplingParams field (InvalidRequest.param) → the flag that sets it
 PARAM_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k",
                "top_p": "--top-p", "seed": "--seed", "stop": "--stop",
-               "stop_token_ids": "--stop-token-id"}
+               "stop_token_ids": "--stop-token-id", "logprobs": "--logprobs"}
 
 
 def add(sub) -> None:
@@ -73,6 +73,9 @@ def _add_sampling(p) -> None:
                    help="stop token id (repeatable; besides the model's EOS)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past EOS (until --max-tokens or a stop)")
+    p.add_argument("--logprobs", type=usage.int_range(0, 20), default=None, metavar="N",
+                   help="each token's log-probability under the target and the N most likely "
+                        "tokens' (in the --json output)")
 
 
 def _prompt(args) -> str | list[int]:
@@ -108,7 +111,7 @@ def _sampling_params(args):
             top_k=d.top_k if args.top_k is None else args.top_k,
             top_p=d.top_p if args.top_p is None else args.top_p, seed=args.seed,
             stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
-            ignore_eos=args.ignore_eos)
+            ignore_eos=args.ignore_eos, logprobs=args.logprobs)
     except ValueError as e:
         param = getattr(e, "param", None) or str(e).split(" ", 1)[0]
         flag = PARAM_FLAGS.get(param)
@@ -136,7 +139,7 @@ def _generate_remote(args, prompt, params) -> int:
     from specserve.v1 import gateway_pb2_grpc
 
     req = _request(args, prompt, params)
-    text, ids, final = [], [], None
+    text, ids, logprobs, final = [], [], [], None
     ch, metadata = gateway_channel(args)
     with ch:
         call = gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=args.timeout_s,
@@ -149,6 +152,7 @@ def _generate_remote(args, prompt, params) -> int:
                     continue
                 text.append(event.text)
                 ids += event.token_ids
+                logprobs += event.logprobs
                 if not args.json:
                     print(event.text, end="", flush=True)
         except KeyboardInterrupt:
@@ -165,7 +169,8 @@ def _generate_remote(args, prompt, params) -> int:
               file=sys.stderr)
         _print_trace(_trace_id(call))
         return 2
-    _report("".join(text), ids, final, args.json, _trace_id(call))
+    _report("".join(text), ids, final, args.json, _trace_id(call),
+            logprobs if params.logprobs is not None else None)
     return 0
 
 
@@ -182,7 +187,14 @@ def _print_trace(trace_id: str | None) -> None:
         print(f"[trace {trace_id}]", file=sys.stderr)
 
 
-def _report(text: str, ids: list[int], final, as_json: bool, trace_id: str | None = None) -> None:
+def _logprobs_json(ids: list[int], logprobs) -> list[dict]:
+    return [{"token_id": i, "logprob": t.logprob,
+             "top": [[j, lp] for j, lp in zip(t.top_ids, t.top_logprobs, strict=True)]}
+            for i, t in zip(ids, logprobs, strict=True)]
+
+
+def _report(text: str, ids: list[int], final, as_json: bool, trace_id: str | None = None,
+            logprobs=None) -> None:
     stats = final.stats
     if as_json:
         print(json.dumps({
@@ -192,7 +204,8 @@ def _report(text: str, ids: list[int], final, as_json: bool, trace_id: str | Non
             "usage": {"prompt_tokens": final.prompt_tokens,
                       "completion_tokens": final.completion_tokens},
             "stats": {**stats.as_dict(), "other_s": final.other_s},
-            "ttft_s": final.ttft_s, "wall_s": final.wall_s, "trace_id": trace_id}))
+            "ttft_s": final.ttft_s, "wall_s": final.wall_s, "trace_id": trace_id,
+            **({} if logprobs is None else {"logprobs": _logprobs_json(ids, logprobs)})}))
         return
     reason = final.finish_reason.value if final.finish_reason else "?"
     print(f"\n[{len(ids)} tokens in {final.wall_s:.2f} s, TTFT {final.ttft_s * 1e3:.0f} ms, "
@@ -207,18 +220,20 @@ def _generate_in_process(args, prompt, params) -> int:
 
     engine = Engine(EngineConfig(args.model, dtype=args.dtype, device=args.device))
     engine.add_request("cli", prompt, params)
-    t0, text, ids, reason = time.perf_counter(), [], [], None
+    t0, text, ids, logprobs, reason = time.perf_counter(), [], [], [], None
     while engine.has_unfinished:
         for out in engine.step():
             ids += out.new_token_ids
+            logprobs += out.logprobs or ()
             text.append(out.text_delta)
             reason = out.finish_reason or reason
             if not args.json:
                 print(out.text_delta, end="", flush=True)
     wall = time.perf_counter() - t0
     if args.json:
+        extra = {} if params.logprobs is None else {"logprobs": _logprobs_json(ids, logprobs)}
         print(json.dumps({"text": "".join(text), "token_ids": ids, "finish_reason": reason.value,
-                          "wall_s": round(wall, 4)}))
+                          "wall_s": round(wall, 4), **extra}))
     else:
         print(f"\n[{len(ids)} tokens in {wall:.2f} s, finish: {reason.value}]", file=sys.stderr)
     return 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from specserve.drafters.registry import DFLASH, NGRAM, NONE
 from specserve.spec.metrics import RequestSpecStats
-from specserve.types import FinishReason, SamplingParams
+from specserve.types import FinishReason, SamplingParams, TokenLogprob
 from specserve.v1 import common_pb2 as pb
 from specserve.v1 import gateway_pb2
 
@@ -30,6 +30,7 @@ class Chunk:
     token_ids: tuple[int, ...]  # what one verifier step committed
     commit_len: int
     accepted_depth: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when asked
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ def generate_request(prompt: str | list[int], params: SamplingParams, drafter: s
                                  stop=list(params.stop), ignore_eos=params.ignore_eos)
     if params.seed is not None:
         sampling.seed = params.seed
+    if params.logprobs is not None:
+        sampling.logprobs = params.logprobs
     msg = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
     if isinstance(prompt, str):
         msg.text = prompt
@@ -71,7 +74,9 @@ def generate_request(prompt: str | list[int], params: SamplingParams, drafter: s
 def event(msg: gateway_pb2.GenerateResponse) -> Chunk | Final:
     if msg.WhichOneof("event") == "chunk":
         c = msg.chunk
-        return Chunk(c.text, tuple(c.token_ids), c.commit_len, c.accepted_depth)
+        return Chunk(c.text, tuple(c.token_ids), c.commit_len, c.accepted_depth,
+                     tuple(TokenLogprob(t.logprob, tuple(t.top_ids), tuple(t.top_logprobs))
+                           for t in c.logprobs))
     f, s = msg.final, msg.final.stats
     stats = RequestSpecStats(
         steps=s.steps, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,

@@ -16,7 +16,7 @@ from specserve.drafters.registry import DFLASH, NGRAM, NONE
 from specserve.errors import InvalidRequest
 from specserve.models.loader import DTYPES as MODEL_DTYPES
 from specserve.spec.metrics import RequestSpecStats
-from specserve.types import FinishReason, SamplingParams
+from specserve.types import FinishReason, SamplingParams, TokenLogprob
 from specserve.v1 import common_pb2 as pb
 
 _DTYPES = MODEL_DTYPES  # the wire's tensor dtypes are the models'
@@ -49,6 +49,7 @@ def sampling_from_pb(msg: pb.SamplingParams, defaults=None) -> SamplingParams:
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -78,7 +79,19 @@ def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
                             ignore_eos=p.ignore_eos)
     if p.seed is not None:
         msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
     return msg
+
+
+def logprobs_to_pb(logprobs, into) -> None:
+    """TokenLogprobs appended to `into` (a repeated TokenLogprob field); None: nothing."""
+    for t in logprobs or ():
+        into.add(logprob=t.logprob, top_ids=t.top_ids, top_logprobs=t.top_logprobs)
+
+
+def logprobs_from_pb(msgs) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(m.logprob, tuple(m.top_ids), tuple(m.top_logprobs)) for m in msgs)
 
 
 def finish_to_pb(reason: FinishReason | None) -> int:

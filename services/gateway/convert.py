@@ -17,6 +17,8 @@ from services.common.convert import (
     DRAFTER_NAMES,
     finish_from_pb,
     finish_to_pb,
+    logprobs_from_pb,
+    logprobs_to_pb,
     sampling_from_pb,
     sampling_to_pb,
     spec_stats_to_pb,
@@ -24,7 +26,7 @@ from services.common.convert import (
 from specserve.errors import InvalidRequest
 from specserve.spec.metrics import RequestSpecStats
 from specserve.spec.tree import check_budget
-from specserve.types import FinishReason, SamplingParams
+from specserve.types import FinishReason, SamplingParams, TokenLogprob
 from specserve.v1 import common_pb2, gateway_pb2, verifier_pb2
 
 DRAFTER_KINDS = {name: kind for kind, name in DRAFTER_NAMES.items() if name is not None}
@@ -54,6 +56,7 @@ class Step:
     budget: int = 0
     fallback: str = ""
     shape: str = ""  # adaptive speculation's choice ("" = not adaptive)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ def event_from_pb(ev: verifier_pb2.VerifyEvent) -> tuple[Step | None, VerifierFi
     step = None
     if ev.token_ids or ev.commit_len:
         step = Step(tuple(ev.token_ids), ev.commit_len, ev.accepted_depth, ev.tree_size,
-                    ev.budget, ev.fallback, ev.shape)
+                    ev.budget, ev.fallback, ev.shape, logprobs_from_pb(ev.logprobs))
     final = None
     if ev.HasField("final"):
         f = ev.final
@@ -127,9 +130,10 @@ def chunk_to_pb(text: str, step: Step | None) -> gateway_pb2.GenerateResponse:
     """A chunk per verifier step; `step` None for trailing text released at the end."""
     if step is None:
         return gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(text=text))
-    return gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(
-        text=text, token_ids=step.token_ids, commit_len=step.commit_len,
-        accepted_depth=step.accepted_depth))
+    chunk = gateway_pb2.Chunk(text=text, token_ids=step.token_ids, commit_len=step.commit_len,
+                              accepted_depth=step.accepted_depth)
+    logprobs_to_pb(step.logprobs, chunk.logprobs)
+    return gateway_pb2.GenerateResponse(chunk=chunk)
 
 
 def final_to_pb(f: GatewayFinal) -> gateway_pb2.GenerateResponse:

@@ -50,7 +50,8 @@ def body_names(body: dict, chat: bool) -> dict[str, str]:
     if not chat:
         return {}
     legacy = body.get("max_completion_tokens") is None and body.get("max_tokens") is not None
-    return {"prompt": "messages", "max_tokens": "max_tokens" if legacy else "max_completion_tokens"}
+    return {"prompt": "messages", "max_tokens": "max_tokens" if legacy else "max_completion_tokens",
+            "logprobs": "top_logprobs"}
 
 
 def parse(body, chat: bool, model: str, template: ChatTemplate | None,
@@ -139,7 +140,21 @@ def _sampling_params(body: dict, chat: bool, defaults) -> SamplingParams:
         top_k=_top_k(body, defaults),
         top_p=number(body, "top_p", defaults.top_p if defaults else 1.0),
         seed=typed(body, "seed", int, None), stop=tuple(stop or ()),
-        stop_token_ids=_stop_token_ids(body), ignore_eos=typed(body, "ignore_eos", bool, False))
+        stop_token_ids=_stop_token_ids(body), ignore_eos=typed(body, "ignore_eos", bool, False),
+        logprobs=_logprobs(body, chat))
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's logprobs list (None: no logprobs): completions'
+    `logprobs` N; chat's `top_logprobs` N under `logprobs: true`."""
+    if not chat:
+        return typed(body, "logprobs", int, None)
+    top = typed(body, "top_logprobs", int, None)
+    if not typed(body, "logprobs", bool, False):
+        if top:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return None
+    return top or 0
 
 
 def _stop_token_ids(body: dict) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ that names it unless it holds a neutral value (`NEUTRAL`: OpenAI's and vLLM's pa
 specserve does not implement — a penalty, logprobs, guided decoding — whose neutral value asks
 for nothing). Any other field is refused as unknown, as OpenAI's API does: a parameter that
 would change the output is never silently dropped. Values are compared by type as well, so
-`logprobs: 0` (a request for the sampled token's logprob) is not `false`.
+`n: 1.0` is not `1`.
 
 `loads` parses a body (an integer too long to convert becomes a `TooLong`, refused by the check
 of the field that holds it); `check_text` refuses text that is not Unicode; `typed` / `number`
@@ -22,12 +22,13 @@ from services.gateway.openai_errors import ApiError
 _BOTH = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
          "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "drafter",
          "budget"}
-READ = {False: _BOTH | {"prompt"},
-        True: _BOTH | {"messages", "max_completion_tokens", "add_generation_prompt"}}
+READ = {False: _BOTH | {"prompt", "logprobs"},
+        True: _BOTH | {"messages", "max_completion_tokens", "add_generation_prompt", "logprobs",
+                       "top_logprobs"}}
 IGNORED = {"user", "metadata", "store", "service_tier", "request_id"}
 NEUTRAL: dict[str, tuple] = {
-    # OpenAI
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+    # OpenAI (a route that reads a field never looks it up here)
+    "top_logprobs": (None, 0), "echo": (None, False),
     "suffix": (None, ""), "best_of": (None, 1), "n": (None, 1), "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),

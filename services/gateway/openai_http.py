@@ -136,23 +136,30 @@ class OpenAIFront:
             await events.aclose()
 
     async def _whole(self, api: ApiRequest, first, events) -> dict:
-        text = []
+        text, ids, lps = [], [], []
         event = first
         while not isinstance(event, GatewayFinal):
             text.append(event.text)
+            if event.step is not None:
+                ids, lps = ids + list(event.step.token_ids), lps + list(event.step.logprobs)
             event = await anext(events)
-        return out.whole(api, self.model, "".join(text), event)
+        return out.whole(api, self.model, "".join(text), event,
+                         out.logprobs(api, self.pipeline.tokenizer, ids, lps))
 
     async def _sse(self, api: ApiRequest, first, events):
         async with contextlib.aclosing(events):
             if api.chat:
                 yield _data(out.chunk(api, self.model, "", first=True))
-            event = first
+            event, offset = first, 0
             try:
                 while True:
                     if isinstance(event, TextChunk):
-                        if event.text:
-                            yield _data(out.chunk(api, self.model, event.text))
+                        lps = None if event.step is None else out.logprobs(
+                            api, self.pipeline.tokenizer, event.step.token_ids,
+                            event.step.logprobs, offset)
+                        if event.text or lps:
+                            yield _data(out.chunk(api, self.model, event.text, lps=lps))
+                        offset += len(event.text)
                     else:
                         yield _data(out.chunk(api, self.model, "", event))
                         if api.include_usage:

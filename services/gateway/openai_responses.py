@@ -7,13 +7,19 @@ that drafted), draft and accepted tokens, the mean acceptance length (tokens com
 step: accepted drafts + the target's own token), the histogram of committed tokens per step,
 how often each tree depth was accepted, steps that fell back to plain decoding by reason, and
 the phase times.
+
+`logprobs` (when asked) is OpenAI's object for a run of tokens: completions' `tokens`,
+`token_logprobs`, `top_logprobs` (the N best and the chosen token, by text) and `text_offset`;
+chat's `content` list of {token, logprob, bytes, top_logprobs}. A token's text is its own
+decode (U+FFFD for part of a character; `bytes` has its real bytes).
 """
 
 from __future__ import annotations
 
 from services.gateway.convert import GatewayFinal
 from services.gateway.openai_api import ApiRequest
-from specserve.types import FinishReason
+from specserve.tokenizer import Tokenizer
+from specserve.types import FinishReason, TokenLogprob
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
@@ -40,15 +46,39 @@ def speculative_decoding(final: GatewayFinal) -> dict:
     }
 
 
+def logprobs(api: ApiRequest, tokenizer: Tokenizer, ids, lps: list[TokenLogprob],
+             offset: int = 0) -> dict | None:
+    """The logprobs object of tokens `ids` (None when the request asked for none); `offset`:
+    the text's length before them (completions' text_offset)."""
+    if api.request.params.logprobs is None:
+        return None
+    texts = [tokenizer.decode([i]) for i in ids]
+    if api.chat:
+        def entry(token_id: int, text: str, lp: float) -> dict:
+            return {"token": text, "logprob": lp, "bytes": list(tokenizer.token_bytes(token_id))}
+
+        return {"content": [{**entry(i, text, t.logprob), "top_logprobs": [
+            entry(j, tokenizer.decode([j]), v) for j, v in zip(t.top_ids, t.top_logprobs,
+                                                               strict=True)]}
+            for i, text, t in zip(ids, texts, lps, strict=True)]}
+    offsets = [offset + sum(map(len, texts[:k])) for k in range(len(texts))]
+    tops = [{**{tokenizer.decode([j]): v for j, v in zip(t.top_ids, t.top_logprobs,
+                                                         strict=True)}, text: t.logprob}
+            for text, t in zip(texts, lps, strict=True)]
+    return {"tokens": texts, "token_logprobs": [t.logprob for t in lps], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
 def _head(api: ApiRequest, model: str, chunk: bool) -> dict:
     kind = ("chat.completion" if api.chat else "text_completion") + \
         (".chunk" if chunk and api.chat else "")
     return {"id": api.id, "object": kind, "created": api.created, "model": model}
 
 
-def whole(api: ApiRequest, model: str, text: str, final: GatewayFinal) -> dict:
-    """The non-streamed response."""
-    choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason(final.finish_reason)}
+def whole(api: ApiRequest, model: str, text: str, final: GatewayFinal,
+          lps: dict | None = None) -> dict:
+    """The non-streamed response (`lps`: its logprobs object)."""
+    choice = {"index": 0, "logprobs": lps, "finish_reason": finish_reason(final.finish_reason)}
     if api.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -58,10 +88,11 @@ def whole(api: ApiRequest, model: str, text: str, final: GatewayFinal) -> dict:
 
 
 def chunk(api: ApiRequest, model: str, text: str, final: GatewayFinal | None = None,
-          first: bool = False) -> dict:
-    """A stream chunk: a text delta; with `final`, the finishing one (its reason and stats);
-    `first` (chat): the delta that names the assistant role."""
-    choice = {"index": 0, "logprobs": None,
+          first: bool = False, lps: dict | None = None) -> dict:
+    """A stream chunk: a text delta (`lps`: its tokens' logprobs object); with `final`, the
+    finishing one (its reason and stats); `first` (chat): the delta that names the assistant
+    role."""
+    choice = {"index": 0, "logprobs": lps,
               "finish_reason": finish_reason(final.finish_reason) if final else None}
     if api.chat:
         choice["delta"] = {"role": "assistant", "content": text} if first else \

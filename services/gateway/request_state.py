@@ -48,7 +48,8 @@ class RequestState:
             delta, stopped = self.stopper.feed(self.detok.push(step.token_ids[n - 1:n]))
             text += delta
         self.completion_tokens += n
-        return text, replace(step, token_ids=step.token_ids[:n]), stopped
+        return text, replace(step, token_ids=step.token_ids[:n],
+                             logprobs=step.logprobs[:n]), stopped
 
     def tail(self) -> tuple[str, bool]:
         """Held-back text at the end of generation."""

@@ -16,6 +16,7 @@ from services.common.convert import (
     DRAFTER_NAMES,
     check_stop,
     finish_to_pb,
+    logprobs_to_pb,
     sampling_from_pb,
     spec_stats_to_pb,
     tensor_to_pb,
@@ -94,6 +95,7 @@ def verify_event_to_pb(item, wall_s: float) -> verifier_pb2.VerifyEvent:
     """A request's `StepEvent` (services/verifier/loop.py): its step, and on the last one the
     final (`wall_s`: the request's time so far)."""
     event = step_event_to_pb(item.output.new_token_ids, item.step)
+    logprobs_to_pb(item.output.logprobs, event.logprobs)
     if item.output.finished:
         final_to_pb(event, item.output, item.stats, wall_s)
     return event

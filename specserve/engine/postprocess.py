@@ -20,7 +20,7 @@ import torch
 from specserve.engine import isolation, speculative
 from specserve.engine.isolation import StepBatch
 from specserve.engine.speculative import Planned
-from specserve.sampling import sample_rows
+from specserve.sampling import sample_rows, token_logprobs
 from specserve.spec.accept import accept
 from specserve.types import RequestOutput
 
@@ -84,7 +84,12 @@ def _commit_tree(engine: Engine, p: Planned, logits: torch.Tensor, batch: StepBa
         keep = torch.tensor([0, *acc.rows], device=feats.device) + (end - n)
         seq.pending_context.append(feats.index_select(0, keep))  # [1 + accepted, F]
     seq.num_computed = p.start + 1 + acc.accepted_depth
-    return acc, engine.commit_tokens(seq, acc.token_ids), s, d
+    out = engine.commit_tokens(seq, acc.token_ids)
+    if seq.params.logprobs is not None:  # token k was chosen by the row of path node k - 1
+        rows = torch.tensor([0, *acc.rows][: len(out.new_token_ids)], device=logits.device)
+        out.logprobs = token_logprobs(logits.index_select(0, rows), out.new_token_ids,
+                                      seq.params.logprobs)
+    return acc, out, s, d
 
 
 def end_chunks(engine: Engine, batch: StepBatch, verify_s: float) -> list[RequestOutput]:
@@ -100,7 +105,10 @@ def end_chunks(engine: Engine, batch: StepBatch, verify_s: float) -> list[Reques
         seq, row = batch.chunks[i].seq, offset + j
         try:
             token = sample_rows(batch.logits[row : row + 1], seq.params, seq.generator)
-            outputs.append(engine.commit_tokens(seq, token))
+            outputs.append(out := engine.commit_tokens(seq, token))
+            if seq.params.logprobs is not None:
+                out.logprobs = token_logprobs(batch.logits[row : row + 1], token,
+                                              seq.params.logprobs)
         except Exception as e:  # this request's failure ends it alone
             outputs.append(isolation.fail(engine, seq, e))
     return outputs

@@ -270,3 +270,31 @@ async def test_a_refused_request_is_traced_with_its_error():
     (span,) = exporter.get_finished_spans()
     assert status == 400 and span.status.status_code is StatusCode.ERROR
     assert span.status.description.startswith("HTTP 400: temperature must be in [0, ")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [False, True])
+async def test_logprobs_ride_on_each_chunk_and_the_whole_response(stream):
+    from services.gateway.convert import Step
+    from specserve.demo import default_pair
+    from specserve.tokenizer import Tokenizer
+    from specserve.types import TokenLogprob
+
+    lp = [TokenLogprob(-0.1 * k, (t,), (-0.1 * k,)) for k, t in ((1, 2028), (2, 285), (3, 282))]
+    steps = [TextChunk("The", Step((2028,), 1, 0, logprobs=tuple(lp[:1]))),
+             TextChunk(" cat", Step((285, 282), 2, 1, logprobs=tuple(lp[1:])))]
+    pipeline = ScriptedPipeline(*steps, FINAL)
+    pipeline.tokenizer = Tokenizer.from_dir(default_pair()[0])
+    status, raw = await _asgi(pipeline, "/v1/completions",
+                              {**BODY, "logprobs": 1, "stream": stream})
+    assert status == 200
+    if stream:
+        events = [json.loads(line[6:]) for line in raw.decode().splitlines()
+                  if line.startswith("data: {")]
+        lps = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+        assert [lp["tokens"] for lp in lps] == [["The"], [" c", "at"]]
+        assert [lp["text_offset"] for lp in lps] == [[0], [3, 5]]
+    else:
+        lp = json.loads(raw)["choices"][0]["logprobs"]
+        assert lp["tokens"] == ["The", " c", "at"] and lp["token_logprobs"] == \
+            pytest.approx([-0.1, -0.2, -0.3])

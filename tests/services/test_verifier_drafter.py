@@ -127,7 +127,7 @@ async def test_fake_drafter_speculates_after_entry_errors(target, expected):
     assert max(e.commit_len for e in events[3:]) > 1 and not fake.inconsistent
     final = events[-1].final.stats
     assert final.accepted_tokens > 0 and final.mean_commit_len > 1
-    assert final.fallbacks["drafter_entry_error: injected"] == 2
+    assert final.fallbacks == {"drafter_entry_error": 2}  # by kind; the reason is on the step
     assert all(e.budget == 16 for e in clamped[1:])
     assert all(e.budget == 0 and not e.fallback for e in plain)
     assert _tokens(plain) == _tokens(clamped) == expected(REPETITIVE, 10)

@@ -11,6 +11,7 @@ from services.gateway import openai_responses as out
 from services.gateway.convert import GatewayFinal
 from services.gateway.openai_api import ApiError, parse
 from specserve.chat_template import ChatTemplate
+from specserve.demo import default_pair
 from specserve.models.config import GenerationDefaults
 from specserve.spec.metrics import RequestSpecStats
 from specserve.types import FinishReason, SamplingParams
@@ -64,7 +65,7 @@ def test_chat_renders_the_template_and_prefers_max_completion_tokens():
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"n": 2}, 400, "n"), ({"logprobs": 1}, 400, "logprobs"), ({"echo": True}, 400, "echo"),
+    ({"n": 2}, 400, "n"), ({"logprobs": 21}, 400, "logprobs"), ({"echo": True}, 400, "echo"),
     ({"presence_penalty": 0.5}, 400, "presence_penalty"), ({"best_of": 3}, 400, "best_of"),
     ({"model": "gpt-4o"}, 404, "model"), ({"prompt": ""}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"), ({"prompt": [1, True]}, 400, "prompt"),
@@ -78,7 +79,7 @@ def test_chat_renders_the_template_and_prefers_max_completion_tokens():
     ({"repetition_penalty": 2.0}, 400, "repetition_penalty"), ({"min_p": 0.9}, 400, "min_p"),
     ({"guided_json": {"type": "object"}}, 400, "guided_json"), ({"min_tokens": 5}, 400,
                                                                   "min_tokens"),
-    ({"logprobs": 0}, 400, "logprobs"), ({"structured_outputs": {"regex": "a"}}, 400,
+    ({"logprobs": True}, 400, "logprobs"), ({"structured_outputs": {"regex": "a"}}, 400,
                                          "structured_outputs"),
     ({"temprature": 0.5}, 400, "temprature"), ({"model": 123}, 400, "model"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, 400, "include_usage"),
@@ -105,6 +106,43 @@ def test_neutral_values_and_bookkeeping_fields_are_taken():
     assert (api.request.params, api.request.keep_special_tokens) == (plain.params, False)
     chat = _chat(logprobs=False, tool_choice="none", parallel_tool_calls=True)
     assert chat.request.params == _chat().request.params
+
+
+def test_logprobs_of_completions_and_chat():
+    assert _completion(logprobs=0).request.params.logprobs == 0
+    assert _completion(logprobs=5).request.params.logprobs == 5
+    assert _completion().request.params.logprobs is None
+    assert _chat(logprobs=True).request.params.logprobs == 0
+    assert _chat(logprobs=True, top_logprobs=4).request.params.logprobs == 4
+    assert _chat(logprobs=False, top_logprobs=0).request.params.logprobs is None
+    for body, message in (({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+                          ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be"),
+                          ({"logprobs": 3}, "logprobs must be bool")):
+        with pytest.raises(ApiError) as e:
+            _chat(**body)
+        assert e.value.message.startswith(message) and e.value.param == next(iter(body)) \
+            if len(body) == 1 else e.value.param == "top_logprobs"
+
+
+def test_logprobs_objects():
+    from specserve.tokenizer import Tokenizer
+    from specserve.types import TokenLogprob
+
+    tok = Tokenizer.from_dir(default_pair()[0])
+    ids = tok.encode("The cat é")  # "é" is two byte-level tokens
+    lps = [TokenLogprob(-0.5 - k, (i, 7), (-0.25, -2.0)) for k, i in enumerate(ids)]
+    comp = out.logprobs(_completion(logprobs=2), tok, ids, lps, offset=10)
+    assert comp["tokens"] == ["The", " c", "at", " ", "\ufffd", "\ufffd"]
+    assert comp["token_logprobs"] == [-0.5, -1.5, -2.5, -3.5, -4.5, -5.5]
+    assert comp["text_offset"] == [10, 13, 15, 17, 18, 19]
+    assert comp["top_logprobs"][1] == {" c": -1.5, tok.decode([7]): -2.0}
+    chat = out.logprobs(_chat(logprobs=True, top_logprobs=2), tok, ids, lps)["content"]
+    assert [c["token"] for c in chat][:3] == ["The", " c", "at"]
+    assert bytes(chat[4]["bytes"] + chat[5]["bytes"]).decode() == "é"
+    assert chat[0]["top_logprobs"] == [{"token": "The", "logprob": -0.25, "bytes": list(b"The")},
+                                       {"token": tok.decode([7]), "logprob": -2.0,
+                                        "bytes": list(tok.token_bytes(7))}]
+    assert out.logprobs(_completion(), tok, ids, lps) is None
 
 
 def test_stop_token_ids_and_kept_special_tokens():

@@ -1,0 +1,76 @@
+"""Generated tokens' logprobs (SamplingParams.logprobs) against transformers.
+
+The demo pair on predictable text commits several tokens a step (DFlash trees, and the token
+sampled at the end of the prompt), so each token's logprob must come from the logits row that
+chose it: the oracle is transformers' forward over prompt + generated tokens, log-softmax at
+the position before each one, greedy and sampled, with the top alternatives and their order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import EngineConfig
+from specserve.demo import default_pair
+from specserve.drafters.dflash import DFlashDrafter
+from specserve.engine.engine import Engine
+from specserve.errors import InvalidRequest
+from specserve.models.dflash import load_dflash
+from specserve.types import SamplingParams
+
+TARGET, DRAFTER = default_pair()
+pytestmark = pytest.mark.skipif(TARGET is None, reason="the demo pair is not checked out")
+PROMPT = "The cat sat on the mat. The dog sat on the log. " * 3 + "The cat"
+
+
+def _run(params: SamplingParams):
+    engine = Engine(EngineConfig(TARGET, max_draft_tokens=16))
+    engine.set_drafter(DFlashDrafter(load_dflash(DRAFTER, TARGET), num_pages=256))
+    engine.add_request("r", PROMPT, params, budget=15)
+    tokens, logprobs, steps = [], [], 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens += out.new_token_ids
+            logprobs += out.logprobs
+            steps += 1
+    return engine, tokens, logprobs, steps
+
+
+@pytest.fixture(scope="module")
+def hf():
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(TARGET, torch_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=30, ignore_eos=True, logprobs=3),
+    SamplingParams(max_tokens=30, ignore_eos=True, logprobs=0, temperature=0.9, seed=11)],
+    ids=["greedy", "sampled"])
+def test_each_tokens_logprob_is_the_targets(hf, params):
+    engine, tokens, got, steps = _run(params)
+    assert len(got) == len(tokens) == 30 and steps < 20  # several tokens a step
+    prompt = engine.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens])).logits[0].float()
+    want = torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)  # [30, V]
+    chosen = want.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([t.logprob for t in got]), chosen, atol=2e-4)
+    for k, t in enumerate(got):
+        assert len(t.top_ids) == len(t.top_logprobs) == params.logprobs
+        if t.top_ids:
+            values, ids = want[k].topk(params.logprobs)
+            assert list(t.top_ids) == ids.tolist()
+            assert torch.allclose(torch.tensor(t.top_logprobs), values, atol=2e-4)
+    if params.greedy:  # greedy picks the most likely token
+        assert all(t.top_ids[0] == tok for t, tok in zip(got, tokens, strict=True))
+
+
+def test_without_logprobs_none_are_computed():
+    engine = Engine(EngineConfig(TARGET))
+    engine.add_request("r", "The cat", SamplingParams(max_tokens=3))
+    outs = [o for _ in range(5) if engine.has_unfinished for o in engine.step()]
+    assert outs and all(o.logprobs is None for o in outs)
+    for bad in (-1, 21, True, 2.0):
+        with pytest.raises(InvalidRequest, match="logprobs"):
+            SamplingParams(logprobs=bad)
