@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.common.convert import DRAFTER_NAMES
 from services.gateway.convert import GatewayRequest, checked_budget, verify_request_to_pb
@@ -28,20 +28,31 @@ from services.gateway.openai_fields import (
 )
 from specserve.chat_template import ChatTemplate, normalize_messages
 from specserve.errors import InvalidRequest
-from specserve.types import SamplingParams
+from specserve.types import UINT64_MAX, SamplingParams
 
 DRAFTERS = sorted(n for n in DRAFTER_NAMES.values() if n is not None)  # dflash, ngram, none
 
 
+MAX_CHOICES = 64  # n × prompts of one request: each is a request of its own at the verifier
+
+
 @dataclass(frozen=True)
 class ApiRequest:
-    request: GatewayRequest
+    """A parsed body: one GatewayRequest per choice — prompt i's choice j at index i * n + j."""
+
+    requests: tuple[GatewayRequest, ...]
+    n: int  # choices per prompt
     chat: bool
     stream: bool
     include_usage: bool
     id: str  # "cmpl-…" / "chatcmpl-…"
     created: int
     names: dict[str, str] = field(default_factory=dict, hash=False)  # see `body_names`
+
+    @property
+    def request(self) -> GatewayRequest:
+        """The first choice's (every choice has the same sampling parameters but its seed)."""
+        return self.requests[0]
 
 
 def body_names(body: dict, chat: bool) -> dict[str, str]:
@@ -76,18 +87,39 @@ def _parse(body: dict, chat: bool, model: str, template, defaults,
                        f"this gateway serves {model!r}", "not_found_error", "model",
                        "model_not_found")
     check_fields(body, chat)
-    prompt = _chat_prompt(body, template) if chat else _completion_prompt(body.get("prompt"))
+    prompts = [_chat_prompt(body, template)] if chat else _completion_prompts(body.get("prompt"))
     stream = typed(body, "stream", bool, False)
     include_usage = _include_usage(body, stream)
+    n = _n(body, len(prompts))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # the response's id too
-    request = GatewayRequest(
-        rid, prompt if isinstance(prompt, str) else None,
-        tuple(prompt) if isinstance(prompt, list) else None, _sampling_params(body, chat,
-                                                                               defaults),
-        _drafter(body), _budget(body),
-        keep_special_tokens=not typed(body, "skip_special_tokens", bool, True))
-    verify_request_to_pb(request, [])  # what the verifier will get converts (else a 400)
-    return ApiRequest(request, chat, stream, include_usage, rid, int(time.time()), names)
+    params = _sampling_params(body, chat, defaults)
+    drafter, budget = _drafter(body), _budget(body)
+    keep = not typed(body, "skip_special_tokens", bool, True)
+    requests = []
+    for k in range(len(prompts) * n):  # choice j of a seeded request: seed + j
+        prompt, seed = prompts[k // n], params.seed
+        request = GatewayRequest(
+            rid if len(prompts) * n == 1 else f"{rid}-{k}",
+            prompt if isinstance(prompt, str) else None,
+            tuple(prompt) if isinstance(prompt, list) else None,
+            params if seed is None else replace(params, seed=(seed + k % n) % (UINT64_MAX + 1)),
+            drafter, budget, keep_special_tokens=keep)
+        verify_request_to_pb(request, [])  # what the verifier will get converts (else a 400)
+        requests.append(request)
+    return ApiRequest(tuple(requests), n, chat, stream, include_usage, rid, int(time.time()),
+                      names)
+
+
+def _n(body: dict, prompts: int) -> int:
+    """Choices per prompt: `n` (best_of, if given, must equal it)."""
+    n = typed(body, "n", int, 1)
+    if not 1 <= n * prompts <= MAX_CHOICES:
+        raise ApiError(400, f"n × prompts must be in [1, {MAX_CHOICES}], got {n} × {prompts}",
+                       param="n")
+    if typed(body, "best_of", int, n) != n:
+        raise ApiError(400, "best_of other than n is not supported by specserve",
+                       param="best_of")
+    return n
 
 
 def _include_usage(body: dict, stream: bool) -> bool:
@@ -103,16 +135,16 @@ def _include_usage(body: dict, stream: bool) -> bool:
     return typed(options, "include_usage", bool, False)
 
 
-def _completion_prompt(prompt) -> str | list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    raise ApiError(400, "prompt must be a non-empty string or token-id list (one prompt per "
-                   "request)", param="prompt")
+def _completion_prompts(prompt) -> list[str | list[int]]:
+    """The prompts: a string, a token-id list, or a batch (a list of either)."""
+    batch = prompt if isinstance(prompt, list) and prompt and all(
+        isinstance(p, str | list) for p in prompt) else [prompt]
+    for p in batch:
+        if not (isinstance(p, str) and p) and not (isinstance(p, list) and p and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p)):
+            raise ApiError(400, "prompt must be a non-empty string or token-id list, or a "
+                           "list of them", param="prompt")
+    return batch
 
 
 def _chat_prompt(body: dict, template: ChatTemplate | None) -> str:

@@ -21,15 +21,15 @@ from services.gateway.openai_errors import ApiError
 
 _BOTH = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
          "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "drafter",
-         "budget"}
-READ = {False: _BOTH | {"prompt", "logprobs"},
+         "budget", "n"}
+READ = {False: _BOTH | {"prompt", "logprobs", "best_of"},
         True: _BOTH | {"messages", "max_completion_tokens", "add_generation_prompt", "logprobs",
                        "top_logprobs"}}
 IGNORED = {"user", "metadata", "store", "service_tier", "request_id"}
 NEUTRAL: dict[str, tuple] = {
     # OpenAI (a route that reads a field never looks it up here)
     "top_logprobs": (None, 0), "echo": (None, False),
-    "suffix": (None, ""), "best_of": (None, 1), "n": (None, 1), "logit_bias": (None, {}),
+    "suffix": (None, ""), "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),

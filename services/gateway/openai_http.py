@@ -21,7 +21,6 @@ response carries the trace id in the `x-specserve-trace-id` header.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
@@ -35,11 +34,12 @@ from starlette.routing import Route
 
 from services.common import telemetry
 from services.gateway import openai_responses as out
+from services.gateway.choices import Choices
 from services.gateway.convert import TRACE_ID_KEY, GatewayFinal
 from services.gateway.openai_api import ApiRequest, parse
 from services.gateway.openai_errors import ApiError
 from services.gateway.openai_fields import loads
-from services.gateway.pipeline import GenerationFailed, Pipeline, TextChunk
+from services.gateway.pipeline import GenerationFailed, Pipeline
 
 API = "openai"  # the `api` label of specserve_gateway_requests_total
 SHUTTING_DOWN = "the gateway is shutting down"
@@ -118,57 +118,70 @@ class OpenAIFront:
             span.set_status(Status(StatusCode.ERROR, f"HTTP {api.status}: {api.message[:300]}"))
             span.end()
             return _error(api, headers)
-        events = self.pipeline.run(lambda: api.request, span, None, API)
-        try:  # the first event, or the error that came instead: answered with its status
-            first = await _unless_disconnect(request, anext(events))
-        except (GenerationFailed, StopAsyncIteration, Disconnected) as e:
-            await events.aclose()
+        spans = [span, *(self.pipeline.start_span(request.headers.items())
+                         for _ in api.requests[1:])]
+        choices = Choices([self.pipeline.run(lambda r=r: r, s, None, API)
+                           for r, s in zip(api.requests, spans, strict=True)])
+        try:  # every choice's first event, or the error that came instead: its status
+            await _unless_disconnect(request, choices.start())
+        except (GenerationFailed, Disconnected) as e:
+            await choices.aclose()
             return _failed(e, headers, api)
+        except BaseException:  # cancelled (the server's shutdown)
+            await choices.aclose()
+            raise
         if api.stream:
-            return StreamingResponse(self._sse(api, first, events), headers=headers,
+            return StreamingResponse(self._sse(api, choices), headers=headers,
                                      media_type="text/event-stream")
         try:
             return JSONResponse(await _unless_disconnect(
-                request, self._whole(api, first, events)), headers=headers)
+                request, self._whole(api, choices)), headers=headers)
         except (GenerationFailed, Disconnected) as e:
             return _failed(e, headers, api)
         finally:
-            await events.aclose()
+            await choices.aclose()
 
-    async def _whole(self, api: ApiRequest, first, events) -> dict:
-        text, ids, lps = [], [], []
-        event = first
-        while not isinstance(event, GatewayFinal):
-            text.append(event.text)
+    async def _whole(self, api: ApiRequest, choices: Choices) -> dict:
+        n = len(api.requests)
+        text, ids, lps, finals = [[] for _ in range(n)], [[] for _ in range(n)], \
+            [[] for _ in range(n)], [None] * n
+        async for k, event in choices.events():
+            if isinstance(event, GatewayFinal):
+                finals[k] = event
+                continue
+            text[k].append(event.text)
             if event.step is not None:
-                ids, lps = ids + list(event.step.token_ids), lps + list(event.step.logprobs)
-            event = await anext(events)
-        return out.whole(api, self.model, "".join(text), event,
-                         out.logprobs(api, self.pipeline.tokenizer, ids, lps))
+                ids[k] += event.step.token_ids
+                lps[k] += event.step.logprobs
+        return out.whole(api, self.model, ["".join(t) for t in text], finals,
+                         [out.logprobs(api, self.pipeline.tokenizer, i, lp)
+                          for i, lp in zip(ids, lps, strict=True)])
 
-    async def _sse(self, api: ApiRequest, first, events):
-        async with contextlib.aclosing(events):
+    async def _sse(self, api: ApiRequest, choices: Choices):
+        try:
             if api.chat:
-                yield _data(out.chunk(api, self.model, "", first=True))
-            event, offset = first, 0
+                for k in range(len(api.requests)):
+                    yield _data(out.chunk(api, self.model, "", first=True, index=k))
+            offsets, finals = [0] * len(api.requests), [None] * len(api.requests)
             try:
-                while True:
-                    if isinstance(event, TextChunk):
-                        lps = None if event.step is None else out.logprobs(
-                            api, self.pipeline.tokenizer, event.step.token_ids,
-                            event.step.logprobs, offset)
-                        if event.text or lps:
-                            yield _data(out.chunk(api, self.model, event.text, lps=lps))
-                        offset += len(event.text)
-                    else:
-                        yield _data(out.chunk(api, self.model, "", event))
-                        if api.include_usage:
-                            yield _data(out.usage_chunk(api, self.model, event))
-                        break
-                    event = await anext(events)
+                async for k, event in choices.events():
+                    if isinstance(event, GatewayFinal):
+                        finals[k] = event
+                        yield _data(out.chunk(api, self.model, "", event, index=k))
+                        continue
+                    lps = None if event.step is None else out.logprobs(
+                        api, self.pipeline.tokenizer, event.step.token_ids,
+                        event.step.logprobs, offsets[k])
+                    if event.text or lps:
+                        yield _data(out.chunk(api, self.model, event.text, lps=lps, index=k))
+                    offsets[k] += len(event.text)
+                if api.include_usage:
+                    yield _data(out.usage_chunk(api, self.model, finals))
             except GenerationFailed as e:
                 yield _data(ApiError.of_grpc(e.code, e.message, api.names).body())
             yield "data: [DONE]\n\n"
+        finally:
+            await choices.aclose()
 
     def _count(self, code: str) -> None:
         if self.pipeline.metrics is not None:
@@ -193,10 +206,8 @@ async def _no_route(request: Request, exc: HTTPException) -> JSONResponse:
 def _failed(e: Exception, headers: dict, api: ApiRequest) -> JSONResponse:
     if isinstance(e, GenerationFailed):
         return _error(ApiError.of_grpc(e.code, e.message, api.names), headers)
-    if isinstance(e, Disconnected):  # nobody reads it; the status is for the access log
-        return _error(ApiError(499, "client disconnected", "cancelled"), headers)
-    return _error(ApiError(500, "the generation ended without a result", "internal_error"),
-                  headers)
+    # Disconnected: nobody reads it; the status is for the access log
+    return _error(ApiError(499, "client disconnected", "cancelled"), headers)
 
 
 async def _read_json(request: Request, limit: int):

@@ -26,9 +26,12 @@ def finish_reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else ("length" if reason is FinishReason.LENGTH else "stop")
 
 
-def usage(final: GatewayFinal) -> dict:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens}
+def usage(api: ApiRequest, finals: list[GatewayFinal]) -> dict:
+    """The tokens of all choices; each prompt counted once, whatever its `n`."""
+    prompt = sum(f.prompt_tokens for f in finals[::api.n])
+    completion = sum(f.completion_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 def speculative_decoding(final: GatewayFinal) -> dict:
@@ -75,24 +78,33 @@ def _head(api: ApiRequest, model: str, chunk: bool) -> dict:
     return {"id": api.id, "object": kind, "created": api.created, "model": model}
 
 
-def whole(api: ApiRequest, model: str, text: str, final: GatewayFinal,
-          lps: dict | None = None) -> dict:
-    """The non-streamed response (`lps`: its logprobs object)."""
-    choice = {"index": 0, "logprobs": lps, "finish_reason": finish_reason(final.finish_reason)}
-    if api.chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return {**_head(api, model, False), "choices": [choice], "usage": usage(final),
-            "speculative_decoding": speculative_decoding(final)}
+def whole(api: ApiRequest, model: str, texts: list[str], finals: list[GatewayFinal],
+          lps: list[dict | None]) -> dict:
+    """The non-streamed response: a choice per request (`lps`: each one's logprobs object).
+    One choice's stats are the response's `speculative_decoding`; several choices carry their
+    own."""
+    choices = []
+    for k, (text, final, lp) in enumerate(zip(texts, finals, lps, strict=True)):
+        choice = {"index": k, "logprobs": lp, "finish_reason": finish_reason(final.finish_reason)}
+        if api.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if len(finals) > 1:
+            choice["speculative_decoding"] = speculative_decoding(final)
+        choices.append(choice)
+    body = {**_head(api, model, False), "choices": choices, "usage": usage(api, finals)}
+    if len(finals) == 1:
+        body["speculative_decoding"] = speculative_decoding(finals[0])
+    return body
 
 
 def chunk(api: ApiRequest, model: str, text: str, final: GatewayFinal | None = None,
-          first: bool = False, lps: dict | None = None) -> dict:
-    """A stream chunk: a text delta (`lps`: its tokens' logprobs object); with `final`, the
-    finishing one (its reason and stats); `first` (chat): the delta that names the assistant
-    role."""
-    choice = {"index": 0, "logprobs": lps,
+          first: bool = False, lps: dict | None = None, index: int = 0) -> dict:
+    """A stream chunk of choice `index`: a text delta (`lps`: its tokens' logprobs object); with
+    `final`, the choice's finishing one (its reason and stats); `first` (chat): the delta that
+    names the assistant role."""
+    choice = {"index": index, "logprobs": lps,
               "finish_reason": finish_reason(final.finish_reason) if final else None}
     if api.chat:
         choice["delta"] = {"role": "assistant", "content": text} if first else \
@@ -107,9 +119,9 @@ def chunk(api: ApiRequest, model: str, text: str, final: GatewayFinal | None = N
     return body
 
 
-def usage_chunk(api: ApiRequest, model: str, final: GatewayFinal) -> dict:
-    """The last chunk when stream_options.include_usage: no choices, the usage."""
-    return {**_head(api, model, True), "choices": [], "usage": usage(final)}
+def usage_chunk(api: ApiRequest, model: str, finals: list[GatewayFinal]) -> dict:
+    """The last chunk when stream_options.include_usage: no choices, the usage of all."""
+    return {**_head(api, model, True), "choices": [], "usage": usage(api, finals)}
 
 
 def models(model: str, created: int) -> dict:

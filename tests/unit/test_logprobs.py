@@ -24,9 +24,11 @@ pytestmark = pytest.mark.skipif(TARGET is None, reason="the demo pair is not che
 PROMPT = "The cat sat on the mat. The dog sat on the log. " * 3 + "The cat"
 
 
-def _run(params: SamplingParams):
-    engine = Engine(EngineConfig(TARGET, max_draft_tokens=16))
-    engine.set_drafter(DFlashDrafter(load_dflash(DRAFTER, TARGET), num_pages=256))
+def _run(params: SamplingParams, device: str = "cpu", dtype: str = "float32"):
+    cfg = EngineConfig(TARGET, max_draft_tokens=16, device=device, dtype=dtype)
+    engine = Engine(cfg)
+    engine.set_drafter(DFlashDrafter(load_dflash(DRAFTER, TARGET, cfg.dtype, cfg.device),
+                                     num_pages=256))
     engine.add_request("r", PROMPT, params, budget=15)
     tokens, logprobs, steps = [], [], 0
     while engine.has_unfinished:
@@ -74,3 +76,19 @@ def test_without_logprobs_none_are_computed():
     for bad in (-1, 21, True, 2.0):
         with pytest.raises(InvalidRequest, match="logprobs"):
             SamplingParams(logprobs=bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_in_bfloat16(hf):
+    """CUDA graphs, fused kernels, bf16 logits: each logprob within bf16's error of
+    transformers' (float32) on the same tokens; greedy's choice is the most likely token."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True, logprobs=2)
+    engine, tokens, got, steps = _run(params, "cuda", "bfloat16")
+    assert len(got) == 30 and steps < 20
+    prompt = engine.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens])).logits[0].float()
+    want = torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)
+    chosen = want.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([t.logprob for t in got]), chosen, atol=0.15)
+    assert all(t.top_ids[0] == tok for t, tok in zip(got, tokens, strict=True))

@@ -65,10 +65,10 @@ def test_chat_renders_the_template_and_prefers_max_completion_tokens():
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"n": 2}, 400, "n"), ({"logprobs": 21}, 400, "logprobs"), ({"echo": True}, 400, "echo"),
+    ({"n": 100}, 400, "n"), ({"logprobs": 21}, 400, "logprobs"), ({"echo": True}, 400, "echo"),
     ({"presence_penalty": 0.5}, 400, "presence_penalty"), ({"best_of": 3}, 400, "best_of"),
     ({"model": "gpt-4o"}, 404, "model"), ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"), ({"prompt": [1, True]}, 400, "prompt"),
+    ({"prompt": ["a", 3]}, 400, "prompt"), ({"prompt": [1, True]}, 400, "prompt"),
     ({"max_tokens": "9"}, 400, "max_tokens"), ({"max_tokens": 0}, 400, "max_tokens"),
     ({"temperature": -1}, 400, "temperature"), ({"top_p": 1.5}, 400, "top_p"),
     ({"stop": [3]}, 400, "stop"), ({"stream_options": {"include_usage": True}}, 400,
@@ -179,7 +179,7 @@ def _final(reason=FinishReason.LENGTH) -> GatewayFinal:
 
 def test_response_shapes():
     api, final = _completion(), _final()
-    body = out.whole(api, MODEL, "text!", final)
+    body = out.whole(api, MODEL, ["text!"], [final], [None])
     assert body["choices"] == [{"index": 0, "logprobs": None, "finish_reason": "length",
                                 "text": "text!"}]
     assert body["usage"] == {"prompt_tokens": 17, "completion_tokens": 14, "total_tokens": 31}
@@ -196,6 +196,29 @@ def test_response_shapes():
     assert last["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": "stop",
                                   "delta": {}}
     assert "speculative_decoding" in last
-    assert out.usage_chunk(chat, MODEL, final)["choices"] == []
-    assert out.whole(_chat(), MODEL, "ok", final)["choices"][0]["message"] == {
+    assert out.usage_chunk(chat, MODEL, [final])["choices"] == []
+    assert out.whole(_chat(), MODEL, ["ok"], [final], [None])["choices"][0]["message"] == {
         "role": "assistant", "content": "ok"}
+
+
+def test_several_choices():
+    """n per prompt and a batch of prompts: a request per choice, seeds apart, usage counting
+    each prompt once."""
+    api = _completion(prompt=["a b", [5, 6, 7]], n=3, seed=2**64 - 2, temperature=0.8)
+    assert api.n == 3 and len(api.requests) == 6
+    assert [r.text for r in api.requests] == ["a b"] * 3 + [None] * 3
+    assert api.requests[4].token_ids == (5, 6, 7)
+    assert [r.params.seed for r in api.requests] == [2**64 - 2, 2**64 - 1, 0] * 2
+    assert len({r.request_id for r in api.requests}) == 6
+    assert all(r.request_id.startswith(api.id + "-") for r in api.requests)
+    one = _completion()
+    assert one.request.request_id == one.id
+    finals = [_final()] * 6
+    body = out.whole(api, MODEL, [f"t{k}" for k in range(6)], finals, [None] * 6)
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    assert body["usage"] == {"prompt_tokens": 34, "completion_tokens": 84, "total_tokens": 118}
+    assert "speculative_decoding" in body["choices"][5] and "speculative_decoding" not in body
+    for bad in ({"n": 0}, {"n": 65}, {"n": 2, "best_of": 3}, {"prompt": ["a", ""]}):
+        with pytest.raises(ApiError) as e:
+            _completion(**bad)
+        assert e.value.param in ("n", "best_of", "prompt")
