@@ -115,13 +115,13 @@ def test_logprobs_of_completions_and_chat():
     assert _chat(logprobs=True).request.params.logprobs == 0
     assert _chat(logprobs=True, top_logprobs=4).request.params.logprobs == 4
     assert _chat(logprobs=False, top_logprobs=0).request.params.logprobs is None
-    for body, message in (({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
-                          ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be"),
-                          ({"logprobs": 3}, "logprobs must be bool")):
+    for body, message, param in (
+            ({"top_logprobs": 2}, "top_logprobs needs logprobs: true", "top_logprobs"),
+            ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be", "top_logprobs"),
+            ({"logprobs": 3}, "logprobs must be bool", "logprobs")):
         with pytest.raises(ApiError) as e:
             _chat(**body)
-        assert e.value.message.startswith(message) and e.value.param == next(iter(body)) \
-            if len(body) == 1 else e.value.param == "top_logprobs"
+        assert e.value.message.startswith(message) and e.value.param == param
 
 
 def test_logprobs_objects():
