@@ -6,8 +6,9 @@ order they arrive, tagged with the choice's index.
 `start()` waits until every choice has its first event (so the response's HTTP status is known)
 or raises the first error instead; `events()` then yields (index, event) — the held first events,
 then the rest — until every choice has sent its final, raising the first error a choice ends in.
-`aclose()` cancels what still runs: each choice's verifier call is cancelled and its request
-freed there, as when a client disconnects from a single generation.
+`aclose()` cancels the choices still generating — each one's verifier call is cancelled and
+its request freed there, as when a client disconnects — and waits for the finished ones to end
+their verifier call.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ class Choices:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks = [asyncio.ensure_future(self._pump(k, s)) for k, s in enumerate(streams)]
         self._held: list[tuple[int, object]] = []
+        self._finished: set[int] = set()  # choices whose final was sent
 
     async def _pump(self, k: int, stream: AsyncIterator) -> None:
         event = None
         try:
             async for event in stream:
                 self._queue.put_nowait((k, event))
+                if isinstance(event, GatewayFinal):
+                    self._finished.add(k)
         except Exception as e:  # noqa: BLE001 — the consumer raises it
             self._queue.put_nowait((k, e))
         else:
@@ -67,7 +71,10 @@ class Choices:
             yield k, event
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        """Cancel the choices still generating; let the finished ones end their verifier call
+        (a stop string's `Stop`, then the cancel: services/gateway/pipeline.py)."""
+        for k, task in enumerate(self._tasks):
+            if k not in self._finished:
+                task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*self._tasks, return_exceptions=True)

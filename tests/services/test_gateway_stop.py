@@ -80,6 +80,7 @@ class StoppableVerifier(FakeVerifier):
         await asyncio.sleep(RPC_S)
 
     async def Stop(self, request, context):  # noqa: N802
+        await asyncio.sleep(0.2)  # a verifier busy with a step: the gateway waits for it
         self.stopped.append(request.request_id)
         return verifier_pb2.StopReply(stopped=True)
 
@@ -105,3 +106,33 @@ async def test_the_gateway_stops_the_request_at_the_verifier(tmp_path):
     assert final.usage.completion_tokens == 6
     assert fake.stopped == [fake.requests[0].request_id] and fake.stopped[0]
 
+
+
+@pytest.mark.asyncio
+async def test_over_http_the_stop_is_waited_for_after_the_response(tmp_path):
+    import http.client
+    import json
+
+    fake = StoppableVerifier()
+    server, port, _ = await start_verifier(fake)
+    port_file = tmp_path / "http.port"
+    try:
+        async with running_gateway(tmp_path, model=TARGET, verifier=f"127.0.0.1:{port}",
+                                   http_port=0, http_port_file=str(port_file)):
+            def post():
+                conn = http.client.HTTPConnection("127.0.0.1", int(port_file.read_text()),
+                                                  timeout=20)
+                conn.request("POST", "/v1/completions", json.dumps(
+                    {"prompt": "The", "max_tokens": 64, "stop": " on"}),
+                    {"content-type": "application/json"})
+                return json.loads(conn.getresponse().read())
+
+            body = await asyncio.to_thread(post)
+            for _ in range(50):
+                if fake.stopped:
+                    break
+                await asyncio.sleep(0.02)
+    finally:
+        await server.stop(None)
+    assert body["choices"][0]["text"] == "The cat sat" and body["usage"]["completion_tokens"] == 6
+    assert fake.stopped == [body["id"]]  # the whole response's id: one choice
