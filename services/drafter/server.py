@@ -56,6 +56,8 @@ async def serve(config: DrafterConfig, core: DrafterCore | None = None,
     except BaseException:
         await server.stop(0)
         raise
+    if metrics is not None:  # the cache's gauges from the start, not from the first batch
+        metrics.set_cache_pages(servicer.core.cache_pages())
     await mark_serving(health, [SERVICE_NAME])
     return server, port
 

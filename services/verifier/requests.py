@@ -111,7 +111,8 @@ class Requests:
             call.span.set_attributes({"request.id": args.request_id,
                                       "prompt_tokens": len(args.prompt_ids),
                                       "budget": args.budget, "budget.asked": args.asked_budget,
-                                      "drafter": args.drafter_kind or "default"})
+                                      "drafter": "none" if not args.budget
+                                      else args.drafter_kind or "default"})
             if args.capped:
                 log.debug("request %s: budget %d capped at %d (--max-draft-tokens)",
                           args.request_id, args.asked_budget, args.budget)

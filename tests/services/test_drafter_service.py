@@ -401,3 +401,20 @@ def test_cuda_graphs_switch_reaches_the_config():
     assert config_from_args(build_parser().parse_args([])).cuda_graphs == "auto"
     with pytest.raises(ValueError, match="cuda_graphs must be one of"):
         DrafterConfig(cuda_graphs="sometimes")
+
+
+@aio
+async def test_cache_gauges_are_set_before_the_first_batch(checkpoints):
+    from services.common.metrics import DrafterMetrics
+
+    tdir, ddir = checkpoints
+    metrics, core = DrafterMetrics(), DrafterCore(dflash=_dflash(checkpoints))
+    config = DrafterConfig(port=0, model=str(tdir), draft_model=str(ddir), device="cpu",
+                           dtype="float32", page_size=PAGE, num_pages=PAGES)
+    server, _ = await serve(config, core=core, metrics=metrics)
+    try:
+        free = {s.labels["group"]: s.value for s in metrics.cache_pages.collect()[0].samples
+                if s.labels["state"] == "free"}
+        assert free and all(v == PAGES for v in free.values()), free
+    finally:
+        await server.stop(0)

@@ -84,6 +84,7 @@ async def test_a_finished_request_ends_its_span_before_the_final(lifecycle, capl
     (span,) = exporter.get_finished_spans()
     assert span.name == "verifier.request" and span.status.status_code is not StatusCode.ERROR
     assert (span.attributes["budget"], span.attributes["budget.asked"]) == (16, 100)
+    assert span.attributes["drafter"] == "ngram"
     assert span.attributes["completion_tokens"] == 3
     assert "request r1: budget 100 capped at 16 (--max-draft-tokens)" in caplog.text
     assert _count(requests, "OK") == 1 and requests.loop.aborted == []
@@ -178,3 +179,12 @@ async def test_a_stopped_request_is_freed_and_counted_finished(lifecycle):
     assert registry.get_sample_value("specserve_ttft_seconds_count") == 1
     assert registry.get_sample_value("specserve_tpot_seconds_count") == 1
     assert not requests.stop("r1")  # closed: no longer known
+
+
+async def test_a_request_that_does_not_draft_names_no_drafter(lifecycle):
+    requests, exporter = lifecycle
+    requests.loop = FakeLoop([_item(1, finished=True)])
+    async for _ in requests.run(lambda: _args(budget=0, asked=8), None):  # --drafter none
+        pass
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["drafter"] == "none"
