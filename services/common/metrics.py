@@ -45,19 +45,9 @@ class VerifierMetrics:
                               "the first", buckets=SECONDS_BUCKETS, registry=r)
         self.requests = Counter("specserve_requests", "Requests finished, by gRPC status",
                                 ["code"], registry=r)
-        self.kv_pages_used = Gauge("specserve_kv_pages_used", "KV cache pages in use",
-                                   registry=r)
-        self.kv_pages_free = Gauge("specserve_kv_pages_free", "KV cache pages free", registry=r)
-        self.kv_pages_reserved = Gauge("specserve_kv_pages_reserved", "KV cache pages promised "
-                                       "to running requests (what admission counts; used ≤ "
-                                       "reserved)", registry=r)
+        self._add_gauges(r)
         self.preemptions = Counter("specserve_preemptions", "Requests preempted when the KV "
                                    "pool ran out (recomputed later)", registry=r)
-        self.running = Gauge("specserve_running_requests", "Requests in the engine",
-                             registry=r)
-        self.waiting = Gauge("specserve_waiting_requests", "Requests in the engine waiting "
-                             "for a running slot or KV pages (part of running_requests)",
-                             registry=r)
         self.fallbacks = Counter("specserve_drafter_fallbacks", "Steps verified as a root-only "
                                  "tree, by reason", ["reason"], registry=r)
         self.shapes = Counter("specserve_adaptive_choices", "Steps by adaptive speculation's "
@@ -66,6 +56,20 @@ class VerifierMetrics:
                                       "speculation chose per step",
                                       buckets=(0, 1, 3, 7, 15, 31, 63, 127, 255, 1023),
                                       registry=r)
+
+    def _add_gauges(self, r: CollectorRegistry) -> None:
+        """The KV pool's pages and the requests in the engine, set after each engine step."""
+        self.kv_pages_used = Gauge("specserve_kv_pages_used", "KV cache pages in use",
+                                   registry=r)
+        self.kv_pages_free = Gauge("specserve_kv_pages_free", "KV cache pages free", registry=r)
+        self.kv_pages_reserved = Gauge("specserve_kv_pages_reserved", "KV cache pages promised "
+                                       "to running requests (what admission counts; used ≤ "
+                                       "reserved)", registry=r)
+        self.running = Gauge("specserve_running_requests", "Requests in the engine",
+                             registry=r)
+        self.waiting = Gauge("specserve_waiting_requests", "Requests in the engine waiting "
+                             "for a running slot or KV pages (part of running_requests)",
+                             registry=r)
 
     def record_step(self, step) -> None:
         """One request's StepRecord."""

@@ -147,12 +147,7 @@ class Pipeline:
         finally:
             if replica is not None:
                 self.replicas.release(replica)
-            # the client's own deadline fires a transit time before ours (ours counts from
-            # arrival): a cancel that close to it is the deadline
-            late = time.monotonic() >= deadline - DEADLINE_SLACK_S
-            if code is grpc.StatusCode.CANCELLED and late:
-                code = grpc.StatusCode.DEADLINE_EXCEEDED
-            self._finish(span, code, state, time.perf_counter() - t0, api, detail)
+            self._finish(span, code, state, time.perf_counter() - t0, api, detail, deadline)
 
     async def _admit(self, req: GatewayRequest, span) -> list[int]:
         """The validated request's prompt ids (raises InvalidRequest)."""
@@ -251,7 +246,11 @@ class Pipeline:
         return ids
 
     def _finish(self, span, code: grpc.StatusCode, state: RequestState | None, wall_s: float,
-                api: str, detail: str = "") -> None:
+                api: str, detail: str, deadline: float) -> None:
+        # the client's own deadline fires a transit time before ours (ours counts from
+        # arrival): a cancel that close to it is the deadline
+        if code is grpc.StatusCode.CANCELLED and time.monotonic() >= deadline - DEADLINE_SLACK_S:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
         final = state.final_ if state is not None else None
         if final is not None and span.is_recording():
             span.set_attributes({
