@@ -22,6 +22,7 @@ from services.gateway.openai_errors import ApiError, invalid
 from services.gateway.openai_fields import (
     STREAM_OPTIONS,
     check_fields,
+    check_model,
     check_text,
     number,
     typed,
@@ -82,10 +83,7 @@ def parse(body, chat: bool, model: str, template: ChatTemplate | None,
 
 def _parse(body: dict, chat: bool, model: str, template, defaults,
            names: dict[str, str]) -> ApiRequest:
-    if typed(body, "model", str, model) != model:
-        raise ApiError(404, f"model {body['model'][:100]!r} is not served here; "
-                       f"this gateway serves {model!r}", "not_found_error", "model",
-                       "model_not_found")
+    check_model(body, model)
     check_fields(body, chat)
     prompts = [_chat_prompt(body, template)] if chat else _completion_prompts(body.get("prompt"))
     stream = typed(body, "stream", bool, False)

@@ -153,3 +153,10 @@ def number(body: dict, name: str, default: float) -> float:
     except OverflowError:
         raise ApiError(400, f"{name} is out of range: {str(value)[:20]}… ({len(str(value))} "
                        "digits)", param=name) from None
+
+
+def check_model(body: dict, model: str) -> None:
+    """`model`, if the body names one, must be the served one (404 otherwise)."""
+    if typed(body, "model", str, model) != model:
+        raise ApiError(404, f"model {body['model'][:100]!r} is not served here; this gateway "
+                       f"serves {model!r}", "not_found_error", "model", "model_not_found")

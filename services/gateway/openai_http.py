@@ -2,9 +2,10 @@
 own event loop, beside the gRPC server, over the same pipeline (admission, tracing, metrics).
 
 Routes: `POST /v1/completions` and `POST /v1/chat/completions` (whole or SSE: `data: {…}`
-chunks, then `data: [DONE]`), `GET /v1/models`, `GET /health` (200 while the gateway's gRPC
-health is SERVING, i.e. while the verifier serves; 503 otherwise). With a token configured,
-`/v1/*` needs `Authorization: Bearer TOKEN` (401 otherwise); `/health` stays open.
+chunks, then `data: [DONE]`), `GET /v1/models` and `/v1/models/{id}`, `POST /tokenize` and
+`/detokenize` (vLLM's; services/gateway/tokenize_api.py), `GET /health` (200 while the
+gateway's gRPC health is SERVING, i.e. while the verifier serves; 503 otherwise). With a token
+configured, every route but `/health` needs `Authorization: Bearer TOKEN` (401 otherwise).
 
 Errors are OpenAI error objects (an unknown route's 404 / 405 too). Before the first token they
 answer with their HTTP status (400 invalid, 404 another model, 413 a body over the limit, 429
@@ -34,6 +35,7 @@ from starlette.routing import Route
 
 from services.common import telemetry
 from services.gateway import openai_responses as out
+from services.gateway import tokenize_api as tokens
 from services.gateway.choices import Choices
 from services.gateway.convert import TRACE_ID_KEY, GatewayFinal
 from services.gateway.openai_api import ApiRequest, parse
@@ -63,6 +65,9 @@ class OpenAIFront:
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
+            Route("/tokenize", self._tokenize, methods=["POST"]),
+            Route("/detokenize", self._detokenize, methods=["POST"]),
             Route("/health", self._health, methods=["GET"]),
         ], exception_handlers={404: _no_route, 405: _no_route})
         app.state.grace_over = self.grace_over
@@ -80,6 +85,36 @@ class OpenAIFront:
         if (denied := self._denied(request)) is not None:
             return denied
         return JSONResponse(out.models(self.model, self.created))
+
+    async def _model(self, request: Request) -> JSONResponse:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        if request.path_params["model_id"] != self.model:
+            return _error(ApiError(404, f"model {request.path_params['model_id'][:100]!r} is "
+                                   f"not served here", "not_found_error", "model",
+                                   "model_not_found"))
+        return JSONResponse(out.models(self.model, self.created)["data"][0])
+
+    async def _tokenize(self, request: Request) -> JSONResponse:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        try:
+            text, strs = tokens.prompt_text(await _read_json(request, self.max_body_bytes),
+                                            self.template, self.model)
+            ids = await self.pipeline.prompts.encode(text)  # a long one off the event loop
+        except ApiError as e:
+            return _error(e)
+        return JSONResponse(tokens.tokenized(self.pipeline.tokenizer, ids, strs))
+
+    async def _detokenize(self, request: Request) -> JSONResponse:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        try:
+            return JSONResponse(tokens.detokenize(
+                await _read_json(request, self.max_body_bytes), self.pipeline.tokenizer,
+                self.model))
+        except ApiError as e:
+            return _error(e)
 
     async def _completions(self, request: Request):
         return await self._generate(request, chat=False)
