@@ -50,8 +50,9 @@ def add_up(sub) -> None:
                    help="torch device of verifier and drafter: auto, cpu, cuda or cuda:N "
                         "(default: the services' own, auto)")
     add_flags(p, [dataclasses.replace(HOST, help="address every service binds")])
-    p.add_argument("--ports", type=_base_port, default=50051,
-                   help="base port: gateway BASE, verifier BASE+1, drafter BASE+2")
+    p.add_argument("--ports", type=_base_port, default=None,
+                   help="base port: gateway BASE, verifier BASE+1, drafter BASE+2 (default: "
+                        "each service's SPECSERVE_*_PORT, else 50051..)")
     for name in SERVICES:
         p.add_argument(f"--{name}-port", type=usage.port, default=None,
                        help=f"{name} port override")
@@ -88,6 +89,24 @@ def _http_port(value: str) -> str:
     return http
 
 
+def _service_ports(args) -> dict[str, int]:
+    """Each service's port: --NAME-port, else --ports BASE + offset, else the service's
+    SPECSERVE_NAME_PORT, else 50051 + offset (`args.ports` is set to the base used)."""
+    env = {n: os.environ.get(f"SPECSERVE_{n.upper()}_PORT") for n in SERVICES}
+    base = args.ports if args.ports is not None else 50051
+    ports = {}
+    for n in SERVICES:
+        given = getattr(args, f"{n}_port")
+        if given is None and args.ports is None and env[n] is not None:
+            try:
+                given = usage.port(env[n])
+            except argparse.ArgumentTypeError as e:
+                raise usage.UsageError(f"SPECSERVE_{n.upper()}_PORT: {e}") from None
+        ports[n] = given or base + OFFSET[n]
+    args.ports = base
+    return ports
+
+
 def _metrics_ports(args) -> dict[str, int]:
     """Each service's Prometheus port (0 = none): --metrics-ports, else the service's
     SPECSERVE_*_METRICS_PORT, else its default moved with --ports (so two `up`s with different
@@ -120,8 +139,8 @@ def _up_plan(args) -> list[tuple[str, str, list[str]]]:
     if not args.model:
         raise usage.UsageError("--model (or SPECSERVE_MODEL) is required (no demo pair under "
                                "checkpoints/)")
+    port = _service_ports(args)
     metrics = _metrics_ports(args)
-    port = {n: getattr(args, f"{n}_port") or args.ports + OFFSET[n] for n in SERVICES}
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     addr = {n: f"{local}:{port[n]}" for n in SERVICES}
     flags = {n: ["--host", args.host, "--port", str(port[n]), "--model", args.model,

@@ -36,7 +36,7 @@ def test_every_option_of_every_subcommand_has_help_and_shows_its_default():
     text = " ".join(commands["generate"].format_help().split())
     assert "(default: 64)" in text and "(default: 127.0.0.1:50051)" in text
     assert "(default: None)" not in text and "(default: [])" not in text
-    assert "(default: 50051)" in " ".join(commands["up"].format_help().split())
+    assert "(default: 600.0)" in " ".join(commands["up"].format_help().split())
 
 
 def test_stop_strings_are_unescaped():
@@ -129,6 +129,22 @@ def test_up_moves_the_metrics_ports_with_ports(monkeypatch):
     monkeypatch.setenv("SPECSERVE_VERIFIER_METRICS_PORT", "0")  # a service's own setting wins
     assert _ports("--ports", "60051")["verifier"] == (60052, 0)
     assert _ports("--ports", "60051", "--metrics-ports", "7000")["verifier"] == (60052, 7001)
+
+
+def test_up_takes_each_services_port_variable_unless_ports_are_given(monkeypatch):
+    for n in ("GATEWAY", "VERIFIER", "DRAFTER"):
+        monkeypatch.delenv(f"SPECSERVE_{n}_PORT", raising=False)
+    monkeypatch.setenv("SPECSERVE_VERIFIER_PORT", "61000")
+    def grpc_ports(*argv: str) -> dict[str, int]:
+        return {n: g for n, (g, _m) in _ports(*argv).items()}
+
+    assert grpc_ports() == {"gateway": 50051, "verifier": 61000, "drafter": 50053}
+    assert grpc_ports("--ports", "60051") == {"gateway": 60051, "verifier": 60052,
+                                              "drafter": 60053}
+    assert _ports("--verifier-port", "62000")["verifier"][0] == 62000  # the flag wins
+    monkeypatch.setenv("SPECSERVE_VERIFIER_PORT", "70000")
+    with pytest.raises(usage.UsageError, match="SPECSERVE_VERIFIER_PORT"):
+        _ports()
 
 
 def test_up_binds_specserve_host_unless_host_is_given(monkeypatch):
