@@ -24,9 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice)")
     p.add_argument("--recipe", choices=["cpu", "full"], default="cpu",
-                   help="cpu: the committed checkpoints' recipe, on any device (31 min on 2 "
-                        "CPU cores, 191 s on an H200); full: longer sequences, not validated "
-                        "yet")
+                   help="cpu: the committed checkpoints' recipe, on any device (about half an "
+                        "hour on 2 CPU cores, minutes on a GPU: checkpoints/README.md); full: "
+                        "longer sequences, not validated yet")
     p.add_argument("--target-from", metavar="DIR", default=None,
                    help="reuse the target of an earlier train-demo output (same seed and "
                         "target recipe) and train only the drafter")
