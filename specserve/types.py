@@ -31,7 +31,8 @@ class SamplingParams:
     such T is argmax up to rounding. top_k None means no top-k cut; top_p 1.0 means no nucleus
     cut. seed None means a fresh random seed. Stop token ids end the generation and are emitted;
     stop strings end it and are not emitted. logprobs None: none; N in [0, MAX_LOGPROBS]: each
-    generated token's log-probability under the target model, and the N most likely tokens'.
+    generated token's log-probability under the target model, and the N most likely tokens';
+    prompt_logprobs the same for each prompt token after the first.
     """
 
     max_tokens: int = 64
@@ -43,6 +44,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or not 0 < self.max_tokens <= INT32_MAX:
@@ -68,10 +70,11 @@ class SamplingParams:
                 f"stop_token_ids must be integers in [0, 2**63): {self.stop_token_ids!r}",
                 "stop_token_ids")
 
-        if self.logprobs is not None and (type(self.logprobs) is not int
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
-                                 f"got {self.logprobs!r}", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (type(n) is not int or not 0 <= n <= MAX_LOGPROBS):
+                raise InvalidRequest(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                                     f"got {n!r}", name)
 
     @property
     def greedy(self) -> bool:
@@ -112,6 +115,8 @@ class RequestOutput:
     stats: StepOutcome | None = None  # a decode step's record (None after prefill's token)
     error: Exception | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, if the request asked
+    # with the first token, if the request asked: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -50,6 +50,7 @@ def sampling_from_pb(msg: pb.SamplingParams, defaults=None) -> SamplingParams:
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -81,6 +82,8 @@ def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 

@@ -57,6 +57,8 @@ class Step:
     fallback: str = ""
     shape: str = ""  # adaptive speculation's choice ("" = not adaptive)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first step's, when asked: tokens 1..
+    prompt_ids: tuple[int, ...] = ()  # with prompt_logprobs: the prompt's ids (the gateway's)
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,8 @@ def event_from_pb(ev: verifier_pb2.VerifyEvent) -> tuple[Step | None, VerifierFi
     step = None
     if ev.token_ids or ev.commit_len:
         step = Step(tuple(ev.token_ids), ev.commit_len, ev.accepted_depth, ev.tree_size,
-                    ev.budget, ev.fallback, ev.shape, logprobs_from_pb(ev.logprobs))
+                    ev.budget, ev.fallback, ev.shape, logprobs_from_pb(ev.logprobs),
+                    logprobs_from_pb(ev.prompt_logprobs))
     final = None
     if ev.HasField("final"):
         f = ev.final
@@ -133,6 +136,7 @@ def chunk_to_pb(text: str, step: Step | None) -> gateway_pb2.GenerateResponse:
     chunk = gateway_pb2.Chunk(text=text, token_ids=step.token_ids, commit_len=step.commit_len,
                               accepted_depth=step.accepted_depth)
     logprobs_to_pb(step.logprobs, chunk.logprobs)
+    logprobs_to_pb(step.prompt_logprobs, chunk.prompt_logprobs)
     return gateway_pb2.GenerateResponse(chunk=chunk)
 
 

@@ -49,6 +49,9 @@ class ApiRequest:
     id: str  # "cmpl-…" / "chatcmpl-…"
     created: int
     names: dict[str, str] = field(default_factory=dict, hash=False)  # see `body_names`
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the completion's
+    score_only: bool = False  # echo with max_tokens 0: the prompt only (one token generated)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked: a choice field of its own
 
     @property
     def request(self) -> GatewayRequest:
@@ -90,7 +93,10 @@ def _parse(body: dict, chat: bool, model: str, template, defaults,
     include_usage = _include_usage(body, stream)
     n = _n(body, len(prompts))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # the response's id too
-    params = _sampling_params(body, chat, defaults)
+    echo = not chat and typed(body, "echo", bool, False)
+    score_only = echo and typed(body, "max_tokens", int, None) == 0
+    params = _sampling_params({**body, "max_tokens": 1} if score_only else body, chat, defaults)
+    params = replace(params, prompt_logprobs=_prompt_logprobs(body, chat, echo, params.logprobs))
     drafter, budget = _drafter(body), _budget(body)
     keep = not typed(body, "skip_special_tokens", bool, True)
     requests = []
@@ -105,7 +111,7 @@ def _parse(body: dict, chat: bool, model: str, template, defaults,
         verify_request_to_pb(request, [])  # what the verifier will get converts (else a 400)
         requests.append(request)
     return ApiRequest(tuple(requests), n, chat, stream, include_usage, rid, int(time.time()),
-                      names)
+                      names, echo, score_only, "prompt_logprobs" in body)
 
 
 def _n(body: dict, prompts: int) -> int:
@@ -172,6 +178,15 @@ def _sampling_params(body: dict, chat: bool, defaults) -> SamplingParams:
         seed=typed(body, "seed", int, None), stop=tuple(stop or ()),
         stop_token_ids=_stop_token_ids(body), ignore_eos=typed(body, "ignore_eos", bool, False),
         logprobs=_logprobs(body, chat))
+
+
+def _prompt_logprobs(body: dict, chat: bool, echo: bool, logprobs: int | None) -> int | None:
+    """Alternatives per prompt token (None: no prompt logprobs): vLLM's `prompt_logprobs` N,
+    and an echoed completion's `logprobs` N (its logprobs cover the prompt too)."""
+    asked = None if chat else typed(body, "prompt_logprobs", int, None)
+    if echo and logprobs is not None:
+        return max(asked or 0, logprobs)
+    return asked
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

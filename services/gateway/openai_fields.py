@@ -22,7 +22,7 @@ from services.gateway.openai_errors import ApiError
 _BOTH = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
          "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "drafter",
          "budget", "n"}
-READ = {False: _BOTH | {"prompt", "logprobs", "best_of"},
+READ = {False: _BOTH | {"prompt", "logprobs", "best_of", "echo", "prompt_logprobs"},
         True: _BOTH | {"messages", "max_completion_tokens", "add_generation_prompt", "logprobs",
                        "top_logprobs"}}
 IGNORED = {"user", "metadata", "store", "service_tier", "request_id"}

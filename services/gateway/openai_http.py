@@ -177,20 +177,19 @@ class OpenAIFront:
             await choices.aclose()
 
     async def _whole(self, api: ApiRequest, choices: Choices) -> dict:
-        n = len(api.requests)
-        text, ids, lps, finals = [[] for _ in range(n)], [[] for _ in range(n)], \
-            [[] for _ in range(n)], [None] * n
+        n, tok = len(api.requests), self.pipeline.tokenizer
+        text, lps, extras, finals = [""] * n, [None] * n, [{} for _ in range(n)], [None] * n
+        started: set[int] = set()  # choices past their first event
         async for k, event in choices.events():
             if isinstance(event, GatewayFinal):
                 finals[k] = event
                 continue
-            text[k].append(event.text)
-            if event.step is not None:
-                ids[k] += event.step.token_ids
-                lps[k] += event.step.logprobs
-        return out.whole(api, self.model, ["".join(t) for t in text], finals,
-                         [out.logprobs(api, self.pipeline.tokenizer, i, lp)
-                          for i, lp in zip(ids, lps, strict=True)])
+            delta, lp, extra = out.delta(api, tok, k, event, len(text[k]), k in started)
+            started.add(k)
+            if extra is not None:  # the first event: the prompt's part
+                extras[k], lps[k] = extra, extra.pop("logprobs", None)
+            text[k], lps[k] = text[k] + delta, out.joined(lps[k], lp)
+        return out.whole(api, self.model, text, finals, lps, extras)
 
     async def _sse(self, api: ApiRequest, choices: Choices):
         try:
@@ -198,18 +197,22 @@ class OpenAIFront:
                 for k in range(len(api.requests)):
                     yield _data(out.chunk(api, self.model, "", first=True, index=k))
             offsets, finals = [0] * len(api.requests), [None] * len(api.requests)
+            started: set[int] = set()  # choices past their first event
             try:
                 async for k, event in choices.events():
                     if isinstance(event, GatewayFinal):
                         finals[k] = event
                         yield _data(out.chunk(api, self.model, "", event, index=k))
                         continue
-                    lps = None if event.step is None else out.logprobs(
-                        api, self.pipeline.tokenizer, event.step.token_ids,
-                        event.step.logprobs, offsets[k])
-                    if event.text or lps:
-                        yield _data(out.chunk(api, self.model, event.text, lps=lps, index=k))
-                    offsets[k] += len(event.text)
+                    text, lps, extra = out.delta(api, self.pipeline.tokenizer, k, event,
+                                                 offsets[k], k in started)
+                    started.add(k)
+                    if extra:  # the echoed prompt's logprobs first
+                        lps = out.joined(extra.pop("logprobs", None), lps)
+                    if text or lps or extra:
+                        yield _data(out.chunk(api, self.model, text, lps=lps, index=k,
+                                              extra=extra))
+                    offsets[k] += len(text)
                 if api.include_usage:
                     yield _data(out.usage_chunk(api, self.model, finals))
             except GenerationFailed as e:

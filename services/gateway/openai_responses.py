@@ -26,10 +26,15 @@ def finish_reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else ("length" if reason is FinishReason.LENGTH else "stop")
 
 
+def _reason(api: ApiRequest, final: GatewayFinal) -> str | None:
+    """A choice's finish_reason: an echo with max_tokens 0 stops at its length, 0."""
+    return "length" if api.score_only else finish_reason(final.finish_reason)
+
+
 def usage(api: ApiRequest, finals: list[GatewayFinal]) -> dict:
     """The tokens of all choices; each prompt counted once, whatever its `n`."""
     prompt = sum(f.prompt_tokens for f in finals[::api.n])
-    completion = sum(f.completion_tokens for f in finals)
+    completion = 0 if api.score_only else sum(f.completion_tokens for f in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
@@ -72,6 +77,50 @@ def logprobs(api: ApiRequest, tokenizer: Tokenizer, ids, lps: list[TokenLogprob]
             "text_offset": offsets}
 
 
+def prompt_part(api: ApiRequest, tokenizer: Tokenizer, k: int, step) -> tuple[str, dict]:
+    """Choice `k`'s echoed prompt (`step`: its first, which carries the prompt's ids and
+    logprobs when asked): its text, and what its choice adds (`logprobs` over the prompt —
+    the first token's null — and vLLM's `prompt_logprobs`)."""
+    r = api.requests[k]
+    text = r.text if r.text is not None else tokenizer.decode(list(r.token_ids))
+    ids, lps, extra = list(step.prompt_ids), list(step.prompt_logprobs), {}
+    if api.prompt_logprobs and ids:
+        extra["prompt_logprobs"] = [None, *({**{str(j): _vllm(tokenizer, j, v) for j, v in zip(
+            t.top_ids, t.top_logprobs, strict=True)}, str(i): _vllm(tokenizer, i, t.logprob)}
+            for i, t in zip(ids[1:], lps, strict=True))]
+    if api.echo and ids and api.request.params.logprobs is not None:
+        head = tokenizer.decode(ids[:1])
+        rest = logprobs(api, tokenizer, ids[1:], lps, len(head))
+        extra["logprobs"] = {"tokens": [head, *rest["tokens"]],
+                             "token_logprobs": [None, *rest["token_logprobs"]],
+                             "top_logprobs": [None, *rest["top_logprobs"]],
+                             "text_offset": [0, *rest["text_offset"]]}
+    return (text if api.echo else ""), extra
+
+
+def delta(api: ApiRequest, tokenizer: Tokenizer, k: int, event, offset: int, started: bool):
+    """Choice `k`'s text and logprobs object for a TextChunk (`offset`: the length of its text
+    so far; `started`: not its first), and on its first the prompt's part (`prompt_part`:
+    the echoed text first; None otherwise)."""
+    step, extra, head = event.step, None, ""
+    if not started and step is not None and (api.echo or api.prompt_logprobs):
+        head, extra = prompt_part(api, tokenizer, k, step)
+    if api.score_only:
+        return head, None, extra
+    lp = None if step is None else logprobs(api, tokenizer, step.token_ids, step.logprobs,
+                                            offset + len(head))
+    return head + event.text, lp, extra
+
+
+def _vllm(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict:
+    return {"logprob": logprob, "decoded_token": tokenizer.decode([token_id])}
+
+
+def joined(a: dict | None, b: dict | None) -> dict | None:
+    """Two completions logprobs objects, one after the other."""
+    return b if a is None else a if b is None else {key: a[key] + b[key] for key in a}
+
+
 def _head(api: ApiRequest, model: str, chunk: bool) -> dict:
     kind = ("chat.completion" if api.chat else "text_completion") + \
         (".chunk" if chunk and api.chat else "")
@@ -79,13 +128,14 @@ def _head(api: ApiRequest, model: str, chunk: bool) -> dict:
 
 
 def whole(api: ApiRequest, model: str, texts: list[str], finals: list[GatewayFinal],
-          lps: list[dict | None]) -> dict:
-    """The non-streamed response: a choice per request (`lps`: each one's logprobs object).
-    One choice's stats are the response's `speculative_decoding`; several choices carry their
-    own."""
+          lps: list[dict | None], extras: list[dict] | None = None) -> dict:
+    """The non-streamed response: a choice per request (`lps`: each one's logprobs object,
+    `extras`: fields a choice adds, vLLM's prompt_logprobs). One choice's stats are the
+    response's `speculative_decoding`; several choices carry their own."""
     choices = []
     for k, (text, final, lp) in enumerate(zip(texts, finals, lps, strict=True)):
-        choice = {"index": k, "logprobs": lp, "finish_reason": finish_reason(final.finish_reason)}
+        choice = {"index": k, "logprobs": lp, "finish_reason": _reason(api, final),
+                  **(extras[k] if extras else {})}
         if api.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -100,17 +150,19 @@ def whole(api: ApiRequest, model: str, texts: list[str], finals: list[GatewayFin
 
 
 def chunk(api: ApiRequest, model: str, text: str, final: GatewayFinal | None = None,
-          first: bool = False, lps: dict | None = None, index: int = 0) -> dict:
+          first: bool = False, lps: dict | None = None, index: int = 0,
+          extra: dict | None = None) -> dict:
     """A stream chunk of choice `index`: a text delta (`lps`: its tokens' logprobs object); with
     `final`, the choice's finishing one (its reason and stats); `first` (chat): the delta that
     names the assistant role."""
     choice = {"index": index, "logprobs": lps,
-              "finish_reason": finish_reason(final.finish_reason) if final else None}
+              "finish_reason": _reason(api, final) if final else None}
     if api.chat:
         choice["delta"] = {"role": "assistant", "content": text} if first else \
             ({"content": text} if text or final is None else {})
     else:
         choice["text"] = text
+    choice.update(extra or {})
     body = {**_head(api, model, True), "choices": [choice]}
     if api.include_usage:
         body["usage"] = None

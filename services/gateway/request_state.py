@@ -39,6 +39,8 @@ class RequestState:
             self.ttft_s = time.perf_counter() - self.t0
         if self.completion_tokens:  # the first event is prefill's sampled token, not a step
             self.stats.record(step)  # the verifier's own stats replace these when it finishes
+        elif step.prompt_logprobs:  # the prompt's tokens, for whoever shows their logprobs
+            step = replace(step, prompt_ids=tuple(self.prompt_ids))
         if self.stopper is None:
             self.completion_tokens += len(step.token_ids)
             return self.detok.push(step.token_ids), step, False

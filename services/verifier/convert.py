@@ -96,6 +96,7 @@ def verify_event_to_pb(item, wall_s: float) -> verifier_pb2.VerifyEvent:
     final (`wall_s`: the request's time so far)."""
     event = step_event_to_pb(item.output.new_token_ids, item.step)
     logprobs_to_pb(item.output.logprobs, event.logprobs)
+    logprobs_to_pb(item.output.prompt_logprobs, event.prompt_logprobs)
     if item.output.finished:
         final_to_pb(event, item.output, item.stats, wall_s)
     return event

@@ -15,7 +15,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,6 +44,9 @@ class StepBatch:
     feats: torch.Tensor | None  # tapped features of every flat row, when asked for
     ends: list[int]  # flat end of each input (plans, then chunks)
     done: list[int]  # indices of the chunks that end their prompt (a token is sampled there)
+    # (chunk index, first logits row, rows): a prompt_logprobs chunk's rows, each predicting a
+    # prompt token, after the rows above
+    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def chunk_input(w: Scheduled, pages: Pages) -> ForwardInput:
@@ -65,10 +68,25 @@ def run(runner: ModelRunner, pages: Pages, plans: list[Planned], chunks: list[Sc
             for r in range(e - p.layout.num_rows, e)]
     done = [i for i, w in enumerate(chunks) if w.start + w.num_tokens == w.seq.num_tokens]
     rows += [ends[len(plans) + i] - 1 for i in done]
+    prompt_rows = _prompt_rows(chunks, ends[len(plans):], rows)
     logits, feats = runner.forward(inputs, rows, taps=taps)
     if logits.is_cuda:  # the accept walk syncs anyway; syncing here makes verify_s true
         torch.cuda.synchronize(logits.device)
-    return StepBatch(plans, chunks, logits, feats, ends, done)
+    return StepBatch(plans, chunks, logits, feats, ends, done, prompt_rows)
+
+
+def _prompt_rows(chunks: list[Scheduled], ends: list[int], rows: list[int]) -> list[tuple]:
+    """Append to `rows` a row per prompt token still without its logprob, of the chunks that
+    asked for prompt logprobs (`ends`: the chunks' flat ends); their StepBatch.prompt_rows."""
+    out = []
+    for i, (w, end) in enumerate(zip(chunks, ends, strict=True)):
+        first = max(w.start, len(w.seq.prompt_logprobs))
+        last = min(w.start + w.num_tokens, len(w.seq.prompt_ids) - 1)
+        if w.seq.params.prompt_logprobs is not None and last > first:
+            flat = end - w.num_tokens - w.start  # the flat row of position 0
+            out.append((i, len(rows), last - first))
+            rows += range(flat + first, flat + last)
+    return out
 
 
 def forward(engine: Engine, plans: list[Planned], chunks: list[Scheduled],

@@ -100,12 +100,21 @@ def end_chunks(engine: Engine, batch: StepBatch, verify_s: float) -> list[Reques
         if batch.feats is not None:
             w.seq.pending_context.append(batch.feats[e - w.num_tokens : e])
     speculative.feed(engine.drafter, [w.seq for w in batch.chunks])  # before any release
+    for i, row, n in batch.prompt_rows:  # row p predicts prompt token p + 1
+        seq = batch.chunks[i].seq
+        known = len(seq.prompt_logprobs) + 1
+        seq.prompt_logprobs += token_logprobs(batch.logits[row : row + n],
+                                              seq.prompt_ids[known : known + n],
+                                              seq.params.prompt_logprobs)
     offset, outputs = sum(p.layout.num_rows for p in batch.plans), []
     for j, i in enumerate(batch.done):
         seq, row = batch.chunks[i].seq, offset + j
         try:
             token = sample_rows(batch.logits[row : row + 1], seq.params, seq.generator)
+            first = not seq.output_ids
             outputs.append(out := engine.commit_tokens(seq, token))
+            if first and seq.params.prompt_logprobs is not None:
+                out.prompt_logprobs = seq.prompt_logprobs
             if seq.params.logprobs is not None:
                 out.logprobs = token_logprobs(batch.logits[row : row + 1], token,
                                               seq.params.logprobs)

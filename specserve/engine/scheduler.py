@@ -13,7 +13,8 @@ engine, which drops the request's drafter state). Each step takes one token from
 request first, then fills the rest of the token budget with prefill chunks (chunked prefill),
 oldest request first; with a `chunk_cost` (engine/chunk_cost.py), a chunk beside decoding
 requests is cut further, to what the token budget's tokens cost at context 0, so their step does
-not grow with the prompt's context.
+not grow with the prompt's context. A request that asked for prompt logprobs prefills in
+chunks of at most PROMPT_LOGPROB_ROWS tokens (each of its rows gets logits).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from specserve.engine.chunk_cost import MIN_SHARE, ChunkCost
 from specserve.engine.sequence import Sequence, Status
 from specserve.errors import CapacityExhausted, InvalidRequest
 from specserve.kvcache.block_manager import BlockManager, pages_for
+
+PROMPT_LOGPROB_ROWS = 512  # a prompt_logprobs request's chunk: its logits are [rows, vocab]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +138,8 @@ class Scheduler:
         out: list[Scheduled] = []
         for seq in (s for s in self.running if s.in_prefill):
             n = min(seq.num_uncomputed, budget)
+            if seq.params.prompt_logprobs is not None:  # every row's logits: a bounded chunk
+                n = min(n, PROMPT_LOGPROB_ROWS)
             if cost is not None:
                 least = 0 if out else min(n, max(1, self.max_num_batched_tokens // MIN_SHARE))
                 n = max(least, self.chunk_cost.tokens_within(seq.num_computed, cost, n))

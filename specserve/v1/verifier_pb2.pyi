@@ -20,7 +20,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., spec: _Optional[_Union[_common_pb2.SpecOptions, _Mapping]] = ...) -> None: ...
 
 class VerifyEvent(_message.Message):
-    __slots__ = ("token_ids", "commit_len", "accepted_depth", "tree_size", "budget", "fallback", "final", "shape", "why", "logprobs")
+    __slots__ = ("token_ids", "commit_len", "accepted_depth", "tree_size", "budget", "fallback", "final", "shape", "why", "logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_LEN_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class VerifyEvent(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     WHY_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     commit_len: int
     accepted_depth: int
@@ -41,7 +42,8 @@ class VerifyEvent(_message.Message):
     shape: str
     why: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., commit_len: _Optional[int] = ..., accepted_depth: _Optional[int] = ..., tree_size: _Optional[int] = ..., budget: _Optional[int] = ..., fallback: _Optional[str] = ..., final: _Optional[_Union[VerifyFinal, _Mapping]] = ..., shape: _Optional[str] = ..., why: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., commit_len: _Optional[int] = ..., accepted_depth: _Optional[int] = ..., tree_size: _Optional[int] = ..., budget: _Optional[int] = ..., fallback: _Optional[str] = ..., final: _Optional[_Union[VerifyFinal, _Mapping]] = ..., shape: _Optional[str] = ..., why: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyFinal(_message.Message):
     __slots__ = ("finish_reason", "usage", "stats")

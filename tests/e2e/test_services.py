@@ -278,17 +278,22 @@ async def test_logprobs_through_the_services_equal_the_engines(stack, checkpoint
     from specserve.config import EngineConfig
     from specserve.engine.engine import Engine
 
-    params = SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=3)
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     engine = Engine(EngineConfig(str(checkpoints[0])))
     engine.add_request("r", prompts[5], params)
-    want = [(t, lp) for _ in range(NEW) if engine.has_unfinished for o in engine.step()
-            for t, lp in zip(o.new_token_ids, o.logprobs, strict=True)]
+    outs = [o for _ in range(NEW) if engine.has_unfinished for o in engine.step()]
+    want = [(t, lp) for o in outs for t, lp in zip(o.new_token_ids, o.logprobs, strict=True)]
     async with channel(stack.addr("gateway")) as ch:
         req = convert.generate_request_to_pb(prompts[5], params, "dflash", 8)
-        got = [(t, lp) async for m in gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=RPC_S)
-               if m.WhichOneof("event") == "chunk"
-               for t, lp in zip(m.chunk.token_ids, m.chunk.logprobs, strict=True)]
+        chunks = [m.chunk async for m in gateway_pb2_grpc.GatewayStub(ch).Generate(
+            req, timeout=RPC_S) if m.WhichOneof("event") == "chunk"]
+    got = [(t, lp) for c in chunks for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
     assert [t for t, _ in got] == [t for t, _ in want] and len(got) == NEW
+    prompt_lps = outs[0].prompt_logprobs  # the first chunk's, the same as the engine's
+    assert len(chunks[0].prompt_logprobs) == len(prompt_lps) > 0
+    assert all(abs(g.logprob - w.logprob) < 1e-4 and list(g.top_ids) == list(w.top_ids)
+               for g, w in zip(chunks[0].prompt_logprobs, prompt_lps, strict=True))
+    assert not any(c.prompt_logprobs for c in chunks[1:])
     for (_, g), (_, w) in zip(got, want, strict=True):
         assert abs(g.logprob - w.logprob) < 1e-4 and list(g.top_ids) == list(w.top_ids)
         assert max(abs(a - b) for a, b in zip(g.top_logprobs, w.top_logprobs, strict=True)) < 1e-4

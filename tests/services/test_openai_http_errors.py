@@ -45,7 +45,7 @@ FINAL = GatewayFinal(FinishReason.LENGTH, 2, 1, RequestSpecStats(), 0.0, "r", 0.
 class ScriptedPipeline:
     """What OpenAIFront uses of the pipeline; `run` plays `script` (an exception is raised)."""
 
-    defaults = metrics = None
+    defaults = metrics = tokenizer = None
 
     def __init__(self, *script) -> None:
         self.script, self.requests, self.ended, self.hanging = script, [], False, None

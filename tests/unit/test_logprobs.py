@@ -92,3 +92,24 @@ def test_on_the_gpu_in_bfloat16(hf):
     chosen = want.gather(1, torch.tensor(tokens)[:, None])[:, 0]
     assert torch.allclose(torch.tensor([t.logprob for t in got]), chosen, atol=0.15)
     assert all(t.top_ids[0] == tok for t, tok in zip(got, tokens, strict=True))
+
+
+@pytest.mark.parametrize("chunk", [7, 512], ids=["chunked", "one_chunk"])
+def test_prompt_logprobs_are_the_targets(hf, chunk):
+    """Each prompt token after the first, under the row before it — through prefill chunks of
+    7 tokens (several chunks, a step each) or one — with its 2 best alternatives; they come
+    with the first token only."""
+    engine = Engine(EngineConfig(TARGET, max_num_batched_tokens=chunk))
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=3, prompt_logprobs=2))
+    outs = [o for _ in range(40) if engine.has_unfinished for o in engine.step()]
+    got = outs[0].prompt_logprobs
+    assert all(o.prompt_logprobs is None for o in outs[1:])
+    prompt = engine.tokenizer.encode(PROMPT)
+    assert len(got) == len(prompt) - 1
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    chosen = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([t.logprob for t in got]), chosen, atol=2e-4)
+    values, ids = want.topk(2, dim=-1)
+    assert [list(t.top_ids) for t in got] == ids.tolist()
+    assert torch.allclose(torch.tensor([t.top_logprobs for t in got]), values, atol=2e-4)

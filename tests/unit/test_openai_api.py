@@ -4,6 +4,7 @@ status and param), and the response shapes built from a finished generation."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import pytest
 
@@ -17,6 +18,20 @@ from specserve.spec.metrics import RequestSpecStats
 from specserve.types import FinishReason, SamplingParams
 
 MODEL = "tiny-model"
+
+
+@dataclass
+class SimpleStep:
+    token_ids: tuple
+    logprobs: tuple
+    prompt_logprobs: tuple = ()
+    prompt_ids: tuple = ()
+
+
+@dataclass
+class SimpleChunk:
+    text: str
+    step: SimpleStep
 TEMPLATE = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
                         "{% if add_generation_prompt %}<assistant>{% endif %}")
 
@@ -65,7 +80,7 @@ def test_chat_renders_the_template_and_prefers_max_completion_tokens():
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"n": 100}, 400, "n"), ({"logprobs": 21}, 400, "logprobs"), ({"echo": True}, 400, "echo"),
+    ({"n": 100}, 400, "n"), ({"logprobs": 21}, 400, "logprobs"), ({"suffix": "x"}, 400, "suffix"),
     ({"presence_penalty": 0.5}, 400, "presence_penalty"), ({"best_of": 3}, 400, "best_of"),
     ({"model": "gpt-4o"}, 404, "model"), ({"prompt": ""}, 400, "prompt"),
     ({"prompt": ["a", 3]}, 400, "prompt"), ({"prompt": [1, True]}, 400, "prompt"),
@@ -143,6 +158,52 @@ def test_logprobs_objects():
                                        {"token": tok.decode([7]), "logprob": -2.0,
                                         "bytes": list(tok.token_bytes(7))}]
     assert out.logprobs(_completion(), tok, ids, lps) is None
+
+
+def test_echo_and_prompt_logprobs():
+    scored = _completion(echo=True, max_tokens=0, logprobs=2)
+    assert scored.echo and scored.score_only and not scored.prompt_logprobs
+    assert (scored.request.params.max_tokens, scored.request.params.prompt_logprobs) == (1, 2)
+    echoed = _completion(echo=True, max_tokens=5)
+    assert echoed.echo and not echoed.score_only and echoed.request.params.prompt_logprobs is None
+    vllm = _completion(prompt_logprobs=3)
+    assert vllm.prompt_logprobs and vllm.request.params.prompt_logprobs == 3
+    for body, param in (({"max_tokens": 0}, "max_tokens"), ({"prompt_logprobs": 21},
+                                                             "prompt_logprobs")):
+        with pytest.raises(ApiError) as e:
+            _completion(**body)
+        assert e.value.param == param
+    for body in ({"echo": True}, {"prompt_logprobs": 1}):  # not chat's
+        with pytest.raises(ApiError) as e:
+            _chat(**body)
+        assert e.value.param == next(iter(body))
+
+
+def test_an_echoed_prompts_text_and_logprobs():
+    from specserve.tokenizer import Tokenizer
+    from specserve.types import TokenLogprob
+
+    tok = Tokenizer.from_dir(default_pair()[0])
+    prompt = tok.encode("The cat")  # The, " c", "at"
+    first = SimpleStep((2028,), (TokenLogprob(-0.5, (2028,), (-0.5,)),),
+                       tuple(TokenLogprob(-1.0 - k, (t,), (-1.0 - k,)) for k, t in
+                             enumerate(prompt[1:])), tuple(prompt))
+    api = _completion(prompt="The cat", echo=True, logprobs=1, prompt_logprobs=1)
+    text, lp, extra = out.delta(api, tok, 0, SimpleChunk(" The", first), 0, False)
+    assert text == "The cat The"
+    lp = out.joined(extra.pop("logprobs"), lp)
+    assert lp["tokens"] == ["The", " c", "at", "The"]
+    assert lp["token_logprobs"] == [None, -1.0, -2.0, -0.5] and lp["top_logprobs"][0] is None
+    assert lp["text_offset"] == [0, 3, 5, 7]
+    assert extra["prompt_logprobs"][0] is None
+    assert extra["prompt_logprobs"][1] == {str(prompt[1]): {"logprob": -1.0,
+                                                            "decoded_token": " c"}}
+    scored = _completion(prompt="The cat", echo=True, max_tokens=0, logprobs=1)
+    text, lp, extra = out.delta(scored, tok, 0, SimpleChunk(" The", first), 0, False)
+    assert (text, lp, "prompt_logprobs" in extra) == ("The cat", None, False)
+    body = out.whole(scored, MODEL, [text], [_final()], [extra["logprobs"]])
+    assert body["usage"]["completion_tokens"] == 0
+    assert body["choices"][0]["finish_reason"] == "length"
 
 
 def test_stop_token_ids_and_kept_special_tokens():
