@@ -93,6 +93,12 @@ class Tokenizer:
         return self.decode([token_id]).encode()
 
     @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The special tokens' ids (those `skip_special_tokens` leaves out of the text)."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items()
+                         if t.special)
+
+    @functools.cached_property
     def _byte_level(self) -> bool:
         return '"ByteLevel"' in json.dumps(json.loads(self.backend.to_str()).get("decoder"))
 

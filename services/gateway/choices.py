@@ -14,7 +14,6 @@ their verifier call.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -26,7 +25,13 @@ _END = object()  # a choice's stream ended
 
 
 class Choices:
-    def __init__(self, streams: list[AsyncIterator]) -> None:
+    """`n`: choices per prompt (choice k is prompt k // n's); with several choices, an error's
+    message names whose it is."""
+
+    def __init__(self, streams: list[AsyncIterator], n: int = 1) -> None:
+        self._labels = None if len(streams) == 1 else [
+            f"prompt {k // n}" + (f", choice {k % n}" if n > 1 else "")
+            for k in range(len(streams))]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks = [asyncio.ensure_future(self._pump(k, s)) for k, s in enumerate(streams)]
         self._held: list[tuple[int, object]] = []
@@ -47,6 +52,8 @@ class Choices:
 
     async def _next(self) -> tuple[int, object]:
         k, item = await self._queue.get()
+        if isinstance(item, GenerationFailed) and self._labels:
+            raise GenerationFailed(item.code, f"{item.message} ({self._labels[k]})")
         if isinstance(item, Exception):
             raise item
         if item is _END:  # a generation that ended without its final
@@ -76,5 +83,5 @@ class Choices:
         for k, task in enumerate(self._tasks):
             if k not in self._finished:
                 task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        # shielded: a caller cancelled meanwhile (its client gone) leaves them to end alone
+        await asyncio.shield(asyncio.gather(*self._tasks, return_exceptions=True))

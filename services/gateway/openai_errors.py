@@ -23,8 +23,8 @@ HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
                grpc.StatusCode.CANCELLED: (499, "cancelled")}
 # the request fields an error message can name (the first it names is the error's param, but
 # max_tokens wins: "prompt has N tokens and max_tokens is M: …" is fixed by lowering it)
-_FIELD_WORD = re.compile(r"\b(max_tokens|temperature|top_k|top_p|seed|stop|budget|drafter|"
-                         r"prompt|messages|token ids?)\b")
+_FIELD_WORD = re.compile(r"\b(max_tokens|temperature|top_k|top_p|seed|stop_token_ids|stop|"
+                         r"budget|drafter|prompt_logprobs|logprobs|prompt|messages|token ids?)\b")
 
 
 class ApiError(Exception):

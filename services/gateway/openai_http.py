@@ -156,7 +156,7 @@ class OpenAIFront:
         spans = [span, *(self.pipeline.start_span(request.headers.items())
                          for _ in api.requests[1:])]
         choices = Choices([self.pipeline.run(lambda r=r: r, s, None, API)
-                           for r, s in zip(api.requests, spans, strict=True)])
+                           for r, s in zip(api.requests, spans, strict=True)], api.n)
         try:  # every choice's first event, or the error that came instead: its status
             await _unless_disconnect(request, choices.start())
         except (GenerationFailed, Disconnected) as e:
@@ -180,11 +180,12 @@ class OpenAIFront:
         n, tok = len(api.requests), self.pipeline.tokenizer
         text, lps, extras, finals = [""] * n, [None] * n, [{} for _ in range(n)], [None] * n
         started: set[int] = set()  # choices past their first event
+        offsets = [out.TextOffsets(tok, r.keep_special_tokens) for r in api.requests]
         async for k, event in choices.events():
             if isinstance(event, GatewayFinal):
                 finals[k] = event
                 continue
-            delta, lp, extra = out.delta(api, tok, k, event, len(text[k]), k in started)
+            delta, lp, extra = out.delta(api, tok, k, event, offsets[k], k in started)
             started.add(k)
             if extra is not None:  # the first event: the prompt's part
                 extras[k], lps[k] = extra, extra.pop("logprobs", None)
@@ -196,7 +197,8 @@ class OpenAIFront:
             if api.chat:
                 for k in range(len(api.requests)):
                     yield _data(out.chunk(api, self.model, "", first=True, index=k))
-            offsets, finals = [0] * len(api.requests), [None] * len(api.requests)
+            tok, finals = self.pipeline.tokenizer, [None] * len(api.requests)
+            offsets = [out.TextOffsets(tok, r.keep_special_tokens) for r in api.requests]
             started: set[int] = set()  # choices past their first event
             try:
                 async for k, event in choices.events():
@@ -204,19 +206,18 @@ class OpenAIFront:
                         finals[k] = event
                         yield _data(out.chunk(api, self.model, "", event, index=k))
                         continue
-                    text, lps, extra = out.delta(api, self.pipeline.tokenizer, k, event,
-                                                 offsets[k], k in started)
+                    text, lps, extra = out.delta(api, tok, k, event, offsets[k], k in started)
                     started.add(k)
                     if extra:  # the echoed prompt's logprobs first
                         lps = out.joined(extra.pop("logprobs", None), lps)
                     if text or lps or extra:
                         yield _data(out.chunk(api, self.model, text, lps=lps, index=k,
                                               extra=extra))
-                    offsets[k] += len(text)
                 if api.include_usage:
                     yield _data(out.usage_chunk(api, self.model, finals))
             except GenerationFailed as e:
                 yield _data(ApiError.of_grpc(e.code, e.message, api.names).body())
+            await choices.aclose()  # before [DONE], at which clients hang up
             yield "data: [DONE]\n\n"
         finally:
             await choices.aclose()

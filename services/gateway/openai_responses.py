@@ -16,6 +16,8 @@ decode (U+FFFD for part of a character; `bytes` has its real bytes).
 
 from __future__ import annotations
 
+import codecs
+
 from services.gateway.convert import GatewayFinal
 from services.gateway.openai_api import ApiRequest
 from specserve.tokenizer import Tokenizer
@@ -54,10 +56,29 @@ def speculative_decoding(final: GatewayFinal) -> dict:
     }
 
 
+class TextOffsets:
+    """Where each token's text starts in a choice's text (completions' `text_offset`): the
+    tokens' own bytes through one incremental UTF-8 decoder, so part of a character counts
+    once the character is whole, and a special token left out of the text counts 0."""
+
+    def __init__(self, tokenizer: Tokenizer, keep_special: bool) -> None:
+        self._tok, self._keep = tokenizer, keep_special
+        self._utf8, self.chars = codecs.getincrementaldecoder("utf-8")("replace"), 0
+
+    def take(self, ids) -> list[int]:
+        """The offsets of `ids`, the choice's next tokens."""
+        out, skip = [], frozenset() if self._keep else self._tok.special_ids
+        for i in ids:
+            out.append(self.chars)
+            if i not in skip:
+                self.chars += len(self._utf8.decode(self._tok.token_bytes(i)))
+        return out
+
+
 def logprobs(api: ApiRequest, tokenizer: Tokenizer, ids, lps: list[TokenLogprob],
-             offset: int = 0) -> dict | None:
-    """The logprobs object of tokens `ids` (None when the request asked for none); `offset`:
-    the text's length before them (completions' text_offset)."""
+             offsets: TextOffsets | None = None) -> dict | None:
+    """The logprobs object of tokens `ids` (None when the request asked for none); `offsets`:
+    the choice's text offsets (completions')."""
     if api.request.params.logprobs is None:
         return None
     texts = [tokenizer.decode([i]) for i in ids]
@@ -69,7 +90,7 @@ def logprobs(api: ApiRequest, tokenizer: Tokenizer, ids, lps: list[TokenLogprob]
             entry(j, tokenizer.decode([j]), v) for j, v in zip(t.top_ids, t.top_logprobs,
                                                                strict=True)]}
             for i, text, t in zip(ids, texts, lps, strict=True)]}
-    offsets = [offset + sum(map(len, texts[:k])) for k in range(len(texts))]
+    offsets = (offsets or TextOffsets(tokenizer, True)).take(ids)
     tops = [{**{tokenizer.decode([j]): v for j, v in zip(t.top_ids, t.top_logprobs,
                                                          strict=True)}, text: t.logprob}
             for text, t in zip(texts, lps, strict=True)]
@@ -77,7 +98,8 @@ def logprobs(api: ApiRequest, tokenizer: Tokenizer, ids, lps: list[TokenLogprob]
             "text_offset": offsets}
 
 
-def prompt_part(api: ApiRequest, tokenizer: Tokenizer, k: int, step) -> tuple[str, dict]:
+def prompt_part(api: ApiRequest, tokenizer: Tokenizer, k: int, step,
+                offsets: TextOffsets) -> tuple[str, dict]:
     """Choice `k`'s echoed prompt (`step`: its first, which carries the prompt's ids and
     logprobs when asked): its text, and what its choice adds (`logprobs` over the prompt —
     the first token's null — and vLLM's `prompt_logprobs`)."""
@@ -89,26 +111,27 @@ def prompt_part(api: ApiRequest, tokenizer: Tokenizer, k: int, step) -> tuple[st
             t.top_ids, t.top_logprobs, strict=True)}, str(i): _vllm(tokenizer, i, t.logprob)}
             for i, t in zip(ids[1:], lps, strict=True))]
     if api.echo and ids and api.request.params.logprobs is not None:
-        head = tokenizer.decode(ids[:1])
-        rest = logprobs(api, tokenizer, ids[1:], lps, len(head))
-        extra["logprobs"] = {"tokens": [head, *rest["tokens"]],
+        head = offsets.take(ids[:1])
+        rest = logprobs(api, tokenizer, ids[1:], lps, offsets)
+        extra["logprobs"] = {"tokens": [tokenizer.decode(ids[:1]), *rest["tokens"]],
                              "token_logprobs": [None, *rest["token_logprobs"]],
                              "top_logprobs": [None, *rest["top_logprobs"]],
-                             "text_offset": [0, *rest["text_offset"]]}
+                             "text_offset": [*head, *rest["text_offset"]]}
     return (text if api.echo else ""), extra
 
 
-def delta(api: ApiRequest, tokenizer: Tokenizer, k: int, event, offset: int, started: bool):
-    """Choice `k`'s text and logprobs object for a TextChunk (`offset`: the length of its text
-    so far; `started`: not its first), and on its first the prompt's part (`prompt_part`:
-    the echoed text first; None otherwise)."""
+def delta(api: ApiRequest, tokenizer: Tokenizer, k: int, event, offsets: TextOffsets,
+          started: bool):
+    """Choice `k`'s text and logprobs object for a TextChunk (`offsets`: the choice's;
+    `started`: not its first), and on its first the prompt's part (`prompt_part`: the echoed
+    text first; None otherwise)."""
     step, extra, head = event.step, None, ""
     if not started and step is not None and (api.echo or api.prompt_logprobs):
-        head, extra = prompt_part(api, tokenizer, k, step)
+        head, extra = prompt_part(api, tokenizer, k, step, offsets)
     if api.score_only:
         return head, None, extra
     lp = None if step is None else logprobs(api, tokenizer, step.token_ids, step.logprobs,
-                                            offset + len(head))
+                                            offsets)
     return head + event.text, lp, extra
 
 

@@ -119,20 +119,30 @@ async def test_over_http_the_stop_is_waited_for_after_the_response(tmp_path):
     try:
         async with running_gateway(tmp_path, model=TARGET, verifier=f"127.0.0.1:{port}",
                                    http_port=0, http_port_file=str(port_file)):
-            def post():
+            def post(stream: bool):
                 conn = http.client.HTTPConnection("127.0.0.1", int(port_file.read_text()),
                                                   timeout=20)
                 conn.request("POST", "/v1/completions", json.dumps(
-                    {"prompt": "The", "max_tokens": 64, "stop": " on"}),
+                    {"prompt": "The", "max_tokens": 64, "stop": " on", "stream": stream}),
                     {"content-type": "application/json"})
-                return json.loads(conn.getresponse().read())
+                resp = conn.getresponse()
+                if not stream:
+                    return json.loads(resp.read())
+                events = []
+                while (line := resp.readline()) != b"data: [DONE]\n":  # then hang up, as
+                    if line.startswith(b"data: {"):                     # openai's client does
+                        events.append(json.loads(line[6:]))
+                conn.close()
+                return events
 
-            body = await asyncio.to_thread(post)
+            body = await asyncio.to_thread(post, False)
+            events = await asyncio.to_thread(post, True)
             for _ in range(50):
-                if fake.stopped:
+                if len(fake.stopped) == 2:
                     break
                 await asyncio.sleep(0.02)
     finally:
         await server.stop(None)
     assert body["choices"][0]["text"] == "The cat sat" and body["usage"]["completion_tokens"] == 6
-    assert fake.stopped == [body["id"]]  # the whole response's id: one choice
+    assert "".join(e["choices"][0]["text"] for e in events) == "The cat sat"
+    assert fake.stopped == [body["id"], events[0]["id"]]  # a response's id: one choice

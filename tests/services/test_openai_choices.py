@@ -88,7 +88,7 @@ async def test_a_failed_choice_fails_the_response_and_cancels_the_others(model_d
                                                                         tmp_path):
     fake = PerRequest(fail=1)
     status, _, raw = await _run(tmp_path, model_dir, fake, {"prompt": "hello", "n": 3}, False)
-    assert status == 400 and _error(raw)["message"] == "choice failed"
+    assert status == 400 and _error(raw)["message"] == "choice failed (prompt 0, choice 1)"
     for _ in range(100):
         if sorted(fake.cancelled) == [0, 1, 2]:
             break

@@ -161,6 +161,7 @@ async def test_a_value_the_wire_cannot_carry_is_a_400_not_a_500(monkeypatch):
     (True, "prompt has 40 tokens; the model's context is 32 tokens", "messages"),
     (False, "budget must be in [0, 16] (the engine's max_draft_tokens), got 99", "budget"),
     (False, "request id 'x' is already in use", None),
+    (False, "stop_token_ids out of vocabulary [0, 4096): [99999]", "stop_token_ids"),
 ])
 async def test_the_pipelines_and_verifiers_invalid_argument_names_the_field(chat, message,
                                                                             param):

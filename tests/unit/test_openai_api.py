@@ -146,10 +146,17 @@ def test_logprobs_objects():
     tok = Tokenizer.from_dir(default_pair()[0])
     ids = tok.encode("The cat é")  # "é" is two byte-level tokens
     lps = [TokenLogprob(-0.5 - k, (i, 7), (-0.25, -2.0)) for k, i in enumerate(ids)]
-    comp = out.logprobs(_completion(logprobs=2), tok, ids, lps, offset=10)
+    comp = out.logprobs(_completion(logprobs=2), tok, ids, lps)
     assert comp["tokens"] == ["The", " c", "at", " ", "\ufffd", "\ufffd"]
     assert comp["token_logprobs"] == [-0.5, -1.5, -2.5, -3.5, -4.5, -5.5]
-    assert comp["text_offset"] == [10, 13, 15, 17, 18, 19]
+    # offsets index the text "The cat é": both halves of "é" start where it does
+    assert comp["text_offset"] == [0, 3, 5, 7, 8, 8]
+    offsets = out.TextOffsets(tok, keep_special=False)  # one choice's, over two chunks
+    first = out.logprobs(_completion(logprobs=0), tok, ids[:5], lps[:5], offsets)
+    rest = out.logprobs(_completion(logprobs=0), tok, [ids[5], 0, ids[1]],
+                        [lps[5], lps[0], lps[1]], offsets)  # EOS (0) is not in the text
+    assert first["text_offset"] + rest["text_offset"] == [0, 3, 5, 7, 8, 8, 9, 9]
+    assert out.TextOffsets(tok, keep_special=True).take([0, ids[0]]) == [0, 13]
     assert comp["top_logprobs"][1] == {" c": -1.5, tok.decode([7]): -2.0}
     chat = out.logprobs(_chat(logprobs=True, top_logprobs=2), tok, ids, lps)["content"]
     assert [c["token"] for c in chat][:3] == ["The", " c", "at"]
@@ -189,7 +196,8 @@ def test_an_echoed_prompts_text_and_logprobs():
                        tuple(TokenLogprob(-1.0 - k, (t,), (-1.0 - k,)) for k, t in
                              enumerate(prompt[1:])), tuple(prompt))
     api = _completion(prompt="The cat", echo=True, logprobs=1, prompt_logprobs=1)
-    text, lp, extra = out.delta(api, tok, 0, SimpleChunk(" The", first), 0, False)
+    text, lp, extra = out.delta(api, tok, 0, SimpleChunk(" The", first),
+                                out.TextOffsets(tok, False), False)
     assert text == "The cat The"
     lp = out.joined(extra.pop("logprobs"), lp)
     assert lp["tokens"] == ["The", " c", "at", "The"]
@@ -199,7 +207,8 @@ def test_an_echoed_prompts_text_and_logprobs():
     assert extra["prompt_logprobs"][1] == {str(prompt[1]): {"logprob": -1.0,
                                                             "decoded_token": " c"}}
     scored = _completion(prompt="The cat", echo=True, max_tokens=0, logprobs=1)
-    text, lp, extra = out.delta(scored, tok, 0, SimpleChunk(" The", first), 0, False)
+    text, lp, extra = out.delta(scored, tok, 0, SimpleChunk(" The", first),
+                                out.TextOffsets(tok, False), False)
     assert (text, lp, "prompt_logprobs" in extra) == ("The cat", None, False)
     body = out.whole(scored, MODEL, [text], [_final()], [extra["logprobs"]])
     assert body["usage"]["completion_tokens"] == 0
