@@ -113,10 +113,43 @@ def test_chat_renders_the_template_as_transformers(api, checkpoints):  # noqa: F
     deltas = [c.choices[0].delta for c in streamed]
     assert deltas[0].role == "assistant"
     assert "".join(d.content or "" for d in deltas) == reply.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
-        client.chat.completions.create(model=MODEL, messages=messages, n=2)
+    two = client.chat.completions.create(model=MODEL, messages=messages, n=2,
+                                         max_completion_tokens=20, **GREEDY)
+    assert [c.message.content for c in two.choices] == [reply.choices[0].message.content] * 2
+    assert two.usage.prompt_tokens == reply.usage.prompt_tokens  # the prompt counted once
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL, prompt="x", n=2, best_of=3)
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.chat.completions.create(model="gpt-4o", messages=messages)
+
+
+def test_logprobs_and_echo_equal_the_engines(api, checkpoints, prompts):  # noqa: F811
+    """Through the openai client: each generated token's logprob and best alternatives, and
+    with `echo` and max_tokens 0 the prompt's (the first one null), equal the in-process
+    engine's (tests/unit/test_logprobs.py holds those to transformers)."""
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import Engine
+
+    engine = Engine(EngineConfig(str(checkpoints[0])))
+    engine.add_request("r", prompts[4], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                       logprobs=2, prompt_logprobs=2))
+    outs = [o for _ in range(20) if engine.has_unfinished for o in engine.step()]
+    gen = [t for o in outs for t in o.logprobs]
+    client = _client(api)
+    whole = client.completions.create(model=MODEL, prompt=prompts[4], max_tokens=12, logprobs=2,
+                                      **GREEDY).choices[0].logprobs
+    assert whole.token_logprobs == pytest.approx([t.logprob for t in gen], abs=1e-4)
+    for token, lp, top in zip(whole.tokens, whole.token_logprobs, whole.top_logprobs,
+                              strict=True):  # greedy: the chosen token is the best
+        assert 1 <= len(top) <= 2 and top[token] == lp == max(top.values())  # (keyed by text)
+    scored = client.completions.create(model=MODEL, prompt=prompts[4], max_tokens=0, echo=True,
+                                       logprobs=2, **GREEDY)
+    choice = scored.choices[0]
+    assert choice.text == prompts[4] and scored.usage.completion_tokens == 0
+    want = [None, *(t.logprob for t in outs[0].prompt_logprobs)]
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
+    assert "".join(choice.logprobs.tokens) == prompts[4]
 
 
 def test_curl_streams_sse(api, prompts, expected, tokenizer):  # noqa: F811
