@@ -13,8 +13,8 @@ engine, which drops the request's drafter state). Each step takes one token from
 request first, then fills the rest of the token budget with prefill chunks (chunked prefill),
 oldest request first; with a `chunk_cost` (engine/chunk_cost.py), a chunk beside decoding
 requests is cut further, to what the token budget's tokens cost at context 0, so their step does
-not grow with the prompt's context. A request that asked for prompt logprobs prefills in
-chunks of at most PROMPT_LOGPROB_ROWS tokens (each of its rows gets logits).
+not grow with the prompt's context. Requests that asked for prompt logprobs prefill at most
+PROMPT_LOGPROB_ROWS tokens a step between them (each of their rows gets logits).
 """
 
 from __future__ import annotations
@@ -136,10 +136,13 @@ class Scheduler:
         context 0 — the step's first chunk at least 1/MIN_SHARE of the budget."""
         cost = float(budget) if mixed and self.chunk_cost is not None else None
         out: list[Scheduled] = []
+        rows = PROMPT_LOGPROB_ROWS  # what the step's prompt_logprobs chunks may still take
         for seq in (s for s in self.running if s.in_prefill):
             n = min(seq.num_uncomputed, budget)
             if seq.params.prompt_logprobs is not None:  # every row's logits: a bounded chunk
-                n = min(n, PROMPT_LOGPROB_ROWS)
+                n, rows = min(n, rows), rows - min(n, rows)
+                if n == 0:
+                    continue  # the next step's
             if cost is not None:
                 least = 0 if out else min(n, max(1, self.max_num_batched_tokens // MIN_SHARE))
                 n = max(least, self.chunk_cost.tokens_within(seq.num_computed, cost, n))

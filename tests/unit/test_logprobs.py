@@ -113,3 +113,30 @@ def test_prompt_logprobs_are_the_targets(hf, chunk):
     values, ids = want.topk(2, dim=-1)
     assert [list(t.top_ids) for t in got] == ids.tolist()
     assert torch.allclose(torch.tensor([t.top_logprobs for t in got]), values, atol=2e-4)
+
+
+def test_prompt_logprobs_chunks_share_a_bounded_number_of_rows(monkeypatch):
+    """However many ask, a step gives prompt-logprob chunks PROMPT_LOGPROB_ROWS rows in all (so
+    their logits stay bounded), and a request that did not ask is not held back."""
+    import specserve.engine.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "PROMPT_LOGPROB_ROWS", 16)
+    engine = Engine(EngineConfig(TARGET, max_num_batched_tokens=256))
+    for rid, n in (("a", 0), ("b", 1), ("c", None)):
+        engine.add_request(rid, PROMPT, SamplingParams(max_tokens=2, prompt_logprobs=n))
+    seen, schedule = [], engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        seen.append({w.seq.request_id: w.num_tokens for w in out if w.seq.in_prefill})
+        return out
+
+    monkeypatch.setattr(engine.scheduler, "schedule", spy)
+    firsts = {o.request_id: o for _ in range(60) if engine.has_unfinished
+              for o in engine.step() if o.prompt_logprobs is not None}
+    prompt = engine.tokenizer.encode(PROMPT)
+    assert all(step.get("a", 0) + step.get("b", 0) <= 16 for step in seen), seen
+    assert seen[0] == {"a": 16, "c": len(prompt)}  # b waits for rows; c for nothing
+    assert [len(firsts[r].prompt_logprobs) for r in "ab"] == [len(prompt) - 1] * 2
+    assert [t.logprob for t in firsts["a"].prompt_logprobs] == pytest.approx(
+        [t.logprob for t in firsts["b"].prompt_logprobs], abs=1e-5)  # chunked differently
