@@ -51,7 +51,7 @@ class ApiRequest:
     names: dict[str, str] = field(default_factory=dict, hash=False)  # see `body_names`
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion's
     score_only: bool = False  # echo with max_tokens 0: the prompt only (one token generated)
-    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked: a choice field of its own
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs N: a choice field of its own
 
     @property
     def request(self) -> GatewayRequest:
@@ -111,7 +111,8 @@ def _parse(body: dict, chat: bool, model: str, template, defaults,
         verify_request_to_pb(request, [])  # what the verifier will get converts (else a 400)
         requests.append(request)
     return ApiRequest(tuple(requests), n, chat, stream, include_usage, rid, int(time.time()),
-                      names, echo, score_only, "prompt_logprobs" in body)
+                      names, echo, score_only,
+                      None if chat else typed(body, "prompt_logprobs", int, None))
 
 
 def _n(body: dict, prompts: int) -> int:

@@ -3,7 +3,7 @@
 Every top-level field of a body is one of: read (`READ`, per route), accepted and ignored
 because it changes no output (`IGNORED`: OpenAI's bookkeeping fields), or refused with a 400
 that names it unless it holds a neutral value (`NEUTRAL`: OpenAI's and vLLM's parameters
-specserve does not implement — a penalty, logprobs, guided decoding — whose neutral value asks
+specserve does not implement — a penalty, tools, guided decoding — whose neutral value asks
 for nothing). Any other field is refused as unknown, as OpenAI's API does: a parameter that
 would change the output is never silently dropped. Values are compared by type as well, so
 `n: 1.0` is not `1`.

@@ -17,6 +17,7 @@ decode (U+FFFD for part of a character; `bytes` has its real bytes).
 from __future__ import annotations
 
 import codecs
+import functools
 
 from services.gateway.convert import GatewayFinal
 from services.gateway.openai_api import ApiRequest
@@ -56,6 +57,17 @@ def speculative_decoding(final: GatewayFinal) -> dict:
     }
 
 
+@functools.lru_cache(maxsize=1 << 18)
+def _text(tokenizer: Tokenizer, token_id: int) -> str:
+    """One token's own text (cached: a long prompt's logprobs list many, on the event loop)."""
+    return tokenizer.decode([token_id])
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
+    return tokenizer.token_bytes(token_id)
+
+
 class TextOffsets:
     """Where each token's text starts in a choice's text (completions' `text_offset`): the
     tokens' own bytes through one incremental UTF-8 decoder, so part of a character counts
@@ -71,7 +83,7 @@ class TextOffsets:
         for i in ids:
             out.append(self.chars)
             if i not in skip:
-                self.chars += len(self._utf8.decode(self._tok.token_bytes(i)))
+                self.chars += len(self._utf8.decode(_bytes(self._tok, i)))
         return out
 
 
@@ -81,17 +93,17 @@ def logprobs(api: ApiRequest, tokenizer: Tokenizer, ids, lps: list[TokenLogprob]
     the choice's text offsets (completions')."""
     if api.request.params.logprobs is None:
         return None
-    texts = [tokenizer.decode([i]) for i in ids]
+    texts = [_text(tokenizer, i) for i in ids]
     if api.chat:
         def entry(token_id: int, text: str, lp: float) -> dict:
-            return {"token": text, "logprob": lp, "bytes": list(tokenizer.token_bytes(token_id))}
+            return {"token": text, "logprob": lp, "bytes": list(_bytes(tokenizer, token_id))}
 
         return {"content": [{**entry(i, text, t.logprob), "top_logprobs": [
-            entry(j, tokenizer.decode([j]), v) for j, v in zip(t.top_ids, t.top_logprobs,
+            entry(j, _text(tokenizer, j), v) for j, v in zip(t.top_ids, t.top_logprobs,
                                                                strict=True)]}
             for i, text, t in zip(ids, texts, lps, strict=True)]}
     offsets = (offsets or TextOffsets(tokenizer, True)).take(ids)
-    tops = [{**{tokenizer.decode([j]): v for j, v in zip(t.top_ids, t.top_logprobs,
+    tops = [{**{_text(tokenizer, j): v for j, v in zip(t.top_ids, t.top_logprobs,
                                                          strict=True)}, text: t.logprob}
             for text, t in zip(texts, lps, strict=True)]
     return {"tokens": texts, "token_logprobs": [t.logprob for t in lps], "top_logprobs": tops,
@@ -106,13 +118,14 @@ def prompt_part(api: ApiRequest, tokenizer: Tokenizer, k: int, step,
     r = api.requests[k]
     text = r.text if r.text is not None else tokenizer.decode(list(r.token_ids))
     ids, lps, extra = list(step.prompt_ids), list(step.prompt_logprobs), {}
-    if api.prompt_logprobs and ids:
+    if api.prompt_logprobs is not None and ids:
         extra["prompt_logprobs"] = [None, *({**{str(j): _vllm(tokenizer, j, v) for j, v in zip(
-            t.top_ids, t.top_logprobs, strict=True)}, str(i): _vllm(tokenizer, i, t.logprob)}
-            for i, t in zip(ids[1:], lps, strict=True))]
-    if api.echo and ids and api.request.params.logprobs is not None:
-        head = offsets.take(ids[:1])
-        rest = logprobs(api, tokenizer, ids[1:], lps, offsets)
+            t.top_ids[:api.prompt_logprobs], t.top_logprobs, strict=False)},
+            str(i): _vllm(tokenizer, i, t.logprob)} for i, t in zip(ids[1:], lps, strict=True))]
+    if api.echo and ids and (n := api.request.params.logprobs) is not None:
+        head = offsets.take(ids[:1])  # each token: the N best the generated ones get
+        rest = logprobs(api, tokenizer, ids[1:], [TokenLogprob(
+            t.logprob, t.top_ids[:n], t.top_logprobs[:n]) for t in lps], offsets)
         extra["logprobs"] = {"tokens": [tokenizer.decode(ids[:1]), *rest["tokens"]],
                              "token_logprobs": [None, *rest["token_logprobs"]],
                              "top_logprobs": [None, *rest["top_logprobs"]],
@@ -126,7 +139,7 @@ def delta(api: ApiRequest, tokenizer: Tokenizer, k: int, event, offsets: TextOff
     `started`: not its first), and on its first the prompt's part (`prompt_part`: the echoed
     text first; None otherwise)."""
     step, extra, head = event.step, None, ""
-    if not started and step is not None and (api.echo or api.prompt_logprobs):
+    if not started and step is not None and (api.echo or api.prompt_logprobs is not None):
         head, extra = prompt_part(api, tokenizer, k, step, offsets)
     if api.score_only:
         return head, None, extra
@@ -136,7 +149,7 @@ def delta(api: ApiRequest, tokenizer: Tokenizer, k: int, event, offsets: TextOff
 
 
 def _vllm(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict:
-    return {"logprob": logprob, "decoded_token": tokenizer.decode([token_id])}
+    return {"logprob": logprob, "decoded_token": _text(tokenizer, token_id)}
 
 
 def joined(a: dict | None, b: dict | None) -> dict | None:

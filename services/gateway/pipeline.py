@@ -96,6 +96,7 @@ class Pipeline:
         self.metrics = metrics  # GatewayMetrics | None
         self._tracer = telemetry.tracer("specserve.gateway")
         self._calls: set = set()  # the verifier calls in flight
+        self._stopping: set[asyncio.Task] = set()  # `_stop`s not done
         self._aborting: str | None = None  # abort_all's message, once called
 
     def abort_all(self, message: str) -> None:
@@ -142,7 +143,7 @@ class Pipeline:
                 code, detail = failed.code, failed.message
                 raise failed from None
             finally:
-                await self._end_call(call, replica, req, state)
+                self._end_call(call, replica, req, state)
             code = grpc.StatusCode.OK
         finally:
             if replica is not None:
@@ -198,19 +199,32 @@ class Pipeline:
             call.cancel()
         return call
 
-    async def _end_call(self, call, replica: Replica, req: GatewayRequest,
-                        state: RequestState) -> None:
-        """Cancel the verifier call; one cut at a stop string is first stopped there, so the
-        verifier frees the request at once and counts it finished, not cancelled."""
+    def _end_call(self, call, replica: Replica, req: GatewayRequest,
+                  state: RequestState) -> None:
+        """Cancel the verifier call; one cut at a stop string is first stopped there — in the
+        background, the response does not wait — so the verifier frees the request at once
+        and counts it finished, not cancelled."""
+        if state.cut and not call.done() and self._aborting is None:
+            task = asyncio.ensure_future(self._stop(call, replica, req))
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+        else:
+            call.cancel()
+            self._calls.discard(call)
+
+    async def _stop(self, call, replica: Replica, req: GatewayRequest) -> None:
         try:
-            if state.cut and not call.done() and self._aborting is None:
-                await replica.stub.Stop(verifier_pb2.StopRequest(request_id=req.request_id),
-                                        timeout=STOP_TIMEOUT_S, metadata=self._peer_metadata)
+            await replica.stub.Stop(verifier_pb2.StopRequest(request_id=req.request_id),
+                                    timeout=STOP_TIMEOUT_S, metadata=self._peer_metadata)
         except grpc.aio.AioRpcError as e:  # a verifier without Stop, or going down
             log.debug("request %s: Stop: %s", req.request_id, e.code().name)
         finally:
             call.cancel()
             self._calls.discard(call)
+
+    async def drain(self) -> None:
+        """Until the verifier calls being stopped have ended (at most STOP_TIMEOUT_S)."""
+        await asyncio.gather(*self._stopping, return_exceptions=True)
 
     def _failed(self, e: BaseException, req: GatewayRequest,
                 replica: Replica) -> GenerationFailed | None:

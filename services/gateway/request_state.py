@@ -39,7 +39,7 @@ class RequestState:
             self.ttft_s = time.perf_counter() - self.t0
         if self.completion_tokens:  # the first event is prefill's sampled token, not a step
             self.stats.record(step)  # the verifier's own stats replace these when it finishes
-        elif step.prompt_logprobs:  # the prompt's tokens, for whoever shows their logprobs
+        elif self.req.params.prompt_logprobs is not None:  # for whoever shows their logprobs
             step = replace(step, prompt_ids=tuple(self.prompt_ids))
         if self.stopper is None:
             self.completion_tokens += len(step.token_ids)

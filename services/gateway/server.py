@@ -102,7 +102,7 @@ class GatewayServer:
     http: HttpListener | None = None
     watcher: asyncio.Task | None = None
     metrics_server: object = None
-    prompts: PromptEncoder | None = None  # the pipeline's prompt tokenization worker
+    pipeline: Pipeline | None = None
     serving: dict = field(default_factory=lambda: {"now": False})  # HTTP /health reads it
 
     async def stop(self, grace: float) -> None:
@@ -114,10 +114,11 @@ class GatewayServer:
             await self.health.enter_graceful_shutdown()
             await asyncio.gather(self.server.stop(grace),
                                  self.http.stop() if self.http is not None else asyncio.sleep(0))
+        if self.pipeline is not None:
+            await self.pipeline.drain()  # its Stops, before the channels close
+            self.pipeline.prompts.close()  # the prompt tokenization worker
         if self.replicas is not None:
             await self.replicas.close()
-        if self.prompts is not None:
-            self.prompts.close()
         telemetry.stop_metrics_server(self.metrics_server)
 
 
@@ -128,8 +129,7 @@ async def start(config: GatewayConfig) -> GatewayServer:
         a: channel(a, config.security, VERIFIER_CHANNEL_OPTIONS) for a in config.verifiers}))
     try:
         metrics = GatewayMetrics()
-        pipeline = _pipeline(config, gw.replicas, metrics)
-        gw.prompts = pipeline.prompts
+        gw.pipeline = pipeline = _pipeline(config, gw.replicas, metrics)
         gw.server, gw.port, gw.health = await start_server(
             [(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(pipeline))],
             [SERVICE_NAME], config.host, config.port, config.max_message_bytes,

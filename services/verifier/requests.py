@@ -101,6 +101,7 @@ class Requests:
         if call is None or call.finished or call.first_s is None:
             return False
         call.finished, call.code = True, grpc.StatusCode.OK
+        call.events.put_nowait(None)  # wakes `run`, which ends the call
         self.loop.abort(request_id, owner=call.events)
         self._finish(call, FinishReason.STOP, None, time.perf_counter() - call.t0)
         return True

@@ -80,7 +80,7 @@ def _prompt_rows(chunks: list[Scheduled], ends: list[int], rows: list[int]) -> l
     asked for prompt logprobs (`ends`: the chunks' flat ends); their StepBatch.prompt_rows."""
     out = []
     for i, (w, end) in enumerate(zip(chunks, ends, strict=True)):
-        first = max(w.start, len(w.seq.prompt_logprobs))
+        first = max(w.start, w.seq.prompt_logprob_count)
         last = min(w.start + w.num_tokens, len(w.seq.prompt_ids) - 1)
         if w.seq.params.prompt_logprobs is not None and last > first:
             flat = end - w.num_tokens - w.start  # the flat row of position 0

@@ -84,11 +84,13 @@ def _commit_tree(engine: Engine, p: Planned, logits: torch.Tensor, batch: StepBa
         keep = torch.tensor([0, *acc.rows], device=feats.device) + (end - n)
         seq.pending_context.append(feats.index_select(0, keep))  # [1 + accepted, F]
     seq.num_computed = p.start + 1 + acc.accepted_depth
-    out = engine.commit_tokens(seq, acc.token_ids)
+    lps = None
     if seq.params.logprobs is not None:  # token k was chosen by the row of path node k - 1
-        rows = torch.tensor([0, *acc.rows][: len(out.new_token_ids)], device=logits.device)
-        out.logprobs = token_logprobs(logits.index_select(0, rows), out.new_token_ids,
-                                      seq.params.logprobs)
+        rows = torch.tensor([0, *acc.rows], device=logits.device)
+        lps = token_logprobs(logits.index_select(0, rows), acc.token_ids, seq.params.logprobs)
+    out = engine.commit_tokens(seq, acc.token_ids)  # before it: nothing left that can fail
+    if lps is not None:
+        out.logprobs = lps[: len(out.new_token_ids)]
     return acc, out, s, d
 
 
@@ -100,24 +102,38 @@ def end_chunks(engine: Engine, batch: StepBatch, verify_s: float) -> list[Reques
         if batch.feats is not None:
             w.seq.pending_context.append(batch.feats[e - w.num_tokens : e])
     speculative.feed(engine.drafter, [w.seq for w in batch.chunks])  # before any release
-    for i, row, n in batch.prompt_rows:  # row p predicts prompt token p + 1
-        seq = batch.chunks[i].seq
-        known = len(seq.prompt_logprobs) + 1
-        seq.prompt_logprobs += token_logprobs(batch.logits[row : row + n],
-                                              seq.prompt_ids[known : known + n],
-                                              seq.params.prompt_logprobs)
-    offset, outputs = sum(p.layout.num_rows for p in batch.plans), []
+    failed = _prompt_logprobs(engine, batch)
+    offset, outputs = sum(p.layout.num_rows for p in batch.plans), list(failed.values())
     for j, i in enumerate(batch.done):
-        seq, row = batch.chunks[i].seq, offset + j
+        seq, rows = batch.chunks[i].seq, batch.logits[offset + j : offset + j + 1]
+        if seq.request_id in failed:
+            continue
         try:
-            token = sample_rows(batch.logits[row : row + 1], seq.params, seq.generator)
-            first = not seq.output_ids
+            token = sample_rows(rows, seq.params, seq.generator)
+            lps = None if seq.params.logprobs is None else \
+                token_logprobs(rows, token, seq.params.logprobs)
+            prompt = None if seq.output_ids or seq.params.prompt_logprobs is None else \
+                seq.prompt_logprobs
             outputs.append(out := engine.commit_tokens(seq, token))
-            if first and seq.params.prompt_logprobs is not None:
-                out.prompt_logprobs = seq.prompt_logprobs
-            if seq.params.logprobs is not None:
-                out.logprobs = token_logprobs(batch.logits[row : row + 1], token,
-                                              seq.params.logprobs)
+            out.logprobs, out.prompt_logprobs = lps, prompt
+            seq.prompt_logprobs = []  # sent with the first token
         except Exception as e:  # this request's failure ends it alone
             outputs.append(isolation.fail(engine, seq, e))
     return outputs
+
+
+def _prompt_logprobs(engine: Engine, batch: StepBatch) -> dict[str, RequestOutput]:
+    """The prompt tokens' logprobs of the step's prompt_logprobs chunks (row p: token p + 1);
+    a request whose fail ends alone: its output, by request id."""
+    failed = {}
+    for i, row, n in batch.prompt_rows:
+        seq = batch.chunks[i].seq
+        try:
+            known = seq.prompt_logprob_count + 1
+            seq.prompt_logprobs += token_logprobs(batch.logits[row : row + n],
+                                                  seq.prompt_ids[known : known + n],
+                                                  seq.params.prompt_logprobs)
+            seq.prompt_logprob_count += n
+        except Exception as e:  # this request's failure ends it alone
+            failed[seq.request_id] = isolation.fail(engine, seq, e)
+    return failed

@@ -139,10 +139,10 @@ class Scheduler:
         rows = PROMPT_LOGPROB_ROWS  # what the step's prompt_logprobs chunks may still take
         for seq in (s for s in self.running if s.in_prefill):
             n = min(seq.num_uncomputed, budget)
-            if seq.params.prompt_logprobs is not None:  # every row's logits: a bounded chunk
-                n, rows = min(n, rows), rows - min(n, rows)
-                if n == 0:
-                    continue  # the next step's
+            logits = seq.params.prompt_logprobs is not None and \
+                seq.prompt_logprob_count < len(seq.prompt_ids) - 1  # every row's
+            if logits and (n := min(n, rows)) == 0:
+                continue  # the next step's
             if cost is not None:
                 least = 0 if out else min(n, max(1, self.max_num_batched_tokens // MIN_SHARE))
                 n = max(least, self.chunk_cost.tokens_within(seq.num_computed, cost, n))
@@ -150,7 +150,7 @@ class Scheduler:
             if n <= 0:
                 break
             out.append(Scheduled(seq, seq.num_computed, n))
-            budget -= n
+            budget, rows = budget - n, rows - (n if logits else 0)
         return out
 
     def finish(self, seq: Sequence) -> None:

@@ -69,7 +69,8 @@ class Sequence:
     pending_context: list = field(default_factory=list)  # tapped features not yet drafted on
     recompute_to: int = 0  # after a preemption: prefill again up to here (its tokens then)
     spec_stats: object | None = None  # RequestSpecStats
-    prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1..
+    prompt_logprobs: list = field(default_factory=list)  # prompt tokens' TokenLogprobs, unsent
+    prompt_logprob_count: int = 0  # prompt tokens (from the second) whose logprob is known
 
     @property
     def ids(self) -> TokenView:

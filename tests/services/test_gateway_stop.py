@@ -10,6 +10,7 @@ Demo target's tokenizer: "The cat sat on the mat." is 2028 285 282 308 282 555 2
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -53,6 +54,16 @@ def test_a_stop_string_mid_step_ends_text_tokens_and_usage_at_its_token():
     assert state.final(FinishReason.STOP, None).completion_tokens == 6
 
 
+def test_the_first_step_carries_the_prompt_when_its_logprobs_were_asked():
+    tok = Tokenizer.from_dir(TARGET)
+    for params, want in ((SamplingParams(prompt_logprobs=0), (2028,)), (SamplingParams(), ())):
+        state = RequestState(tok, [2028], GatewayRequest("r", None, (2028,), params, None,
+                                                         None))
+        _, step, _ = state.push(Step(SENTENCE[1:2], 1, 0))  # a one-token prompt: no logprobs
+        assert step.prompt_ids == want  # (echo still shows its token)
+        assert state.push(Step(SENTENCE[2:3], 1, 0))[1].prompt_ids == ()
+
+
 def test_without_a_stop_every_token_counts():
     state = _state(stop=["zebra"])
     text, step, stopped = state.push(Step(SENTENCE, 9, 8))
@@ -70,9 +81,10 @@ def test_eos_text_is_left_out_unless_special_tokens_are_kept(keep, want):
 class StoppableVerifier(FakeVerifier):
     """One step of the whole sentence, then waits (a long generation) until stopped."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop_s: float = 0.2) -> None:
         super().__init__(tokens=())
         self.stopped: list[str] = []
+        self.stop_s = stop_s
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         self.requests.append(request)
@@ -80,25 +92,32 @@ class StoppableVerifier(FakeVerifier):
         await asyncio.sleep(RPC_S)
 
     async def Stop(self, request, context):  # noqa: N802
-        await asyncio.sleep(0.2)  # a verifier busy with a step: the gateway waits for it
+        await asyncio.sleep(self.stop_s)  # a busy verifier: the gateway stops it in the background
         self.stopped.append(request.request_id)
         return verifier_pb2.StopReply(stopped=True)
 
 
 @pytest.mark.asyncio
-async def test_the_gateway_stops_the_request_at_the_verifier(tmp_path):
-    fake = StoppableVerifier()
+async def test_the_gateway_stops_the_request_at_the_verifier(tmp_path, monkeypatch):
+    import services.gateway.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "STOP_TIMEOUT_S", 10.0)
+    fake = StoppableVerifier(stop_s=1.5)
     server, port, _ = await start_verifier(fake)
     try:
         async with running_gateway(tmp_path, model=TARGET,
                                    verifier=f"127.0.0.1:{port}") as (address, _cfg):
             params = SamplingParams(max_tokens=64, stop=(" on",))
             async with channel(address) as ch:
+                t0 = time.monotonic()
                 msgs = gateway_pb2_grpc.GatewayStub(ch).Generate(
                     convert.generate_request_to_pb("The", params), timeout=RPC_S)
                 replies = [m async for m in msgs]
+                took = time.monotonic() - t0
     finally:
         await server.stop(None)
+    assert took < 1.0  # the call ended without waiting for the verifier's Stop
+
     final = replies[-1].final
     assert replies[0].chunk.text == "The cat sat" and list(replies[0].chunk.token_ids) == \
         list(SENTENCE[:6])

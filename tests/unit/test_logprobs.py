@@ -140,3 +140,61 @@ def test_prompt_logprobs_chunks_share_a_bounded_number_of_rows(monkeypatch):
     assert [len(firsts[r].prompt_logprobs) for r in "ab"] == [len(prompt) - 1] * 2
     assert [t.logprob for t in firsts["a"].prompt_logprobs] == pytest.approx(
         [t.logprob for t in firsts["b"].prompt_logprobs], abs=1e-5)  # chunked differently
+
+
+def _drain(engine: Engine, limit: int = 200, preempt_at: int | None = None) -> list:
+    outs = []
+    for i in range(limit):
+        if not engine.has_unfinished:
+            break
+        if i == preempt_at:  # as when the KV pool runs out: recomputed later
+            engine.scheduler._preempt(engine.requests["r"])
+        outs += engine.step()
+    return outs
+
+
+def test_a_logprob_failure_ends_its_request_alone(monkeypatch):
+    """A failure computing one request's prompt or token logprobs ends that request, with one
+    output, and the step's other requests go on."""
+    import specserve.engine.postprocess as postprocess
+
+    real = postprocess.token_logprobs
+
+    def boom(logits, tokens, top):
+        if top == 3:
+            raise RuntimeError("boom")
+        return real(logits, tokens, top)
+
+    monkeypatch.setattr(postprocess, "token_logprobs", boom)
+    engine = Engine(EngineConfig(TARGET))
+    engine.add_request("prompt", PROMPT, SamplingParams(max_tokens=3, prompt_logprobs=3))
+    engine.add_request("token", PROMPT, SamplingParams(max_tokens=3, logprobs=3))
+    engine.add_request("good", PROMPT, SamplingParams(max_tokens=3, logprobs=1))
+    outs = _drain(engine)
+    for rid in ("prompt", "token"):
+        (out,) = [o for o in outs if o.request_id == rid]
+        assert isinstance(out.error, RuntimeError)
+    good = [o for o in outs if o.request_id == "good"]
+    assert sum(len(o.new_token_ids) for o in good) == 3 and good[-1].error is None
+    assert engine.blocks.num_used_pages == 0
+
+
+@pytest.mark.parametrize("at", [1, 3], ids=["mid_prompt", "decoding"])
+def test_a_preempted_request_keeps_its_logprobs(monkeypatch, at):
+    import specserve.engine.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "PROMPT_LOGPROB_ROWS", 8)
+
+    def run(preempt_at):
+        engine = Engine(EngineConfig(TARGET))
+        engine.add_request("r", PROMPT, SamplingParams(max_tokens=4, prompt_logprobs=1,
+                                                       logprobs=1))
+        return _drain(engine, preempt_at=preempt_at)
+
+    a, b = run(None), run(at)
+    pa, pb = ([o.prompt_logprobs for o in x if o.prompt_logprobs is not None] for x in (a, b))
+    assert len(pa) == len(pb) == 1 and len(pa[0]) == len(pb[0]) > 8
+    assert [t.logprob for t in pa[0]] == pytest.approx([t.logprob for t in pb[0]], abs=1e-4)
+    assert [t for o in a for t in o.new_token_ids] == [t for o in b for t in o.new_token_ids]
+    assert [t.logprob for o in a for t in o.logprobs] == \
+        pytest.approx([t.logprob for o in b for t in o.logprobs], abs=1e-4)

@@ -169,12 +169,14 @@ def test_logprobs_objects():
 
 def test_echo_and_prompt_logprobs():
     scored = _completion(echo=True, max_tokens=0, logprobs=2)
-    assert scored.echo and scored.score_only and not scored.prompt_logprobs
+    assert scored.echo and scored.score_only and scored.prompt_logprobs is None
     assert (scored.request.params.max_tokens, scored.request.params.prompt_logprobs) == (1, 2)
     echoed = _completion(echo=True, max_tokens=5)
     assert echoed.echo and not echoed.score_only and echoed.request.params.prompt_logprobs is None
     vllm = _completion(prompt_logprobs=3)
-    assert vllm.prompt_logprobs and vllm.request.params.prompt_logprobs == 3
+    assert vllm.prompt_logprobs == vllm.request.params.prompt_logprobs == 3
+    both = _completion(echo=True, logprobs=1, prompt_logprobs=0)  # the larger N is computed
+    assert (both.prompt_logprobs, both.request.params.prompt_logprobs) == (0, 1)
     for body, param in (({"max_tokens": 0}, "max_tokens"), ({"prompt_logprobs": 21},
                                                              "prompt_logprobs")):
         with pytest.raises(ApiError) as e:
@@ -206,6 +208,12 @@ def test_an_echoed_prompts_text_and_logprobs():
     assert extra["prompt_logprobs"][0] is None
     assert extra["prompt_logprobs"][1] == {str(prompt[1]): {"logprob": -1.0,
                                                             "decoded_token": " c"}}
+    cut = out.prompt_part(_completion(prompt="The cat", echo=True, logprobs=0,
+                                      prompt_logprobs=0), tok, 0, first,
+                          out.TextOffsets(tok, False))[1]
+    assert cut["logprobs"]["top_logprobs"][1] == {" c": -1.0}  # the chosen only: N = 0
+    assert cut["prompt_logprobs"][1] == {str(prompt[1]): {"logprob": -1.0,
+                                                          "decoded_token": " c"}}
     scored = _completion(prompt="The cat", echo=True, max_tokens=0, logprobs=1)
     text, lp, extra = out.delta(scored, tok, 0, SimpleChunk(" The", first),
                                 out.TextOffsets(tok, False), False)
