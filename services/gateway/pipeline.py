@@ -97,6 +97,7 @@ class Pipeline:
         self._tracer = telemetry.tracer("specserve.gateway")
         self._calls: set = set()  # the verifier calls in flight
         self._stopping: set[asyncio.Task] = set()  # `_stop`s not done
+        self._encoding: dict[str, asyncio.Future] = {}  # prompt texts being encoded
         self._aborting: str | None = None  # abort_all's message, once called
 
     def abort_all(self, message: str) -> None:
@@ -252,9 +253,16 @@ class Pipeline:
         return e.details() or e.code().name
 
     async def _prompt_ids(self, req: GatewayRequest) -> list[int]:
+        """The prompt's ids; a text being encoded for another request (the choices of one HTTP
+        request) waits for that encoding instead of queueing its own."""
         if req.token_ids is not None:
             return self.tokenizer.check_ids(req.token_ids)
-        ids = await self.prompts.encode(req.text)
+        if (encoding := self._encoding.get(req.text)) is None:
+            encoding = self._encoding[req.text] = asyncio.ensure_future(
+                self.prompts.encode(req.text))
+            encoding.add_done_callback(lambda f, t=req.text: (
+                self._encoding.pop(t, None), f.cancelled() or f.exception()))  # retrieved
+        ids = list(await asyncio.shield(encoding))  # a cancelled waiter leaves it to the rest
         if not ids:
             raise InvalidRequest("prompt text encodes to no tokens")
         return ids

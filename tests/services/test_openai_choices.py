@@ -94,3 +94,22 @@ async def test_a_failed_choice_fails_the_response_and_cancels_the_others(model_d
             break
         await asyncio.sleep(0.02)
     assert sorted(fake.cancelled) == [0, 1, 2]  # every verifier call ended
+
+
+@pytest.mark.asyncio
+async def test_the_choices_of_one_prompt_encode_it_once(model_dir, tmp_path,  # noqa: F811
+                                                        monkeypatch):
+    from services.gateway.prompt_encoder import PromptEncoder
+
+    texts, encode = [], PromptEncoder.encode
+
+    async def counted(self, text):
+        texts.append(text)
+        return await encode(self, text)
+
+    monkeypatch.setattr(PromptEncoder, "encode", counted)
+    fake = PerRequest()
+    status, _, raw = await _run(tmp_path, model_dir, fake, {"prompt": ["hello there", "bye"],
+                                                            "max_tokens": 2, "n": 3}, False)
+    assert status == 200, raw
+    assert sorted(texts) == ["bye", "hello there"] and len(fake.requests) == 6
