@@ -81,9 +81,15 @@ class TextOffsets:
         """The offsets of `ids`, the choice's next tokens."""
         out, skip = [], frozenset() if self._keep else self._tok.special_ids
         for i in ids:
-            out.append(self.chars)
-            if i not in skip:
-                self.chars += len(self._utf8.decode(_bytes(self._tok, i)))
+            if i in skip:
+                out.append(self.chars)
+                continue
+            data = _bytes(self._tok, i)
+            # a character left unfinished by the tokens before, that this one does not go on
+            # with, becomes a U+FFFD of theirs, in front of this token's text
+            cut = bool(self._utf8.getstate()[0]) and bool(data) and not 0x80 <= data[0] <= 0xBF
+            out.append(self.chars + cut)
+            self.chars += len(self._utf8.decode(data))
         return out
 
 

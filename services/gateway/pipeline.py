@@ -132,7 +132,7 @@ class Pipeline:
             state.verifier = replica.address
             call = self._call(replica, req, prompt_ids, deadline, span)
             if on_done is not None:
-                on_done(lambda _ctx: call.cancel())
+                on_done(lambda _ctx: state.cut or call.cancel())  # a cut one: `_stop`'s
             try:
                 async for event in self._relay(call, state):
                     if isinstance(event, GatewayFinal):  # done, even if not read further

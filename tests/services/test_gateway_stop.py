@@ -85,13 +85,16 @@ class StoppableVerifier(FakeVerifier):
         super().__init__(tokens=())
         self.stopped: list[str] = []
         self.stop_s = stop_s
+        self.order: list[str] = []  # "stop" when a Stop arrives, "end" when a Generate ends
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+        context.add_done_callback(lambda _ctx: self.order.append("end"))
         self.requests.append(request)
         yield verifier_pb2.VerifyEvent(token_ids=SENTENCE, commit_len=len(SENTENCE))
         await asyncio.sleep(RPC_S)
 
     async def Stop(self, request, context):  # noqa: N802
+        self.order.append("stop")
         await asyncio.sleep(self.stop_s)  # a busy verifier: the gateway stops it in the background
         self.stopped.append(request.request_id)
         return verifier_pb2.StopReply(stopped=True)
@@ -117,6 +120,7 @@ async def test_the_gateway_stops_the_request_at_the_verifier(tmp_path, monkeypat
     finally:
         await server.stop(None)
     assert took < 1.0  # the call ended without waiting for the verifier's Stop
+    assert fake.order == ["stop", "end"]  # and the verifier call was not cancelled before it
 
     final = replies[-1].final
     assert replies[0].chunk.text == "The cat sat" and list(replies[0].chunk.token_ids) == \

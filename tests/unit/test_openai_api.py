@@ -157,6 +157,8 @@ def test_logprobs_objects():
                         [lps[5], lps[0], lps[1]], offsets)  # EOS (0) is not in the text
     assert first["text_offset"] + rest["text_offset"] == [0, 3, 5, 7, 8, 8, 9, 9]
     assert out.TextOffsets(tok, keep_special=True).take([0, ids[0]]) == [0, 13]
+    # a lone lead byte (171: b"\xee") that the next token does not continue: "CS\ufffd nothing"
+    assert out.TextOffsets(tok, False).take([2171, 171, 3595, 2420]) == [0, 2, 3, 11]
     assert comp["top_logprobs"][1] == {" c": -1.5, tok.decode([7]): -2.0}
     chat = out.logprobs(_chat(logprobs=True, top_logprobs=2), tok, ids, lps)["content"]
     assert [c["token"] for c in chat][:3] == ["The", " c", "at"]
