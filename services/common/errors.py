@@ -26,6 +26,15 @@ STATUS_FOR: dict[type[SpecServeError], grpc.StatusCode] = {
 }
 
 
+def ended_code(code: grpc.StatusCode, time_left: float | None) -> grpc.StatusCode:
+    """A call's status as counted: CANCELLED within DEADLINE_SLACK_S of its deadline
+    (`time_left`: seconds to it; None: no deadline) is DEADLINE_EXCEEDED."""
+    if code is grpc.StatusCode.CANCELLED and time_left is not None \
+            and time_left <= DEADLINE_SLACK_S:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return code
+
+
 def status_for(error: BaseException) -> grpc.StatusCode:
     """The status code of a core error (INTERNAL for anything unexpected)."""
     for cls in type(error).__mro__:

@@ -37,7 +37,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.common import telemetry
 from services.common.convert import MAX_STOP_BYTES, MAX_STOP_STRINGS, check_stop
-from services.common.errors import DEADLINE_SLACK_S, status_for
+from services.common.errors import ended_code, status_for
 from services.gateway import convert
 from services.gateway.convert import GatewayFinal, GatewayRequest, Step
 from services.gateway.prompt_encoder import PromptEncoder
@@ -271,8 +271,7 @@ class Pipeline:
                 api: str, detail: str, deadline: float) -> None:
         # the client's own deadline fires a transit time before ours (ours counts from
         # arrival): a cancel that close to it is the deadline
-        if code is grpc.StatusCode.CANCELLED and time.monotonic() >= deadline - DEADLINE_SLACK_S:
-            code = grpc.StatusCode.DEADLINE_EXCEEDED
+        code = ended_code(code, deadline - time.monotonic())
         final = state.final_ if state is not None else None
         if final is not None and span.is_recording():
             span.set_attributes({

@@ -26,7 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.common import telemetry
-from services.common.errors import DEADLINE_SLACK_S, status_for
+from services.common.errors import ended_code, status_for
 from services.verifier.convert import GenerateArgs
 from services.verifier.events import StepEvent
 from services.verifier.loop import StepLoop
@@ -144,10 +144,8 @@ class Requests:
                 del self._live[call.args.request_id]
             if not call.finished:
                 self.loop.abort(call.args.request_id, owner=call.events)
-        if call.code is grpc.StatusCode.CANCELLED and call.time_left is not None:
-            left = call.time_left()  # the caller's cancel a transit time before its deadline
-            if left is not None and left <= DEADLINE_SLACK_S:
-                call.code = grpc.StatusCode.DEADLINE_EXCEEDED
+        # the caller's cancel comes a transit time before its deadline
+        call.code = ended_code(call.code, call.time_left() if call.time_left else None)
         if self.metrics is not None:
             self.metrics.requests.labels(code=call.code.name).inc()
         if not call.finished:
