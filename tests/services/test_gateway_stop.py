@@ -86,17 +86,20 @@ class StoppableVerifier(FakeVerifier):
         self.stopped: list[str] = []
         self.stop_s = stop_s
         self.order: list[str] = []  # "stop" when a Stop arrives, "end" when a Generate ends
+        self.stop_done = asyncio.Event()  # then its Generate ends (no handler left running)
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         context.add_done_callback(lambda _ctx: self.order.append("end"))
         self.requests.append(request)
+        self.stop_done.clear()  # (the tests send one request at a time)
         yield verifier_pb2.VerifyEvent(token_ids=SENTENCE, commit_len=len(SENTENCE))
-        await asyncio.sleep(RPC_S)
+        await asyncio.wait_for(self.stop_done.wait(), RPC_S)  # a long generation, until stopped
 
     async def Stop(self, request, context):  # noqa: N802
         self.order.append("stop")
         await asyncio.sleep(self.stop_s)  # a busy verifier: the gateway stops it in the background
         self.stopped.append(request.request_id)
+        self.stop_done.set()
         return verifier_pb2.StopReply(stopped=True)
 
 
