@@ -59,6 +59,8 @@ def generate_request(prompt: str | list[int], params: SamplingParams, drafter: s
         sampling.seed = params.seed
     if params.logprobs is not None:
         sampling.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        sampling.prompt_logprobs = params.prompt_logprobs
     msg = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
     if isinstance(prompt, str):
         msg.text = prompt
@@ -75,8 +77,7 @@ def event(msg: gateway_pb2.GenerateResponse) -> Chunk | Final:
     if msg.WhichOneof("event") == "chunk":
         c = msg.chunk
         return Chunk(c.text, tuple(c.token_ids), c.commit_len, c.accepted_depth,
-                     tuple(TokenLogprob(t.logprob, tuple(t.top_ids), tuple(t.top_logprobs))
-                           for t in c.logprobs))
+                     logprobs_from_pb(c.logprobs))
     f, s = msg.final, msg.final.stats
     stats = RequestSpecStats(
         steps=s.steps, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
@@ -86,6 +87,11 @@ def event(msg: gateway_pb2.GenerateResponse) -> Chunk | Final:
         verify_s=s.phases.verify_s, commit_s=s.phases.commit_s, device=s.device)
     return Final(FINISH.get(f.finish_reason), f.usage.prompt_tokens, f.usage.completion_tokens,
                  stats, s.phases.other_s, f.request_id, f.ttft_s, f.wall_s, f.verifier)
+
+
+def logprobs_from_pb(msgs) -> tuple[TokenLogprob, ...]:
+    """Repeated TokenLogprob messages (a Chunk's, a VerifyEvent's) as TokenLogprobs."""
+    return tuple(TokenLogprob(m.logprob, tuple(m.top_ids), tuple(m.top_logprobs)) for m in msgs)
 
 
 def trace_id(metadata) -> str | None:

@@ -16,7 +16,7 @@ from specserve.drafters.registry import DFLASH, NGRAM, NONE
 from specserve.errors import InvalidRequest
 from specserve.models.loader import DTYPES as MODEL_DTYPES
 from specserve.spec.metrics import RequestSpecStats
-from specserve.types import FinishReason, SamplingParams, TokenLogprob
+from specserve.types import FinishReason, SamplingParams
 from specserve.v1 import common_pb2 as pb
 
 _DTYPES = MODEL_DTYPES  # the wire's tensor dtypes are the models'
@@ -91,10 +91,6 @@ def logprobs_to_pb(logprobs, into) -> None:
     """TokenLogprobs appended to `into` (a repeated TokenLogprob field); None: nothing."""
     for t in logprobs or ():
         into.add(logprob=t.logprob, top_ids=t.top_ids, top_logprobs=t.top_logprobs)
-
-
-def logprobs_from_pb(msgs) -> tuple[TokenLogprob, ...]:
-    return tuple(TokenLogprob(m.logprob, tuple(m.top_ids), tuple(m.top_logprobs)) for m in msgs)
 
 
 def finish_to_pb(reason: FinishReason | None) -> int:

@@ -11,13 +11,12 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from services.cli.wire import TRACE_ID_KEY
+from services.cli.wire import TRACE_ID_KEY, logprobs_from_pb
 from services.cli.wire import Final as GatewayFinal  # what the client reads, as sent
 from services.common.convert import (
     DRAFTER_NAMES,
     finish_from_pb,
     finish_to_pb,
-    logprobs_from_pb,
     logprobs_to_pb,
     sampling_from_pb,
     sampling_to_pb,
