@@ -177,19 +177,15 @@ class OpenAIFront:
             await choices.aclose()
 
     async def _whole(self, api: ApiRequest, choices: Choices) -> dict:
-        n, tok = len(api.requests), self.pipeline.tokenizer
+        n, deltas = len(api.requests), out.Deltas(api, self.pipeline.tokenizer)
         text, lps, extras, finals = [""] * n, [None] * n, [{} for _ in range(n)], [None] * n
-        started: set[int] = set()  # choices past their first event
-        offsets = [out.TextOffsets(tok, r.keep_special_tokens) for r in api.requests]
         async for k, event in choices.events():
             if isinstance(event, GatewayFinal):
                 finals[k] = event
                 continue
-            delta, lp, extra = out.delta(api, tok, k, event, offsets[k], k in started)
-            started.add(k)
-            if extra is not None:  # the first event: the prompt's part
-                extras[k], lps[k] = extra, extra.pop("logprobs", None)
+            delta, lp, extra = deltas(k, event)
             text[k], lps[k] = text[k] + delta, out.joined(lps[k], lp)
+            extras[k].update(extra)
         return out.whole(api, self.model, text, finals, lps, extras)
 
     async def _sse(self, api: ApiRequest, choices: Choices):
@@ -197,19 +193,14 @@ class OpenAIFront:
             if api.chat:
                 for k in range(len(api.requests)):
                     yield _data(out.chunk(api, self.model, "", first=True, index=k))
-            tok, finals = self.pipeline.tokenizer, [None] * len(api.requests)
-            offsets = [out.TextOffsets(tok, r.keep_special_tokens) for r in api.requests]
-            started: set[int] = set()  # choices past their first event
+            deltas, finals = out.Deltas(api, self.pipeline.tokenizer), [None] * len(api.requests)
             try:
                 async for k, event in choices.events():
                     if isinstance(event, GatewayFinal):
                         finals[k] = event
                         yield _data(out.chunk(api, self.model, "", event, index=k))
                         continue
-                    text, lps, extra = out.delta(api, tok, k, event, offsets[k], k in started)
-                    started.add(k)
-                    if extra:  # the echoed prompt's logprobs first
-                        lps = out.joined(extra.pop("logprobs", None), lps)
+                    text, lps, extra = deltas(k, event)
                     if text or lps or extra:
                         yield _data(out.chunk(api, self.model, text, lps=lps, index=k,
                                               extra=extra))

@@ -139,19 +139,30 @@ def prompt_part(api: ApiRequest, tokenizer: Tokenizer, k: int, step,
     return (text if api.echo else ""), extra
 
 
-def delta(api: ApiRequest, tokenizer: Tokenizer, k: int, event, offsets: TextOffsets,
-          started: bool):
-    """Choice `k`'s text and logprobs object for a TextChunk (`offsets`: the choice's;
-    `started`: not its first), and on its first the prompt's part (`prompt_part`: the echoed
-    text first; None otherwise)."""
-    step, extra, head = event.step, None, ""
-    if not started and step is not None and (api.echo or api.prompt_logprobs is not None):
-        head, extra = prompt_part(api, tokenizer, k, step, offsets)
-    if api.score_only:
-        return head, None, extra
-    lp = None if step is None else logprobs(api, tokenizer, step.token_ids, step.logprobs,
-                                            offsets)
-    return head + event.text, lp, extra
+class Deltas:
+    """Each choice's text and logprobs, event by event, as both the whole response and the
+    stream show them: a choice's first TextChunk brings its prompt's part first
+    (`prompt_part`), and its text offsets run on across its chunks."""
+
+    def __init__(self, api: ApiRequest, tokenizer: Tokenizer) -> None:
+        self.api, self._tok = api, tokenizer
+        self._offsets = [TextOffsets(tokenizer, r.keep_special_tokens) for r in api.requests]
+        self._started: set[int] = set()  # choices past their first event
+
+    def __call__(self, k: int, event) -> tuple[str, dict | None, dict]:
+        """Choice `k`'s text and logprobs object for a TextChunk (an echoed prompt's first),
+        and the fields its choice adds (vLLM's prompt_logprobs; {} but on its first)."""
+        api, step, head, extra = self.api, event.step, "", {}
+        if k not in self._started and step is not None and (
+                api.echo or api.prompt_logprobs is not None):
+            head, extra = prompt_part(api, self._tok, k, step, self._offsets[k])
+        self._started.add(k)
+        prompt_lps = extra.pop("logprobs", None)
+        if api.score_only:
+            return head, prompt_lps, extra
+        lps = None if step is None else logprobs(api, self._tok, step.token_ids,
+                                                 step.logprobs, self._offsets[k])
+        return head + event.text, joined(prompt_lps, lps), extra
 
 
 def _vllm(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict:

@@ -200,16 +200,20 @@ def test_an_echoed_prompts_text_and_logprobs():
                        tuple(TokenLogprob(-1.0 - k, (t,), (-1.0 - k,)) for k, t in
                              enumerate(prompt[1:])), tuple(prompt))
     api = _completion(prompt="The cat", echo=True, logprobs=1, prompt_logprobs=1)
-    text, lp, extra = out.delta(api, tok, 0, SimpleChunk(" The", first),
-                                out.TextOffsets(tok, False), False)
-    assert text == "The cat The"
-    lp = out.joined(extra.pop("logprobs"), lp)
+    deltas = out.Deltas(api, tok)
+    text, lp, extra = deltas(0, SimpleChunk(" The", first))
+    assert text == "The cat The" and "logprobs" not in extra  # the prompt's go first in lp
     assert lp["tokens"] == ["The", " c", "at", "The"]
     assert lp["token_logprobs"] == [None, -1.0, -2.0, -0.5] and lp["top_logprobs"][0] is None
     assert lp["text_offset"] == [0, 3, 5, 7]
     assert extra["prompt_logprobs"][0] is None
     assert extra["prompt_logprobs"][1] == {str(prompt[1]): {"logprob": -1.0,
                                                             "decoded_token": " c"}}
+    second = SimpleStep((285, 282), (TokenLogprob(-0.1, (285,), (-0.1,)),
+                                     TokenLogprob(-0.2, (282,), (-0.2,))))
+    text, lp, extra = deltas(0, SimpleChunk(" cat", second))  # no prompt part again
+    # offsets run on from the tokens before: "The" " c" "at" "The" (2028) are 10 characters
+    assert (text, extra, lp["tokens"], lp["text_offset"]) == (" cat", {}, [" c", "at"], [10, 12])
     cut = out.prompt_part(_completion(prompt="The cat", echo=True, logprobs=0,
                                       prompt_logprobs=0), tok, 0, first,
                           out.TextOffsets(tok, False))[1]
@@ -217,10 +221,10 @@ def test_an_echoed_prompts_text_and_logprobs():
     assert cut["prompt_logprobs"][1] == {str(prompt[1]): {"logprob": -1.0,
                                                           "decoded_token": " c"}}
     scored = _completion(prompt="The cat", echo=True, max_tokens=0, logprobs=1)
-    text, lp, extra = out.delta(scored, tok, 0, SimpleChunk(" The", first),
-                                out.TextOffsets(tok, False), False)
-    assert (text, lp, "prompt_logprobs" in extra) == ("The cat", None, False)
-    body = out.whole(scored, MODEL, [text], [_final()], [extra["logprobs"]])
+    text, lp, extra = out.Deltas(scored, tok)(0, SimpleChunk(" The", first))
+    assert (text, extra) == ("The cat", {})  # the prompt only: its logprobs, none generated
+    assert lp["tokens"] == ["The", " c", "at"] and lp["token_logprobs"] == [None, -1.0, -2.0]
+    body = out.whole(scored, MODEL, [text], [_final()], [lp])
     assert body["usage"]["completion_tokens"] == 0
     assert body["choices"][0]["finish_reason"] == "length"
 
