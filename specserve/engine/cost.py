@@ -9,8 +9,10 @@ is the context's bit length (…, 1k, 2k, 4k, …). An entry's value is the lowe
 last WINDOW samples: step times are floored by the work and spiked by what else runs (a first
 launch's compile or graph capture, the host, a neighbour on the GPU), so a low quantile follows
 the cost and ignores the spikes. No shape costs more than a measured one with at least as many
-rows per request at a context class at least as long (the envelope): one spiked entry never
-rules a shape out for good. A shape never measured is estimated from the
+rows per request at a context class at least as long (the envelope) until it has TRUSTED samples
+of its own: one spiked entry never rules a shape out for good, and a shape measured often is
+not priced by another measured elsewhere (the warm-up's steps run without a request's host
+work). A shape never measured is estimated from the
 nearest ones measured: at a context class already seen, the rows count measured there scaled
 by how another class grew between the two rows counts; else linear in rows, flat when nothing
 larger is known (optimistic: the policy then tries it and measures it). No policy here
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from specserve.cudagraph import BATCH_BUCKETS, bucket_of
 
 WINDOW = 8  # recent samples an entry keeps
+TRUSTED = 4  # samples past which an entry is its own lower quartile, not capped by others
 REFRESH = 16  # verify observations between re-estimates (envelope and shapes not measured)
 STEADY_ROWS = 32  # context rows per drafted request past which a draft is not a steady one
 
@@ -61,6 +64,7 @@ class CostModel:
     _memo: dict[tuple[int, int, int], float | None] = field(default_factory=dict)
     _seen: int = 0
     epoch: int = 0  # bumped whenever the memo is dropped: callers may cache on it
+    graph_builds: int = 0  # the runner's CUDA graph builds when a step was last observed
 
     def observe_verify(self, n: int, rows: int, ctx: int, seconds: float) -> None:
         key = (batch_bucket(n), rows, context_class(ctx))
@@ -69,6 +73,14 @@ class CostModel:
             self._memo.clear()
             self.epoch += 1
         _add(self.verify, key, seconds)
+
+    def clear(self, verify: bool = True, draft: bool = True) -> None:
+        """Forget the measured times (callers caching on `epoch` see it move)."""
+        for table, chosen in ((self.verify, verify), (self.draft, draft)):
+            if chosen:
+                table.clear()
+        self._memo.clear()
+        self.epoch += 1
 
     def observe_draft(self, n: int, ctx: int, seconds: float) -> None:
         key = (batch_bucket(n), context_class(ctx))
@@ -85,7 +97,9 @@ class CostModel:
             own = cap if got is not None else self._estimate(*key)
             self._memo[key] = None if own is None else min(own, cap)
         cap = self._memo[key]
-        return cap if got is None else min(got.value, cap)
+        if got is None:
+            return cap
+        return got.value if len(got.recent) >= TRUSTED else min(got.value, cap)
 
     def _envelope(self, nb: int, rows: int, cls: int) -> float:
         """The cheapest other measured entry of this batch bucket that costs at least as much."""
@@ -119,12 +133,17 @@ class CostModel:
 
 
 def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: float | None,
-                 draft_rows: int) -> None:
+                 draft_rows: int, graph_builds: int = 0) -> None:
     """Book one decode-only engine step: its `plans` (engine.speculative.Planned), the rows
     each tree occupied (0: each its own), the verify + commit seconds, and the drafting
     seconds (None: not the step's own, as with overlap) with the context rows it carried. A
     draft that also took a prompt's or a skipped stretch's rows costs more once, not every
-    step: only steady drafts are booked."""
+    step: only steady drafts are booked. A step that built a CUDA graph (the runner's count of
+    builds, `graph_builds`, moved since the last step) timed the capture: nothing is booked
+    (a shape booked once at its capture's cost was never chosen again, so never measured)."""
+    if graph_builds != cost.graph_builds:
+        cost.graph_builds = graph_builds
+        return
     ctx = max(p.start for p in plans)
     cost.observe_verify(len(plans), rows or max(p.layout.num_rows for p in plans), ctx, verify_s)
     drafted = sum(1 for p in plans if p.budget and p.drafted)

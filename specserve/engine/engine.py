@@ -247,7 +247,8 @@ class Engine:
             return
         t = self.last_step
         observe_step(self.cost, batch.plans, span, (t.end_ns - t.draft_end_ns) / 1e9,
-                     None if self.config.overlap else draft_s, self._draft_rows)
+                     None if self.config.overlap else draft_s, self._draft_rows,
+                     getattr(self.runner.graphs, "builds", 0))
 
     def commit_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append generated tokens (stopping at the first that ends the request); its output."""

@@ -73,6 +73,7 @@ class StepGraphs:
         self.max_pages = -(-(max_model_len + max_rows) // page_size)
         self._graphs: dict[tuple, _Static] = {}
         self._pool = None
+        self.builds = 0  # graphs built so far: a step that built one timed its capture
 
     def padded_rows(self, n: int) -> int:
         """Rows a request's tree of `n` rows occupies in the graph path (pages must cover)."""
@@ -130,6 +131,7 @@ class StepGraphs:
                           ctx_lens_t=d["ctx"], block_table=d["table"], slot_mapping=d["slots"],
                           positions=d["pos"], tree_mask=d["mask"], page_size=self.page_size)
         st = _Static(bb, nb, buf, batch)
+        self.builds += 1
         self._fill(st, [], [], np.zeros(0, np.int64))  # all dummies: safe to run
         buf.push()
         if self.capture:

@@ -14,9 +14,10 @@ class — and, through `warm_up_causal_chunks`, a causal chunk of
 every rows bucket over a short and over a long prefix, for each window of the model's layers: the
 warm-up prompt's own chunks reach one rows bucket only, and on the H200 the demo probe's first 16k
 prompt spent part of its prefill compiling the 128-row variant, the same section); its decode steps
-are the cost model's first verify times (engine/cost.py); `warm_up_drafter` does the same for a
-DFlash drafter (a context chunk, then blocks of every depth class; with CUDA graphs, of every
-depth). Both leave no state.
+are the cost model's first verify times (engine/cost.py; with adaptive speculation the request
+runs twice and only the second pass is booked: the first one's steps timed graph captures and
+compiles); `warm_up_drafter` does the same for a DFlash drafter (a context chunk, then blocks
+of every depth class; with CUDA graphs, of every depth). Both leave no state.
 """
 
 from __future__ import annotations
@@ -83,17 +84,14 @@ def warm_up_engine(engine, batch_rows: Seq[int] = ()) -> float:
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0))
     previous = engine.drafter
     taps = tuple(previous.target_layer_ids) if getattr(previous, "needs_context", False) else ()
-    engine.set_drafter(_ChainDrafter(sizes, vocab, taps))
-    try:
-        engine.add_request(WARMUP_ID, prompt.tolist(),
-                           SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                           budget=cfg.max_draft_tokens)
-        while engine.has_unfinished:
-            engine.step()
+    try:  # with adaptive speculation a second pass: the first one's steps timed first launches
+        for _ in range(2 if engine.adaptive is not None else 1):
+            engine.set_drafter(_ChainDrafter(sizes, vocab, taps))
+            engine.cost.clear()
+            _run_request(engine, prompt.tolist(), max_tokens, cfg.max_draft_tokens)
     finally:
-        engine.abort(WARMUP_ID)
         engine.set_drafter(previous)
-        engine.cost.draft.clear()  # the stand-in drafter's times say nothing of the real one
+        engine.cost.clear(verify=False)  # the stand-in drafter's times say nothing of the real one
     captured = _warm_batches(graphs, cfg.max_num_seqs, taps, batch_rows) if graphs else 0
     if engine.runner.device.type == "cuda":  # long prefill chunks: cuDNN + the merge kernel
         mc = engine.model_config
@@ -106,6 +104,16 @@ def warm_up_engine(engine, batch_rows: Seq[int] = ()) -> float:
     log.info("warm-up: prompt %d, trees %s, %d more graphs, %.1f s", prompt_len, sizes,
              captured, seconds)
     return seconds
+
+
+def _run_request(engine, prompt: list[int], max_tokens: int, budget: int) -> None:
+    engine.add_request(WARMUP_ID, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                       budget=budget)
+    try:
+        while engine.has_unfinished:
+            engine.step()
+    finally:
+        engine.abort(WARMUP_ID)
 
 
 def _warm_batches(graphs, max_num_seqs: int, taps: tuple[int, ...], rows: Seq[int]) -> int:

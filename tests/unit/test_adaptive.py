@@ -237,3 +237,44 @@ def test_engine_stops_calling_a_drafter_that_cannot_pay(tiny_target, make_engine
     assert len(off) > len(steps) // 2 and all(s.tree_size == 0 for s in off)
     assert drafter.calls < len(steps) // 4  # skipped steps make no drafter call
     assert any("plain decoding" in (s.why or "") for s in off)
+
+
+def test_warm_up_books_steady_verify_times_not_first_launches(tiny_target, make_engine,
+                                                               monkeypatch):
+    """A shape's first launch (a graph capture, a compile) takes 0.2 s here: the warm-up's
+    bookings must not carry it, or the shape looks dear and is never chosen, so never timed."""
+    from specserve.engine import isolation
+    from specserve.engine.warmup import warm_up_engine
+
+    path, _ = tiny_target
+    engine = make_engine(path, max_draft_tokens=15, adaptive=True)
+    seen, forward = set(), isolation.forward
+
+    def slow_first_launch(eng, plans, chunks, *rest):
+        rows = tuple(sorted({p.layout.num_rows for p in plans}))
+        if plans and not chunks and rows not in seen:
+            seen.add(rows)
+            time.sleep(0.2)
+        return forward(eng, plans, chunks, *rest)
+
+    monkeypatch.setattr(isolation, "forward", slow_first_launch)
+    warm_up_engine(engine)
+    verify = {k: ms for k, ms in engine.cost.table().items() if k.startswith("verify")}
+    assert len(seen) >= 4 and len(verify) >= 4  # plain decoding and trees of three sizes
+    assert max(verify.values()) < 150, verify
+
+
+def test_a_step_that_builds_a_cuda_graph_is_not_booked(tiny_target, make_engine):
+    path, vocab = tiny_target
+    engine = make_engine(path, max_draft_tokens=7, adaptive=True, cuda_graphs="on")
+    engine.set_drafter(RandomDDTreeDrafter(vocab, depth=3, seed=1))
+    graphs, booked = engine.runner.graphs, []
+    engine.add_request("g", random_prompts(1, vocab, [23], seed=2)[0],
+                       SamplingParams(max_tokens=12, ignore_eos=True), budget=7)
+    while engine.has_unfinished:
+        before = (graphs.builds, engine.cost.table())
+        engine.step()
+        if engine.last_step is not None and not engine.last_step.prefill:  # a decode step
+            booked.append((graphs.builds > before[0], engine.cost.table() != before[1]))
+    assert (True, False) in booked and (False, True) in booked  # both kinds of step happened
+    assert (True, True) not in booked  # a step that built a graph booked nothing
