@@ -64,6 +64,9 @@ def add_up(sub) -> None:
                    default=os.environ.get("SPECSERVE_GATEWAY_HTTP_PORT", "8000"),
                    help="the gateway's OpenAI HTTP API port (0 = any free, off = none) "
                         "[env SPECSERVE_GATEWAY_HTTP_PORT]")
+    p.add_argument("--adaptive", choices=("on", "off"), default=None,
+                   help="the verifier's adaptive speculation (default: the verifier's own, "
+                        "SPECSERVE_ADAPTIVE, else off)")
     p.add_argument("--no-drafter", action="store_true",
                    help="no drafter service (the verifier decodes without the DFlash drafter)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0,
@@ -150,6 +153,7 @@ def _up_plan(args) -> list[tuple[str, str, list[str]]]:
     flags["drafter"] += draft + device
     flags["verifier"] += draft + device + ([] if args.no_drafter else
                                            ["--drafter", addr["drafter"]])
+    flags["verifier"] += ["--adaptive", args.adaptive] if args.adaptive else []
     flags["gateway"] += ["--verifier", addr["verifier"], "--http-port", str(args.http_port)]
     args.http_port_file = _http_port_file(str(args.http_port))
     if args.http_port_file:

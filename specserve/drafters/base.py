@@ -58,7 +58,8 @@ class Drafter(ABC):
     def submit(self, requests: Sequence[DraftRequest], ahead: bool = False
                ) -> Callable[[], list[DraftTree]]:
         """Start drafting now; the returned call waits for the trees (`asynchronous` only).
-        `ahead`: asked during the previous step's commit, for the next step (traces)."""
+        `ahead`: asked during a step for the request's next one — in its commit (drafts
+        sent ahead) or while the request sits the step out (overlap's other group) (traces)."""
         raise NotImplementedError(f"{type(self).__name__} drafts synchronously")
 
     def feed(self, requests: Sequence[DraftRequest]) -> bool:

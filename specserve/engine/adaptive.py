@@ -114,6 +114,16 @@ class _State:
         self.gains.clear()
 
 
+def _outside(p: Planned) -> Choice:
+    """The shape of a plan the policy did not choose (no probabilities, budget 0, no draft)."""
+    if n := p.tree.n:
+        chain = np.array_equal(p.tree.depths, np.arange(1, n + 1))
+        return Choice(shapes.CHAIN if chain else shapes.TREE, n, "as drafted: no probabilities")
+    why = ("budget 0: plain decoding asked" if not p.seq.budget else
+           f"drafter fallback: {p.fallback}" if p.fallback else "no draft this step")
+    return Choice(shapes.OFF, 0, why)
+
+
 class Adaptive:
     """Per-engine policy state (engine thread only)."""
 
@@ -127,15 +137,22 @@ class Adaptive:
         self.state.pop(request_id, None)
 
     def to_draft(self, seqs) -> tuple[list, list]:
-        """Split speculating requests into (drafted now, skipping: B = 0 this step)."""
+        """Split speculating requests into (drafted now, skipping: B = 0 this step). Requests
+        without a curve (new, or drafted without probabilities) are drafted; the others are
+        decided among themselves."""
         states = [self.state.setdefault(s.request_id, _State(self.shared)) for s in seqs]
-        if not seqs or any(st.curve is None for st in states):
-            return list(seqs), []
+        known = [(s, st) for s, st in zip(seqs, states, strict=True) if st.curve is not None]
+        skip = self._skipping(*zip(*known, strict=True)) if known else []
+        out = {s.request_id for s in skip}
+        return [s for s in seqs if s.request_id not in out], skip
+
+    def _skipping(self, seqs, states) -> list:
+        """Which of `seqs` (each with a curve) skip the drafter this step."""
         best, _ = self._best(seqs, states, drafted=False, margin=SKIP_MARGIN)
         if best > 1:
             for st in states:
                 st.gap, st.probing = 2, False
-            return list(seqs), []
+            return []
         for st in states:
             if st.skipped == 0:  # drafted last step, plain decoding wins again: back off
                 st.gap = min(2 * st.gap, MAX_PROBE_GAP) if st.probing else 2
@@ -144,8 +161,7 @@ class Adaptive:
             for s, st in zip(seqs, states, strict=True)]
         for st, d in zip(states, due, strict=True):
             st.probing |= d
-        return ([s for s, d in zip(seqs, due, strict=True) if d],
-                [s for s, d in zip(seqs, due, strict=True) if not d])
+        return [s for s, d in zip(seqs, due, strict=True) if not d]
 
     def draft_budgets(self, seqs) -> dict[str, int]:
         """What to ask the drafter for: one size class above the last choice (trees grow a
@@ -168,8 +184,13 @@ class Adaptive:
     def shape(self, plans: list[Planned]) -> None:
         """Cut the drafted trees of `plans` to this step's choice (the drafting is spent)."""
         scored = [p for p in plans if p.tree.n and p.tree.scores is not None and p.choice is None]
-        if not scored:
-            return
+        if scored:
+            self._shape(scored)
+        for p in plans:  # the rest say why they are outside the choice (counted, traced)
+            if p.choice is None:
+                p.choice = _outside(p)
+
+    def _shape(self, scored: list[Planned]) -> None:
         for p in scored:
             st = self.state.setdefault(p.seq.request_id, _State(self.shared))
             st.curve = shapes.curves(p.tree)
@@ -186,6 +207,8 @@ class Adaptive:
         if k <= 0 or kind == shapes.OFF:  # the next draft asks as much as the last choice did
             p.tree, p.choice = _EMPTY, Choice(shapes.OFF, 0, why)
         else:
+            if k > p.budget:
+                why = f"{why}; this request: its budget, {p.budget} nodes"
             st.nodes = k = min(k, p.budget)
             nodes = (np.arange(min(k, p.tree.n)) if kind == shapes.TREE
                      else st.curve.chain_nodes[:k])
@@ -219,7 +242,7 @@ class Adaptive:
         ar = rated[0]
         rated[0] = (ar[0] / margin, *ar[1:])
         rate, rows, tokens, t = max(rated)
-        return rows, (f"rows {rows}: {tokens / n:.2f} tok/step in {t * 1e3:.2f} ms "
+        return rows, (f"step rows {rows}: {tokens / n:.2f} tok/step in {t * 1e3:.2f} ms "
                       f"(+{draft * 1e3:.2f} draft) = {rate:.0f} tok/s; plain {ar[0]:.0f} tok/s")
 
     def _step_times(self, n: int, ctx: int, top: int) -> tuple | None:

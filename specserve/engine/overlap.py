@@ -62,8 +62,9 @@ class Alternation:
         flight, self.in_flight = self.in_flight, None
         turn = flight.group if flight is not None else (0 if groups[0] else 1)
         now, other = groups[turn], groups[1 - turn]
-        if other:  # out first: the drafter works on it while this group is verified
-            self.in_flight = _submit(1 - turn, other, drafter, max_len)
+        if other:  # out first: the drafter works on it while this group is verified (its
+            # next step's draft: `ahead`, so traces open that step's spans, not this one's)
+            self.in_flight = _submit(1 - turn, other, drafter, max_len, ahead=True)
         plans, _ = speculative.plan(plain, drafter, max_len, vocab)
         if flight is not None and flight.group == turn:
             sent = {s.request_id for s in flight.seqs}

@@ -259,3 +259,35 @@ def test_a_fallback_steps_draft_span_is_an_error_with_the_reason(spans):
         [(StatusCode.ERROR, reason), (StatusCode.UNSET, None)]
     steps = [s for s in exporter.get_finished_spans() if s.name == "step"]
     assert all(s.status.status_code is StatusCode.UNSET for s in steps)
+
+
+def test_overlap_groups_open_their_next_steps_spans_while_sitting_out(spans):
+    """`--overlap on`: a request's draft goes out during the step it sits out (the other group
+    is verified), for its next step: no span ends as an error, and every verified step has its
+    spans, the draft from where it was sent."""
+    otel, exporter = spans
+    tracer = StepTracer(1, otel)
+    parent = otel.start_span("verifier.request", start_time=T0)
+    tracer.add("r", trace.set_span_in_context(parent))
+    tracer.begin_step(T0)
+    tracer.end_step([RequestOutput("r", [5])], StepTimes(T0, T0, T0 + 6 * MS, T0 + 7 * MS,
+                                                          (("r", 0, 8),)))
+    sent, t = [], T0 + 10 * MS
+    for k in range(2 * STEPS):  # even steps: out; odd steps: verified
+        tracer.begin_step(t)
+        out = []
+        if k % 2 == 0:
+            sent.append(t + MS)
+            tracer.open_draft("r", ahead_ns=sent[-1])
+        else:
+            step = StepRecord(8, 8, 1, 2, False)
+            out = [RequestOutput("r", [1, 1], stats=StepOutcome(step, RequestSpecStats(), k))]
+        tracer.end_step(out, StepTimes(t, t + 2 * MS, t + 6 * MS, t + 7 * MS))
+        t += 10 * MS
+    tracer.remove("r", t)
+    parent.end(end_time=t)
+    got = exporter.get_finished_spans()
+    assert [s for s in got if s.status.status_code is StatusCode.ERROR] == []
+    steps = sorted((s for s in got if s.name == "step"), key=lambda s: s.start_time)
+    assert [s.attributes["step.index"] for s in steps] == list(range(STEPS))
+    assert [s.start_time for s in steps] == sent

@@ -18,7 +18,7 @@ from specserve.engine.speculative import Planned
 from specserve.spec import shapes
 from specserve.spec.accept import accept
 from specserve.spec.ddtree import build_ddtree, topk_logprobs
-from specserve.spec.tree import DraftTree, verify_layout
+from specserve.spec.tree import DraftTree, chain_tree, verify_layout
 from specserve.types import SamplingParams
 from tests.fakes import RandomDDTreeDrafter
 from tests.helpers import hf_config, random_prompts
@@ -190,8 +190,26 @@ def test_policy_respects_each_request_budget_and_leaves_unscored_trees():
     assert plan.tree.n <= 5
     tree = DraftTree(plan.tree.token_ids, plan.tree.parents, plan.tree.depths)  # no scores
     bare = Planned(seq, tree, verify_layout(tree, seq.last_token, seq.num_computed), 5)
-    policy.shape([bare])
-    assert bare.choice is None and bare.tree is tree
+    zero = _seq("z", budget=0)
+    plain = Planned(zero, DraftTree.empty(), verify_layout(DraftTree.empty(), 1, 40), 0)
+    policy.shape([bare, plain])
+    assert bare.tree is tree and bare.choice.nodes == tree.n  # kept, and said why
+    assert "no probabilities" in bare.choice.why
+    assert plain.choice.shape == "off" and "budget 0" in plain.choice.why
+
+
+def test_a_request_without_a_curve_does_not_keep_the_others_drafting():
+    """An n-gram request (trees without probabilities: never a curve) beside one whose drafter
+    cannot pay: it is drafted, the other still skips the drafter."""
+    seq, ngram = _seq("a", budget=63), _seq("n", budget=63)
+    slow = Adaptive(_cost(draft_ms=10.0), lambda rows: rows)
+    plan = _plan(seq, 2, confident=False)
+    tree = chain_tree([5, 6, 7])
+    bare = Planned(ngram, tree, verify_layout(tree, ngram.last_token, ngram.num_computed), 63)
+    slow.shape([plan, bare])
+    assert bare.choice.shape == "chain" and bare.tree is tree
+    assert slow.to_draft([ngram, seq]) == ([ngram], [seq])
+    assert slow.to_draft([seq, ngram]) == ([ngram], [seq])  # and so on, step after step
 
 
 class _SlowDrafter(RandomDDTreeDrafter):

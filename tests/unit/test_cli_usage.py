@@ -157,3 +157,16 @@ def test_up_binds_specserve_host_unless_host_is_given(monkeypatch):
     monkeypatch.setenv("SPECSERVE_HOST", "0.0.0.0")  # the parser reads it when built
     assert hosts() == {"0.0.0.0"}
     assert hosts("--host", "127.0.0.2") == {"127.0.0.2"}
+
+
+def test_up_passes_adaptive_to_the_verifier_only():
+    def flags(*argv: str) -> dict[str, list[str]]:
+        plan = _up_plan(_parse("up", "--model", "m", "--http-port", "off", *argv))
+        return {n: f for n, _a, f in plan}
+
+    assert all("--adaptive" not in f for f in flags().values())  # the verifier's own default
+    on = flags("--adaptive", "on")
+    assert on["verifier"][on["verifier"].index("--adaptive") + 1] == "on"
+    assert "--adaptive" not in on["gateway"] and "--adaptive" not in on["drafter"]
+    with pytest.raises(SystemExit):
+        _parse("up", "--adaptive", "maybe")
