@@ -26,11 +26,14 @@ PREDICTABLE = "The cat sat on the mat. "
 TEXTS = ("predictable", "novel")  # what `--texts` may name
 
 
+MAX_CONTEXT = 1 << 21  # prompt tokens a probe row may ask for (past every model served here)
 HEALTHY = "healthy"
 HARD = "text is hard for this drafter"
 TARGET = "the target does not follow the text at this length"
 BROKEN = "speculation broken (lossless check failed)"
 NO_DRAFTER = "drafter unavailable (fallbacks)"
+NOTHING_DRAFTED = "no speculation (nothing drafted)"
+FEW_STEPS = "too few decode steps to judge"
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,10 @@ def verdict(row: ProbeRow, hard_below: float = 2.0) -> str:
         return NO_DRAFTER
     if row.followed is not None and row.followed < 0.5:
         return TARGET
+    if row.steps and not row.drafts:
+        return NOTHING_DRAFTED
+    if row.steps < 2:
+        return FEW_STEPS
     return HARD if row.commit_len < hard_below else HEALTHY
 
 
@@ -106,6 +113,8 @@ def parse_contexts(spec: str) -> list[int]:
                 from None
     if any(c <= 0 for c in out):
         raise ValueError(f"must be positive token counts, got {spec!r}")
+    if max(out) > MAX_CONTEXT:
+        raise ValueError(f"{max(out):,} tokens is past the probe's limit, {MAX_CONTEXT:,}")
     return out
 
 
@@ -138,6 +147,8 @@ def novel_corpus(min_chars: int, seed: int = 0) -> str:
 def prompt_ids(tokenizer, text: str, n: int) -> list[int]:
     """Exactly n token ids of `text` (repeated if it is too short)."""
     ids = tokenizer.encode(text)
+    if not ids:
+        raise ValueError("the text has no tokens")
     while len(ids) < n:
         ids += ids
     return ids[:n]
@@ -169,4 +180,6 @@ def _yes(x: bool | None) -> str:
 
 
 def rows_as_json(rows: list[ProbeRow]) -> list[dict]:
-    return [{**asdict(r), "ttft_other_s": r.ttft_other_s} for r in rows]
+    """The rows as plain JSON values: a figure with no samples (NaN) is null."""
+    return [{k: None if isinstance(v, float) and v != v else v
+             for k, v in {**asdict(r), "ttft_other_s": r.ttft_other_s}.items()} for r in rows]

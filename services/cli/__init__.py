@@ -41,3 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecServeError, OSError) as e:
         print(f"specserve {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's code for SIGINT
+        print(f"specserve {args.command}: interrupted", file=sys.stderr)
+        return 130

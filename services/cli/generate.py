@@ -41,8 +41,8 @@ def add(sub) -> None:
                         "its --max-draft-tokens; default: the verifier's; gateway only)")
     p.add_argument("--request-id", default="", type=usage.text,
                    help="the request's id (default: one the gateway makes up)")
-    p.add_argument("--timeout-s", type=usage.float_range(0, lo_open=True), default=600.0,
-                   help="deadline of the call, seconds (> 0)")
+    p.add_argument("--timeout-s", type=usage.deadline, default=600.0,
+                   help="deadline of the call, seconds (> 0, at most a year)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--in-process", action="store_true",
                    help="run an engine in this process (no drafter: plain decoding)")

@@ -39,8 +39,8 @@ def add(sub) -> None:
                    help=f"which texts to probe, comma-separated: {', '.join(probe.TEXTS)}")
     p.add_argument("--text-file", help="novel text to use instead of the built-in one "
                                        "(default: stdlib docstrings)")
-    p.add_argument("--timeout-s", type=usage.float_range(0, lo_open=True), default=3600.0,
-                   help="deadline per request, seconds (> 0)")
+    p.add_argument("--timeout-s", type=usage.deadline, default=3600.0,
+                   help="deadline per request, seconds (> 0, at most a year)")
     p.add_argument("--lossless-check", choices=["on", "off"], default="on",
                    help="per row, the same request without speculation must give the same "
                         "first tokens (one more short request each)")
@@ -57,13 +57,33 @@ def _contexts(value: str) -> list[int]:
 
 
 def _probe(args) -> int:
-    import grpc
-
-    from services.cli import probe_client
     from specserve import probe_plot
-    from specserve.tokenizer import Tokenizer
-    from specserve.v1 import gateway_pb2_grpc
 
+    _check(args)
+    novel = usage.read_text(args.text_file, "--text-file") if args.text_file else None
+    if novel is not None and not novel.strip():
+        raise usage.UsageError(f"argument --text-file: {args.text_file!r} has no text")
+    rows: list = []
+    try:
+        failed = _run(args, _sources(novel), rows)
+    except KeyboardInterrupt:  # keep what was measured
+        print(f"specserve probe: interrupted after {len(rows)} rows", file=sys.stderr)
+        failed = 130
+    if rows:
+        print(probe.table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(probe.rows_as_json(rows), indent=2))
+    if args.plot and rows:
+        probe_plot.plot(rows, args.plot, args.budget, Path(args.model).name)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    if failed:
+        return failed
+    return 3 if any(r.lossless is False for r in rows) else 0
+
+
+def _check(args) -> None:
+    """Usage errors found before any request: the model, the contexts it can take, the paths
+    the results go to."""
     if not args.model:
         from specserve.demo import default_pair
 
@@ -71,17 +91,36 @@ def _probe(args) -> int:
     if not args.model:
         raise usage.UsageError("--model (or SPECSERVE_MODEL) is required (no demo pair under "
                                "checkpoints/)")
-    novel = usage.read_text(args.text_file, "--text-file") if args.text_file else None
-    contexts, texts, source = args.contexts, args.texts, _sources(novel)
+    try:
+        config = json.loads((Path(args.model) / "config.json").read_text())
+        limit = int(config.get("max_position_embeddings") or 0)
+    except (OSError, ValueError) as e:
+        raise usage.UsageError(f"--model {args.model!r}: no readable config.json ({e})") from None
+    if limit and max(args.contexts) + args.new_tokens > limit:
+        raise usage.UsageError(f"argument --contexts: {max(args.contexts):,} tokens + "
+                               f"--new-tokens {args.new_tokens} is past the model's "
+                               f"{limit:,} positions")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            usage.writable(path, flag)
+
+
+def _run(args, source: dict, rows: list) -> int:
+    """Probe each text × context into `rows` (printing each); 2 when a request failed."""
+    import grpc
+
+    from services.cli import probe_client
+    from specserve.tokenizer import Tokenizer
+    from specserve.v1 import gateway_pb2_grpc
+
     tok = Tokenizer.from_dir(args.model)
-    rows = []
     ch, metadata = gateway_channel(args)
     with ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
-        for text in texts:
-            corpus = source[text](max(contexts))
+        for text in args.texts:
+            corpus = source[text](max(args.contexts))
             corpus_ids = tok.encode(corpus) if text == "predictable" else None
-            for n in contexts:
+            for n in args.contexts:
                 ids = probe.prompt_ids(tok, corpus, n)
                 expected = corpus_ids[n : n + args.new_tokens] if corpus_ids else None
                 try:
@@ -94,13 +133,7 @@ def _probe(args) -> int:
                     return 2
                 rows.append(row)
                 _print_row(row)
-    print(probe.table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(probe.rows_as_json(rows), indent=2))
-    if args.plot:
-        probe_plot.plot(rows, args.plot, args.budget, Path(args.model).name)
-        print(f"plot: {args.plot}", file=sys.stderr)
-    return 3 if any(r.lossless is False for r in rows) else 0
+    return 0
 
 
 def _sources(novel_text: str | None) -> dict:

@@ -69,7 +69,7 @@ def add_up(sub) -> None:
                         "SPECSERVE_ADAPTIVE, else off)")
     p.add_argument("--no-drafter", action="store_true",
                    help="no drafter service (the verifier decodes without the DFlash drafter)")
-    p.add_argument("--startup-timeout-s", type=float, default=600.0,
+    p.add_argument("--startup-timeout-s", type=usage.float_range(0, lo_open=True), default=600.0,
                    help="how long each service may take to report SERVING")
     p.add_argument("--restart", choices=("on-failure", "no"), default="on-failure",
                    help="a service that exits once all are SERVING: start it again (after 1, "
@@ -224,19 +224,15 @@ async def _stop_all(procs: dict, grace_s: float = 15.0) -> None:
                 await proc.wait()
 
 
-async def _up_run(args) -> int:
+async def _up_run(args, plan) -> int:
     import asyncio
     import signal
 
-    from services.common.server import check_bindable
-
-    plan, procs, pumps = _up_plan(args), {}, []
+    procs, pumps = {}, []
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
     try:
-        for port in _ports(args, plan):  # a port in use fails now, before anything starts
-            check_bindable(args.host, port)
         for name, addr, flags in plan:
             await _start(name, addr, flags, args.startup_timeout_s, procs, pumps)
             print(f"specserve up: {name} SERVING on {addr} (pid {procs[name].pid})", flush=True)
@@ -278,4 +274,26 @@ def _ports(args, plan) -> list[int]:
 def _up(args) -> int:
     import asyncio
 
-    return asyncio.run(_up_run(args))
+    plan = _up_plan(args)
+    _check_up(args, plan)
+    return asyncio.run(_up_run(args, plan))
+
+
+def _check_up(args, plan) -> None:
+    """Usage errors found before anything starts: model directories, two listeners on one
+    port, a port another process holds."""
+    from services.common.server import check_bindable
+
+    for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
+        if path and not os.path.isfile(os.path.join(path, "config.json")):
+            raise usage.UsageError(f"argument {flag}: {path!r} is not a model directory (no "
+                                   "config.json)")
+    ports = _ports(args, plan)
+    if dup := sorted({p for p in ports if ports.count(p) > 1}):
+        raise usage.UsageError(f"two of the stack's listeners would share port {dup[0]} (its "
+                               "gRPC, metrics and HTTP ports must all differ)")
+    for port in ports:
+        try:
+            check_bindable(args.host, port)
+        except OSError as e:
+            raise usage.UsageError(str(e)) from None

@@ -16,12 +16,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "demo-drafter/ and training.json; refused if it is not empty (--force)")
     p.add_argument("--force", action="store_true",
                    help="overwrite what --out already holds (the committed pair, say)")
-    p.add_argument("--seed", type=int, default=0, help="seed of data, init and training")
+    p.add_argument("--seed", type=usage.int_range(0, 2**32 - 1), default=0,
+                   help="seed of data, init and training")
     p.add_argument("--device", default="auto", type=usage.device(("auto", "cpu", "cuda")),
                    help="auto (cuda if available), cpu, cuda, cuda:N")
-    p.add_argument("--target-steps", type=int, default=None, help="override the recipe's")
-    p.add_argument("--drafter-steps", type=int, default=None, help="override the recipe's")
-    p.add_argument("--threads", type=int, default=None,
+    steps = usage.int_range(1, 10**9)
+    p.add_argument("--target-steps", type=steps, default=None, help="override the recipe's")
+    p.add_argument("--drafter-steps", type=steps, default=None, help="override the recipe's")
+    p.add_argument("--threads", type=usage.int_range(1, 4096), default=None,
                    help="torch CPU threads (default: torch's choice)")
     p.add_argument("--recipe", choices=["cpu", "full"], default="cpu",
                    help="cpu: the committed checkpoints' recipe, on any device (about half an "
@@ -30,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-from", metavar="DIR", default=None,
                    help="reuse the target of an earlier train-demo output (same seed and "
                         "target recipe) and train only the drafter")
-    p.add_argument("--drafter-lr", type=float, default=None, help="override the recipe's")
-    p.add_argument("--drafter-copy-frac", type=float, default=None,
+    p.add_argument("--drafter-lr", type=usage.float_range(0, lo_open=True), default=None,
+                   help="override the recipe's")
+    p.add_argument("--drafter-copy-frac", type=usage.float_range(0, 1), default=None,
                    help="override the recipe's share of copy sequences for the drafter")
     p.add_argument("--quick", action="store_true", help="a tiny run (seconds) for tests")
     p.add_argument("--json", action="store_true",
@@ -52,7 +55,9 @@ def add(sub) -> None:
 
 def _train(args) -> int:
     out = Path(args.out)
-    if out.exists() and not args.force and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise usage.UsageError(f"--out {args.out} is a file, not a directory")
+    if out.exists() and not args.force and any(out.iterdir()):
         raise usage.UsageError(f"--out {args.out} already exists and is not empty; pass --force "
                                "to overwrite it or --out a new directory")
     from specserve.demo.train import run_from_args

@@ -18,6 +18,7 @@ from pathlib import Path
 # the wire's ranges, as SamplingParams checks them (a test checks each against the messages)
 from specserve.types import FLOAT32_MAX, INT32_MAX, INT64_MAX, UINT64_MAX  # noqa: F401
 
+MAX_DEADLINE_S = 365 * 86400  # gRPC's deadline overflows past ~1e9 s: the call fails at once
 MAX_BUDGET = 1024  # = specserve.spec.tree.MAX_BUDGET (a test keeps them equal; tree.py is numpy)
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
@@ -113,6 +114,9 @@ def float_range(lo: float, hi: float = math.inf, *, lo_open: bool = False):
     return parse
 
 
+deadline = float_range(0, MAX_DEADLINE_S, lo_open=True)  # a call's --timeout-s
+
+
 def read_text(path: str, flag: str) -> str:
     """The UTF-8 text of the file `path` named by `flag` ('-': stdin); UsageError if it is not
     UTF-8 text (an unreadable file: its OSError)."""
@@ -128,6 +132,20 @@ def read_text(path: str, flag: str) -> str:
     except UnicodeDecodeError as e:
         raise UsageError(f"argument {flag}: {name} is not UTF-8 text ({e.reason} at byte "
                          f"{e.start})") from None
+
+
+def writable(path: str, flag: str) -> None:
+    """UsageError unless a file can be written at `path` (checked before long work, whose
+    results would otherwise be lost at the end)."""
+    target = Path(path)
+    if target.is_dir() or not target.parent.is_dir():
+        why = "is a directory" if target.is_dir() else f"its folder {str(target.parent)!r} " \
+            "does not exist"
+        raise UsageError(f"argument {flag}: cannot write {path!r}: {why}")
+    import os
+
+    if not os.access(target if target.exists() else target.parent, os.W_OK):
+        raise UsageError(f"argument {flag}: cannot write {path!r}: permission denied")
 
 
 def port(value: str) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -27,6 +28,7 @@ _worker_tokenizer: Tokenizer | None = None
 
 def _init_worker(model_dir: str) -> None:
     global _worker_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the gateway, which closes us
     _worker_tokenizer = Tokenizer.from_dir(model_dir)
 
 

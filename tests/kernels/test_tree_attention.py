@@ -272,7 +272,8 @@ def test_strided_q_rows_and_per_batch_memo():
     stay right for new inputs; an explicit split count gets its own plan."""
     q, k, v, batch = make_case(8, [29, 0, 70], [7, -4, 12], 16, 4, 2, 16, torch.float32)
     t, hq, d = q.shape
-    qk = torch.randn(t, hq + 2, d, dtype=q.dtype, device=q.device)
+    g = torch.Generator().manual_seed(6)
+    qk = torch.randn(t, hq + 2, d, generator=g).to(q)
     qk[:, :hq] = q
     strided = qk[:, :hq]
     assert not strided.is_contiguous()
@@ -280,12 +281,12 @@ def test_strided_q_rows_and_per_batch_memo():
     check(tree_attention(strided, k, v, batch, 0.25, impl="triton"), ref, torch.float32)
     plans = [key for key in batch.memo if key[0] == "plan"]
     assert len(plans) == 1
-    q2 = torch.randn_like(q)
+    q2 = torch.randn(q.shape, generator=g).to(q)
     ref2 = tree_attention_ref(q2, k, v, batch, 0.25, None, fp64=True)
     check(tree_attention(q2, k, v, batch, 0.25, impl="triton"), ref2, torch.float32)
     check(tree_attention_triton(q2, k, v, batch, 0.25, num_splits=3), ref2, torch.float32)
     assert len([key for key in batch.memo if key[0] == "plan"]) == 2
-    gapped = torch.randn(t, 2 * hq, d, dtype=q.dtype, device=q.device)[:, ::2]
+    gapped = torch.randn(t, 2 * hq, d, generator=g).to(q)[:, ::2]
     with pytest.raises(ValueError, match="contiguous"):  # heads not packed: stride(1) = 2·D
         tree_attention_triton(gapped, k, v, batch, 0.25)
 

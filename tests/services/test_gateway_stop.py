@@ -10,7 +10,6 @@ Demo target's tokenizer: "The cat sat on the mat." is 2028 285 282 308 282 555 2
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -87,6 +86,7 @@ class StoppableVerifier(FakeVerifier):
         self.stop_s = stop_s
         self.order: list[str] = []  # "stop" when a Stop arrives, "end" when a Generate ends
         self.stop_done = asyncio.Event()  # then its Generate ends (no handler left running)
+        self.release: asyncio.Event | None = None  # set: Stop waits for it instead of stop_s
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         context.add_done_callback(lambda _ctx: self.order.append("end"))
@@ -97,7 +97,10 @@ class StoppableVerifier(FakeVerifier):
 
     async def Stop(self, request, context):  # noqa: N802
         self.order.append("stop")
-        await asyncio.sleep(self.stop_s)  # a busy verifier: the gateway stops it in the background
+        if self.release is not None:  # a verifier busy until the test says
+            await self.release.wait()
+        else:  # a busy verifier: the gateway stops it in the background
+            await asyncio.sleep(self.stop_s)
         self.stopped.append(request.request_id)
         self.stop_done.set()
         return verifier_pb2.StopReply(stopped=True)
@@ -108,21 +111,21 @@ async def test_the_gateway_stops_the_request_at_the_verifier(tmp_path, monkeypat
     import services.gateway.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "STOP_TIMEOUT_S", 10.0)
-    fake = StoppableVerifier(stop_s=1.5)
+    fake = StoppableVerifier()
+    fake.release = asyncio.Event()  # its Stop answers only once the client's call has ended
     server, port, _ = await start_verifier(fake)
     try:
         async with running_gateway(tmp_path, model=TARGET,
                                    verifier=f"127.0.0.1:{port}") as (address, _cfg):
             params = SamplingParams(max_tokens=64, stop=(" on",))
             async with channel(address) as ch:
-                t0 = time.monotonic()
                 msgs = gateway_pb2_grpc.GatewayStub(ch).Generate(
                     convert.generate_request_to_pb("The", params), timeout=RPC_S)
-                replies = [m async for m in msgs]
-                took = time.monotonic() - t0
+                replies = [m async for m in msgs]  # ends without the verifier's Stop answer
+            assert not fake.stopped  # the verifier's Stop had not answered
+            fake.release.set()
     finally:
         await server.stop(None)
-    assert took < 1.0  # the call ended without waiting for the verifier's Stop
     assert fake.order == ["stop", "end"]  # and the verifier call was not cancelled before it
 
     final = replies[-1].final

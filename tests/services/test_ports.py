@@ -93,7 +93,7 @@ async def test_up_refuses_a_used_port_before_starting_anything(model_dir):
             cwd=ROOT, timeout=60)
     finally:
         await holder.stop(0)
-    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.returncode == 2, out.stdout + out.stderr  # as each service: a usage error
     assert f"specserve up: error: could not bind 127.0.0.1:{port} (in use?)" in out.stderr
     assert "SERVING on" not in out.stdout and "(pid " not in out.stdout  # nothing started
 

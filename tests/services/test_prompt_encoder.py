@@ -5,6 +5,7 @@ with the same ids as inline; a dead worker is replaced and its prompt still enco
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,21 @@ async def test_a_dead_worker_is_replaced_and_its_prompt_still_encoded(tokenizer)
     finally:
         enc.close()
 
+
+
+@pytest.mark.asyncio
+async def test_the_worker_outlives_ctrl_c(tokenizer):
+    """Ctrl-C reaches every process of the terminal's group: the worker leaves it to the
+    gateway (which closes it) instead of dying with a traceback of its own."""
+    enc = PromptEncoder(tokenizer, str(DEMO), inline_chars=10)
+    try:
+        text = TEXT * 5
+        assert await enc.encode(text) == tokenizer.encode(text)
+        (worker,) = enc._pool._processes.values()
+        os.kill(worker.pid, signal.SIGINT)
+        worker.join(0.5)
+        assert worker.is_alive()
+        assert await enc.encode(text[2:]) == tokenizer.encode(text[2:])
+        assert [w.pid for w in enc._pool._processes.values()] == [worker.pid]
+    finally:
+        enc.close()

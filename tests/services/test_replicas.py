@@ -92,9 +92,10 @@ def test_a_replica_that_goes_down_is_skipped_until_its_health_check_passes():
         reps.mark_down(first, "UNAVAILABLE")
         assert not reps.any_healthy
         assert pick() is first  # none healthy: the least loaded (its call fails fast)
-        seen = []
-        task = asyncio.create_task(reps.follow(0.05, 0.5, seen.append))
-        await asyncio.sleep(0.3)
+        seen, changed = [], asyncio.Event()
+        task = asyncio.create_task(reps.follow(0.05, 0.5, lambda up: (seen.append(up),
+                                                                     changed.set())))
+        await asyncio.wait_for(changed.wait(), 10)
         task.cancel()
         assert seen[0] is True  # `first` serves again after its next check
         await reps.close()

@@ -53,12 +53,25 @@ def test_stop_strings_are_unescaped():
     (["probe", "--budget", "5000"], "argument --budget: must be in [0, 1024], got 5000"),
     (["generate", "--prompt", "x", "--budget", "5000"], "must be in [0, 1024], got 5000"),
     (["generate", "--token-ids", "9707,..."], "argument --token-ids: must be integers"),
+    (["generate", "--prompt", "x", "--timeout-s", "1e10"], "must be a number in (0, 3.1536e+07]"),
     (["generate", "--token-ids", "1,-3"], "must be non-negative token ids"),
     (["generate", "--prompt", "x", "--gateway", "host:abc"], "argument --gateway: must be "
                                                              "HOST[:PORT]"),
     (["generate", "--prompt", "x", "--in-process"], "--in-process needs --model DIR"),
     (["generate", "--prompt", "x", "--device", "tpu"], "argument --device: must be cpu | cuda"),
+    (["train-demo", "--threads", "0"], "argument --threads: must be an integer in [1, 4096]"),
+    (["train-demo", "--drafter-steps", "-3"], "argument --drafter-steps: must be an integer"),
+    (["train-demo", "--drafter-lr", "-1"], "argument --drafter-lr: must be a finite number > 0"),
+    (["train-demo", "--drafter-copy-frac", "2"], "must be a number in [0, 1]"),
+    (["train-demo", "--seed", "-1"], "argument --seed: must be an integer in [0, 4294967295]"),
+    (["train-demo", "--out", "README.md"], "--out README.md is a file, not a directory"),
     (["up", "--ports", "70000"], "argument --ports: must be a port in [1, 65535]"),
+    (["up", "--model", "/nonexistent"], "argument --model: '/nonexistent' is not a model "
+                                        "directory (no config.json)"),
+    (["up", "--ports", "62051", "--gateway-port", "62052", "--http-port", "off"],
+     "two of the stack's listeners would share port 62052"),
+    (["up", "--ports", "62051", "--http-port", "62051"], "would share port 62051"),
+    (["up", "--startup-timeout-s", "nan"], "argument --startup-timeout-s: must be a finite"),
     (["up", "--http-port", "nope"], "argument --http-port: must be a port number or off"),
     (["up", "--model", "m", "--ports", "2000", "--http-port", "off"],
      "--ports 2000 moves the metrics ports (-38950..-38948) out of range; give "
@@ -170,3 +183,15 @@ def test_up_passes_adaptive_to_the_verifier_only():
     assert "--adaptive" not in on["gateway"] and "--adaptive" not in on["drafter"]
     with pytest.raises(SystemExit):
         _parse("up", "--adaptive", "maybe")
+
+
+def test_ctrl_c_ends_a_command_without_a_traceback(monkeypatch, capsys):
+    from services.cli import train
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "_train", interrupted)
+    assert main(["train-demo", "--quick"]) == 130
+    err = capsys.readouterr().err
+    assert err == "specserve train-demo: interrupted\n"

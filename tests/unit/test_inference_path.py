@@ -91,7 +91,8 @@ def test_fused_weights_are_views_and_follow_changes(checkpoint_cache):
 
 def test_kv_pool_one_tensor_layers_copy_and_grad_writes():
     pool = KVPool(KVShape(3, 2, 16, torch.float32), 4, 4)
-    pool.kv.copy_(torch.randn_like(pool.kv))
+    g = torch.Generator().manual_seed(4)
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=g))
     assert pool.k[2].data_ptr() == pool.kv[0, 2].data_ptr() and pool.v[1].is_contiguous()
     ref = pool.kv.clone()
     src, dst = [1, 5, 6], [5, 6, 9]  # overlapping: every source is read before any write
@@ -104,7 +105,7 @@ def test_kv_pool_one_tensor_layers_copy_and_grad_writes():
     pool.copy_slots([], [])
     with pytest.raises(ValueError):
         pool.copy_slots([1], [])
-    k = torch.randn(2, 2, 16, requires_grad=True)
+    k = torch.randn(2, 2, 16, generator=g).requires_grad_()
     with torch.enable_grad():  # stored detached: the cache never joins an autograd graph
         pool.write(1, torch.tensor([0, 7]), k * 2, k * 3)
     assert not pool.kv.requires_grad
@@ -144,9 +145,10 @@ def test_packed_slots_are_16_byte_aligned():
 def test_rolled_rotary_and_two_kernel_rmsnorm_are_bitwise(rope, dtype):
     r = Rotary(rope, 64)
     pos = torch.randint(0, 50_000, (23,), generator=torch.Generator().manual_seed(1))
-    x = torch.randn(23, 6, 64).to(dtype)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(23, 6, 64, generator=g).to(dtype)
     assert torch.equal(apply_rotary(x, *r(pos, dtype)),
                        apply_rotary_rolled(x, *r.rolled_tables(pos, dtype)))
-    w = torch.randn(64).to(dtype)
+    w = torch.randn(64, generator=g).to(dtype)
     hf = w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
     assert torch.equal(rms_norm(x, w, 1e-6), hf)

@@ -5,7 +5,6 @@ and speculates on predictable text in the in-process engine."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -25,13 +24,11 @@ def _dtypes(path: Path) -> set[str]:
 
 
 def test_quick_training_is_deterministic_and_loads(tmp_path, capsys):
-    t0 = time.perf_counter()
     runs = []
     for name in ("a", "b"):
         assert cli_main(["train-demo", "--quick", "--out", str(tmp_path / name), "--seed", "3",
                          "--device", "cpu"]) == 0
         runs.append(json.loads((tmp_path / name / train.SUMMARY).read_text()))
-    assert time.perf_counter() - t0 < 60
     a, b = runs
     assert a["target"]["losses"][0][0] == 1 and a["drafter"]["losses"][0][0] == 1
     assert a["target"]["losses"] == b["target"]["losses"]  # the same seed: the same losses
