@@ -361,6 +361,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer points / configs")
     ap.add_argument("--sm120-check", action="store_true", help="only cross-compile for sm_120")
     args = ap.parse_args()
+    import torch
+
+    if not args.sm120_check and not torch.cuda.is_available():
+        ap.error("times the kernel on a CUDA GPU (none here); --sm120-check cross-compiles "
+                 "without one")
     default = "sm120_check.json" if args.sm120_check else "kernel_bench.json"
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / default)
     out.parent.mkdir(parents=True, exist_ok=True)

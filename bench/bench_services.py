@@ -121,9 +121,11 @@ async def over_grpc(gateway: str, verifier: str, batch: int, tokens: int,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per request (≥ 1)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.tokens < 1:
+        ap.error(f"--tokens must be at least 1, got {args.tokens}")
     tmp = Path(tempfile.mkdtemp())
     model = make_model(tmp / "target")
     cpu = ["--device", "cpu", "--dtype", "float32"]

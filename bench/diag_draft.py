@@ -79,6 +79,8 @@ def main() -> None:
     global DEV, DTYPE
     if a.tiny:
         DEV, DTYPE = "cpu", torch.float32
+    elif not torch.cuda.is_available():
+        ap.error("times the draft step on a CUDA GPU (none here); --tiny runs it on the CPU")
     target, dmodel = build_models(dict(TINY, num_layers=12) if a.tiny else QWEN3_8B, 5, DEV, DTYPE)
     del target
     cfg = dmodel.config

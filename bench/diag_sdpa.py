@@ -171,6 +171,8 @@ def main() -> None:
     ap.add_argument("--first-calls", action="store_true", help="only the first-call costs")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "diag_sdpa.json"))
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("times cuDNN / flash attention on a CUDA GPU (none here)")
     points = eval(args.points) if args.points else POINTS  # noqa: S307 — our CLI
     gen = torch.Generator().manual_seed(0)
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} cudnn "

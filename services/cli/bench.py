@@ -12,14 +12,16 @@ from pathlib import Path
 
 from services.cli import usage
 
-BENCHES = {
-    "kernel": "bench_kernel.py",  # tree-verify kernel vs baselines and the floor (GPU)
-    "e2e": "bench_e2e.py",  # issue-9 end-to-end: verify, prefill, decode vs floors/peers (GPU)
-    "prefill-attention": "diag_sdpa.py",  # a prefill chunk: tree kernel vs cuDNN/flash (GPU)
-    "draft": "diag_draft.py",  # one DFlash draft step: host vs GPU, eager vs graphs (GPU)
-    "services": "bench_services.py",  # in process vs over gRPC, per step (CPU)
-    "tracing": "bench_tracing.py",  # tracing overhead (CPU)
-    "correctness": "correctness_report.py",  # logit error vs transformers (CPU)
+BENCHES = {  # name: (script, where it runs)
+    "kernel": ("bench_kernel.py", "GPU; --sm120-check on CPU"),  # tree-verify kernel vs floor
+    "e2e": ("bench_e2e.py", "GPU; --tiny on CPU"),  # verify, prefill, decode vs floors / peers
+    "prefill-attention": ("diag_sdpa.py", "GPU"),  # a prefill chunk: ours vs cuDNN / flash
+    "draft": ("diag_draft.py", "GPU; --tiny on CPU"),  # one DFlash draft step
+    "served": ("bench_served.py", "GPU; --tiny on CPU"),  # the three services vs in process
+    "adaptive": ("bench_adaptive.py", "CPU or GPU"),  # adaptive vs fixed budgets vs chain vs AR
+    "services": ("bench_services.py", "CPU"),  # in process vs over gRPC, per step
+    "tracing": ("bench_tracing.py", "CPU"),  # tracing overhead
+    "correctness": ("correctness_report.py", "CPU"),  # logit error vs transformers
 }
 
 
@@ -28,9 +30,10 @@ def add(sub) -> None:
                        formatter_class=usage.HelpFormatter,
                        description="Run one of the benchmarks in bench/ with this Python; "
                                    "arguments after the name go to the script (e.g. --out).")
-    p.add_argument("name", choices=sorted(BENCHES), help="which script of bench/: " + ", ".join(
-        f"{n} = {BENCHES[n]}" for n in sorted(BENCHES)))
-    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
+    p.add_argument("name", choices=sorted(BENCHES), help="which script of bench/: " + "; ".join(
+        f"{n} = {s} ({where})" for n, (s, where) in sorted(BENCHES.items())))
+    p.add_argument("args", nargs=argparse.REMAINDER,
+                   help="passed to the script (optional; NAME --help lists them)")
     p.set_defaults(func=_bench)
 
 
@@ -39,7 +42,7 @@ def _bench(args) -> int:
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
-    script = root / "bench" / BENCHES[args.name]
+    script = root / "bench" / BENCHES[args.name][0]
     if not script.exists():
         raise SystemExit(f"specserve bench: {script} not found (benchmarks live in a source "
                          "checkout of specserve)")

@@ -59,10 +59,10 @@ def _contexts(value: str) -> list[int]:
 def _probe(args) -> int:
     from specserve import probe_plot
 
-    _check(args)
     novel = usage.read_text(args.text_file, "--text-file") if args.text_file else None
     if novel is not None and not novel.strip():
         raise usage.UsageError(f"argument --text-file: {args.text_file!r} has no text")
+    _check(args)
     rows: list = []
     try:
         failed = _run(args, _sources(novel), rows)

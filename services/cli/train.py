@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the recipe's share of copy sequences for the drafter")
     p.add_argument("--quick", action="store_true", help="a tiny run (seconds) for tests")
     p.add_argument("--json", action="store_true",
-                   help="print the training.json summary on stdout (progress goes to stderr)")
+                   help="print the training.json summary on stdout (progress always goes to "
+                        "stderr)")
 
 
 def add(sub) -> None:

@@ -97,9 +97,9 @@ def int_range(lo: int, hi: int):
 
 def float_range(lo: float, hi: float = math.inf, *, lo_open: bool = False):
     """A `type=` for a finite number in [lo, hi] ((lo, hi] when `lo_open`)."""
-    low = f"{'>' if lo_open else '>='} {lo:g}"
+    low = f"{'>' if lo_open else '>='} {_num(lo)}"
     want = f"a finite number {low}" if hi == math.inf else \
-        f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        f"a number in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}]"
 
     def parse(value: str) -> float:
         try:
@@ -112,6 +112,10 @@ def float_range(lo: float, hi: float = math.inf, *, lo_open: bool = False):
 
     parse.__name__ = "number"
     return parse
+
+
+def _num(x: float) -> str:
+    return f"{x:.0f}" if x == int(x) and abs(x) < 1e15 else f"{x:g}"
 
 
 deadline = float_range(0, MAX_DEADLINE_S, lo_open=True)  # a call's --timeout-s

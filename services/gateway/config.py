@@ -94,8 +94,8 @@ class GatewayConfig:
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must be non-empty when given")
         if not MIN_MESSAGE_BYTES <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
-            raise ValueError(f"max_message_bytes must be in [{MIN_MESSAGE_BYTES}, "
-                             f"{MAX_MESSAGE_BYTES}], got {self.max_message_bytes}")
+            raise ValueError(f"--max-message-mb must be in [1, {MAX_MESSAGE_BYTES // MiB}] "
+                             f"(MiB), got {self.max_message_bytes / MiB:g}")
         if self.request_timeout_s <= 0 or self.grace_s < 0:
             raise ValueError("request_timeout_s must be > 0 and grace_s >= 0")
         if not self.health_period_s > 0:

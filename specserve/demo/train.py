@@ -262,7 +262,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             recipe = replace(recipe, **{name: getattr(args, name)})
     summary = run(Path(args.out), args.seed, resolve_device(args.device), recipe,
-                  log=sys.stderr if args.json else sys.stdout, target_from=args.target_from)
+                  log=sys.stderr, target_from=args.target_from)  # progress: stderr
     if args.json:
         print(json.dumps(summary, indent=1))
     return 0

@@ -540,7 +540,14 @@ def test_up_restarts_a_dead_drafter_and_stops_on_sigterm(checkpoints, expected, 
 
 def test_up_exits_nonzero_when_a_service_dies(tmp_path):
     g, v, d = _free_ports(3)
-    out = _cli("up", "--model", str(tmp_path / "missing"), "--device", "cpu", "--gateway-port",
+    broken = tmp_path / "broken"  # a config.json `up` accepts, no model a service can load
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    out = _cli("up", "--model", str(broken), "--device", "cpu", "--gateway-port",
                str(g), "--verifier-port", str(v), "--drafter-port", str(d), timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "exited with code" in out.stderr
+    missing = _cli("up", "--model", str(tmp_path / "missing"), "--gateway-port", str(g),
+                   timeout=60)  # no model directory at all: refused before anything starts
+    assert missing.returncode == 2 and "is not a model directory" in missing.stderr
+    assert "SERVING" not in missing.stdout

@@ -34,7 +34,9 @@ def test_quick_training_is_deterministic_and_loads(tmp_path, capsys):
     assert a["target"]["losses"] == b["target"]["losses"]  # the same seed: the same losses
     assert a["drafter"]["losses"] == b["drafter"]["losses"]
     assert a["drafter"]["metrics"] == b["drafter"]["metrics"]
-    printed = [line.split(" (")[0] for line in capsys.readouterr().out.splitlines()
+    out = capsys.readouterr()
+    assert out.out == ""  # progress goes to stderr, as every command's
+    printed = [line.split(" (")[0] for line in out.err.splitlines()
                if line.startswith("[target] step 1/") or line.startswith("[drafter] step 1/")]
     assert len(printed) == 4 and printed[:2] == printed[2:]
 
