@@ -124,6 +124,11 @@ async def test_the_gateway_stops_the_request_at_the_verifier(tmp_path, monkeypat
                 replies = [m async for m in msgs]  # ends without the verifier's Stop answer
             assert not fake.stopped  # the verifier's Stop had not answered
             fake.release.set()
+            for _ in range(1000):  # the verifier call ends before the gateway does
+                if "end" in fake.order:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # the fake server's handler task winds down
     finally:
         await server.stop(None)
     assert fake.order == ["stop", "end"]  # and the verifier call was not cancelled before it
