@@ -91,11 +91,7 @@ def _check(args) -> None:
     if not args.model:
         raise usage.UsageError("--model (or SPECSERVE_MODEL) is required (no demo pair under "
                                "checkpoints/)")
-    try:
-        config = json.loads((Path(args.model) / "config.json").read_text())
-        limit = int(config.get("max_position_embeddings") or 0)
-    except (OSError, ValueError) as e:
-        raise usage.UsageError(f"--model {args.model!r}: no readable config.json ({e})") from None
+    limit = int(usage.model_config(args.model, "--model").get("max_position_embeddings") or 0)
     if limit and max(args.contexts) + args.new_tokens > limit:
         raise usage.UsageError(f"argument --contexts: {max(args.contexts):,} tokens + "
                                f"--new-tokens {args.new_tokens} is past the model's "

@@ -285,9 +285,8 @@ def _check_up(args, plan) -> None:
     from services.common.server import check_bindable
 
     for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
-        if path and not os.path.isfile(os.path.join(path, "config.json")):
-            raise usage.UsageError(f"argument {flag}: {path!r} is not a model directory (no "
-                                   "config.json)")
+        if path:
+            usage.model_config(path, flag)
     ports = _ports(args, plan)
     if dup := sorted({p for p in ports if ports.count(p) > 1}):
         raise usage.UsageError(f"two of the stack's listeners would share port {dup[0]} (its "

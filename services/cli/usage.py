@@ -10,7 +10,9 @@ Nothing heavy is imported at module level: torch only to check a CUDA device tha
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -115,7 +117,7 @@ def float_range(lo: float, hi: float = math.inf, *, lo_open: bool = False):
 
 
 def _num(x: float) -> str:
-    return f"{x:.0f}" if x == int(x) and abs(x) < 1e15 else f"{x:g}"
+    return f"{x:.0f}" if math.isfinite(x) and x == int(x) and abs(x) < 1e15 else f"{x:g}"
 
 
 deadline = float_range(0, MAX_DEADLINE_S, lo_open=True)  # a call's --timeout-s
@@ -138,6 +140,18 @@ def read_text(path: str, flag: str) -> str:
                          f"{e.start})") from None
 
 
+def model_config(path: str, flag: str) -> dict:
+    """The parsed `config.json` of the model directory `path` named by `flag` (UsageError when
+    it is not one), read before anything loads or starts."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except FileNotFoundError:
+        raise UsageError(f"argument {flag}: {path!r} is not a model directory (no "
+                         "config.json)") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"argument {flag}: {path!r}: unreadable config.json ({e})") from None
+
+
 def writable(path: str, flag: str) -> None:
     """UsageError unless a file can be written at `path` (checked before long work, whose
     results would otherwise be lost at the end)."""
@@ -146,8 +160,6 @@ def writable(path: str, flag: str) -> None:
         why = "is a directory" if target.is_dir() else f"its folder {str(target.parent)!r} " \
             "does not exist"
         raise UsageError(f"argument {flag}: cannot write {path!r}: {why}")
-    import os
-
     if not os.access(target if target.exists() else target.parent, os.W_OK):
         raise UsageError(f"argument {flag}: cannot write {path!r}: permission denied")
 
