@@ -89,6 +89,24 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def hf_greedy_oracle(model_dir):
+    """transformers' greedy decoding of the checkpoint in `model_dir` (fp32), cached per prompt:
+    `greedy(prompt_ids, n)` → the first n tokens. The outside oracle the served tests match."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32).eval()
+    done: dict[tuple[int, ...], list[int]] = {}
+
+    def greedy(prompt: list[int], n: int) -> list[int]:  # a greedy prefix is its own answer
+        if len(done.get(tuple(prompt), ())) < n:
+            with torch.no_grad():
+                done[tuple(prompt)] = hf_greedy(model, list(prompt), n)
+        return done[tuple(prompt)][:n]
+
+    return greedy
+
+
 def prefill_then_tree_steps(vocab: int) -> list:
     """Two forward steps for model-path tests: a 21-token prefill chunk, then a 5-node tree
     verify over it — [(ids, AttnBatch.build args)] on pages [3, 0, 5] of 16 tokens."""

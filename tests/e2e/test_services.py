@@ -3,7 +3,7 @@
 drafter → verifier (--drafter) → gateway (--verifier), each on 127.0.0.1 port 0 with --port-file,
 over a tiny random Qwen3 target with a byte-level BPE tokenizer.json (vocab = the model's) and a
 DFlash drafter saved by the `dflash` package. Generations streamed through the gateway must be
-exactly the in-process Engine's greedy tokens and text, in every drafter mode, with 8 concurrent
+exactly transformers' greedy tokens and text, in every drafter mode, with 8 concurrent
 clients; kill -9 of the drafter mid-generation changes no output and speculation resumes once it
 is back; a client cancel or a stop string frees the verifier's KV pages; bad requests fail with
 a clear status while the services keep serving; reflection, `specserve generate` and
@@ -39,7 +39,7 @@ from specserve.v1 import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
-from tests.helpers import hf_config, random_prompts
+from tests.helpers import hf_config, hf_greedy_oracle, random_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, LAYERS, NEW, RPC_S = 320, 4, 48, 60.0
@@ -109,12 +109,12 @@ def prompts() -> list[str | list[int]]:
 
 @pytest.fixture(scope="session")
 def expected(checkpoints, prompts) -> list[list[int]]:
-    """The in-process engine's greedy tokens (the oracle the services must match)."""
-    from specserve.config import EngineConfig
-    from specserve.engine.engine import Engine
+    """transformers' greedy tokens (the oracle the services must match); text prompts are
+    encoded by the served tokenizer."""
+    from specserve.tokenizer import Tokenizer
 
-    engine = Engine(EngineConfig(str(checkpoints[0])))
-    return engine.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True))
+    greedy, tok = hf_greedy_oracle(checkpoints[0]), Tokenizer.from_dir(checkpoints[0])
+    return [greedy(tok.encode(p) if isinstance(p, str) else p, NEW) for p in prompts]
 
 
 class Stack:

@@ -24,7 +24,7 @@ from services.gateway import convert
 from specserve.types import SamplingParams
 from specserve.v1 import gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.e2e.test_services import ENV, VOCAB, Stack, checkpoints  # noqa: F401 (fixture)
-from tests.helpers import random_prompts
+from tests.helpers import hf_greedy_oracle, random_prompts
 
 aio = pytest.mark.asyncio(loop_scope="module")
 pytestmark = pytest.mark.timeout(240)
@@ -50,20 +50,8 @@ def stack(checkpoints, tmp_path_factory):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):  # noqa: F811
-    from specserve.config import EngineConfig
-    from specserve.engine.engine import Engine
-
-    engine = Engine(EngineConfig(str(checkpoints[0])))
-    cache: dict[tuple, list[int]] = {}
-
-    def greedy(prompt: list[int], n: int) -> list[int]:
-        key = (tuple(prompt), n)
-        if key not in cache:
-            cache[key] = engine.generate([prompt], SamplingParams(max_tokens=n,
-                                                                  ignore_eos=True))[0]
-        return cache[key]
-
-    return greedy
+    """transformers' greedy tokens: the oracle."""
+    return hf_greedy_oracle(checkpoints[0])
 
 
 async def _generate(stub, prompt, max_tokens: int, arrivals: list | None = None,
