@@ -26,8 +26,9 @@ STEP_S = 0.15  # each fake step's duration
 class FakeEngine:
     """Every request runs one step and finishes; `steps` lists (start time, request ids)."""
 
-    def __init__(self, full_at: int | None = None) -> None:
+    def __init__(self, full_at: int | None = None, step_s: float = STEP_S) -> None:
         self.requests: dict = {}
+        self.step_s = step_s
         self.pending: list[str] = []
         self.full_at = full_at  # the waiting requests fill a step from this many
         self.scheduler = self
@@ -52,15 +53,15 @@ class FakeEngine:
     def step(self) -> list[RequestOutput]:
         ran, self.pending = self.pending, []
         self.steps.append((time.perf_counter(), ran))
-        time.sleep(STEP_S)
+        time.sleep(self.step_s)
         return [RequestOutput(r, [5], "", "length", 2, 1) for r in ran]
 
 
-async def _run(window_s: float, delays_s: list[float], full_at: int | None = None
-               ) -> tuple[FakeEngine, list[float]]:
+async def _run(window_s: float, delays_s: list[float], full_at: int | None = None,
+               step_s: float = STEP_S) -> tuple[FakeEngine, list[float]]:
     """Submit one request per delay (each that long after the start, concurrently); wait for
     all; the engine (its `loop` set) and when each request was submitted."""
-    engine = FakeEngine(full_at)
+    engine = FakeEngine(full_at, step_s)
     engine.loop = loop = StepLoop(engine, admission_window_s=window_s)
     loop.start()
     sent = [0.0] * len(delays_s)
@@ -112,11 +113,12 @@ async def test_the_window_ends_once_the_waiting_requests_fill_a_step():
 
 @pytest.mark.asyncio
 async def test_a_request_arriving_while_the_engine_is_busy_waits_for_no_window():
-    # r1 arrives during r0's step: it runs in the next step, not a window after it
-    engine, _ = await _run(0.4, [0.0, 0.1])
+    # r1 arrives during r0's 0.5 s step (0.3-0.8 s): its window (to 0.65 s) has passed when the
+    # step ends, so it runs at once; a window counted from then would start it 0.3 s later
+    engine, _ = await _run(0.3, [0.0, 0.35], step_s=0.5)
     (t0, first), (t1, second) = engine.steps
     assert first == ["r0"] and second == ["r1"]
-    assert t1 - t0 < STEP_S + 0.2  # a window would have added 0.4 s
+    assert t1 - t0 < 0.5 + 0.15
 
 
 @pytest.mark.parametrize("window", [-1.0, MAX_ADMISSION_WINDOW_MS + 1, float("nan")])
