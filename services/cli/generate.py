@@ -87,13 +87,26 @@ def _prompt(args) -> str | list[int]:
 
 
 def _generate(args) -> int:
-    if args.in_process and not args.model:
-        raise usage.UsageError("--in-process needs --model DIR")
+    _check_mode(args)
     prompt = _prompt(args)  # a bad prompt file fails here: before a model loads or a byte is sent
     params = _sampling_params(args)
     if args.in_process:
         return _generate_in_process(args, prompt, params)
     return _generate_remote(args, prompt, params)
+
+
+def _check_mode(args) -> None:
+    """Flags of the other mode are refused, not silently dropped."""
+    if args.in_process and not args.model:
+        raise usage.UsageError("--in-process needs --model DIR")
+    if args.in_process:
+        given = {"--drafter": args.drafter is not None, "--budget": args.budget is not None,
+                 "--request-id": args.request_id != ""}
+        if any(given.values()):
+            raise usage.UsageError(f"{', '.join(f for f, on in given.items() if on)}: through "
+                                   "the gateway only (--in-process decodes plainly)")
+    elif args.model:
+        raise usage.UsageError("--model: with --in-process only (the gateway serves its own)")
 
 
 def _sampling_params(args):
@@ -220,9 +233,12 @@ def _generate_in_process(args, prompt, params) -> int:
 
     engine = Engine(EngineConfig(args.model, dtype=args.dtype, device=args.device))
     engine.add_request("cli", prompt, params)
-    t0, text, ids, logprobs, reason = time.perf_counter(), [], [], [], None
+    prompt_tokens = len(engine.requests["cli"].prompt_ids)
+    t0, text, ids, logprobs, reason, ttft = time.perf_counter(), [], [], [], None, None
     while engine.has_unfinished:
         for out in engine.step():
+            if ttft is None and out.new_token_ids:
+                ttft = time.perf_counter() - t0
             ids += out.new_token_ids
             logprobs += out.logprobs or ()
             text.append(out.text_delta)
@@ -233,7 +249,8 @@ def _generate_in_process(args, prompt, params) -> int:
     if args.json:
         extra = {} if params.logprobs is None else {"logprobs": _logprobs_json(ids, logprobs)}
         print(json.dumps({"text": "".join(text), "token_ids": ids, "finish_reason": reason.value,
-                          "wall_s": round(wall, 4), **extra}))
+                          "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids)},
+                          "ttft_s": ttft and round(ttft, 4), "wall_s": round(wall, 4), **extra}))
     else:
         print(f"\n[{len(ids)} tokens in {wall:.2f} s, finish: {reason.value}]", file=sys.stderr)
     return 0

@@ -58,6 +58,9 @@ def test_stop_strings_are_unescaped():
     (["generate", "--prompt", "x", "--gateway", "host:abc"], "argument --gateway: must be "
                                                              "HOST[:PORT]"),
     (["generate", "--prompt", "x", "--in-process"], "--in-process needs --model DIR"),
+    (["generate", "--prompt", "x", "--in-process", "--model", "m", "--budget", "0",
+      "--request-id", "r"], "--budget, --request-id: through the gateway only"),
+    (["generate", "--prompt", "x", "--model", "m"], "--model: with --in-process only"),
     (["generate", "--prompt", "x", "--device", "tpu"], "argument --device: must be cpu | cuda"),
     (["train-demo", "--threads", "0"], "argument --threads: must be an integer in [1, 4096]"),
     (["train-demo", "--drafter-steps", "-3"], "argument --drafter-steps: must be an integer"),
