@@ -50,7 +50,7 @@ def summary(timings: list[Timing]) -> dict:
     per_step = {f"{k}_ms": 1e3 * sum(t.phases.get(f"{k}_s", 0.0) for t in timings) / steps
                 for k in ("draft", "verify", "commit")} if steps else {}
     return dict(ttft_ms=statistics.median(ttft), ttft_each_ms=sorted(round(x, 1) for x in ttft),
-                first_step_ms=statistics.median(first),
+                first_step_ms=statistics.median(first) if first else float("nan"),
                 steady_p50_ms=_p(steady, 0.5), steady_p90_ms=_p(steady, 0.9),
                 steady_mean_ms=statistics.fmean(steady) if steady else float("nan"),
                 steady_p99_ms=_p(steady, 0.99), steady_max_ms=max(steady, default=float("nan")),

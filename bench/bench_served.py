@@ -20,6 +20,8 @@ bytes / copy bandwidth); writes JSON after every row.
     python3 bench/bench_served.py --out $OUT/served.json                  # H200
     python3 bench/bench_served.py --mps --out $OUT/served_mps.json        # under CUDA MPS
     python3 bench/bench_served.py --tiny --contexts 64,200 --out /tmp/s.json   # CPU smoke
+    python3 bench/bench_served.py --device cpu --model checkpoints/demo-target \
+        --draft-model checkpoints/demo-drafter --kv-memory-gb 1 --chunk 2048   # CPU, demo pair
     python3 bench/bench_served.py --variants auto --batch8-contexts= --paired 6  # drift-free ratio
 """
 
@@ -63,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--model"), add("--draft-model")
     add("--ckpt-dir", default=str(Path(tempfile.gettempdir()) / "specserve-bench-pair"))
     add("--tiny", action="store_true", help="a tiny random pair on the CPU (smoke test)")
+    add("--device", choices=["cuda", "cpu"], default=None,
+        help="where the engines run (default: cuda; cpu with --tiny)")
     add("--contexts", default="1024,32768,131072")
     add("--batch8-contexts", default="1024", help="contexts also run with 8 requests at once")
     add("--interference", default="", help="contexts of a prompt sent while 7 requests of the "
@@ -251,7 +255,7 @@ def run_served(args, results: dict, svc: Services, variant: str, cases) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench-served-"))
-    args.device = "cpu" if args.tiny else "cuda"
+    args.device = args.device or ("cpu" if args.tiny else "cuda")
     if args.tiny:
         args.kv_memory_gb, args.chunk, args.drafter_pages = 0.05, 128, 256
     results = {"meta": dict(argv=sys.argv[1:], mps=args.mps, started=time.ctime()), "rows": [],
