@@ -69,6 +69,10 @@ def build(args) -> tuple[dict[str, Engine], Tokenizer]:
                "chain": Engine(cfg, model=first.runner.model, tokenizer=first.tokenizer),
                "adaptive": Engine(cfg.with_(adaptive=True), model=first.runner.model,
                                   tokenizer=first.tokenizer)}
+    if args.redecide is not None:
+        engines["adaptive-r"] = Engine(cfg.with_(adaptive=True), model=first.runner.model,
+                                       tokenizer=first.tokenizer)
+        engines["adaptive-r"].adaptive.redecide = args.redecide
     for name, engine in engines.items():
         drafter = DFlashDrafter(draft_model, num_pages=pages, tree=name != "chain")
         warm_up_drafter(drafter)
@@ -91,7 +95,9 @@ def variants(args) -> list[tuple[str, str, int]]:
     chain = args.chain_budget
     return ([("AR", "fixed", 0), (f"chain {chain}", "chain", chain)]
             + [(f"B={b}", "fixed", b) for b in args.budgets]
-            + [(f"adaptive ≤{max(args.budgets)}", "adaptive", max(args.budgets))])
+            + [(f"adaptive ≤{max(args.budgets)}", "adaptive", max(args.budgets))]
+            + ([(f"adaptive ≤{max(args.budgets)} redecide {args.redecide}", "adaptive-r",
+                 max(args.budgets))] if args.redecide is not None else []))
 
 
 def measure(engines, tok, args) -> list[dict]:
@@ -174,6 +180,9 @@ def parse(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=2048, help="max-num-batched-tokens")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--redecide", type=int, default=None, metavar="N",
+                    help="also an adaptive engine that weighs every shape each N steps (1: every "
+                         "step), beside the default's")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--random-pair", default=None, metavar="DIR",
                     help="write and use the random 8B-body pair here (replaces --model)")

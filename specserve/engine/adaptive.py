@@ -17,18 +17,19 @@ again after 2, 4, … 32 steps, or at once when the target's own confidence on i
 says a chain as sure would pay). After drafting, the choice is made again with the fresh
 curves (the drafting time now counts for plain decoding too: it is spent), and the trees are
 cut to it. The client's budget bounds every choice, and the drafter is asked for one size
-class above the last choice. Trees without probabilities (the n-gram drafter) are kept as
-drafted. Lossless: only which draft tokens are verified changes; the acceptance walk is the
-same.
+class above the last choice. A decision to draft (one that pays with the drafting still to pay)
+holds for REDECIDE steps: in between, each request keeps its shape (the drafter is asked for
+just that tree) and nothing is booked; a new batch bucket or a request without a shape ends the
+hold. Trees without probabilities (the n-gram drafter) are kept as drafted.
+Lossless: only which draft tokens are verified changes; the acceptance walk is the same.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
+from specserve.engine.adaptive_state import SHARED_DECAY, Ratios, State, outside
 from specserve.engine.cost import CostModel, batch_bucket, context_class
 from specserve.engine.speculative import Planned
 from specserve.engine.warmup import size_classes
@@ -36,115 +37,67 @@ from specserve.spec import shapes
 from specserve.spec.shapes import Choice
 from specserve.spec.tree import DraftTree, verify_layout
 
-PRIOR = 2.0  # pseudo-tokens pulling a shape's calibration towards 1 (trust the drafter)
-DECAY = 0.9
-SHARED_DECAY = 0.99  # the calibration every request shares: a property of the drafter
 MAX_PROBE_GAP = 32
 # skip the drafter only when plain decoding is expected this much faster: a wrong skip also
 # loses the next curve, a wrong draft costs at most the margin
 SKIP_MARGIN = 1.1
+# steps a decision holds: in between, each request keeps its shape (asking the drafter for just
+# that tree) and books nothing, so that the policy's host work is paid once every REDECIDE steps
+REDECIDE = 8
 _EMPTY = DraftTree.empty()
-
-
-@dataclass
-class _Ratios:
-    """Accepted over expected by shape key, as decayed sums."""
-
-    decay: float
-    real: dict[tuple, float] = field(default_factory=dict)
-    pred: dict[tuple, float] = field(default_factory=dict)
-
-    def book(self, key: tuple, real: int, expected: float) -> None:
-        self.real[key] = self.decay * self.real.get(key, 0.0) + real
-        self.pred[key] = self.decay * self.pred.get(key, 0.0) + expected
-
-    def ratio(self, key: tuple, prior: float = 1.0) -> float:
-        return (self.real.get(key, 0.0) + PRIOR * prior) / (self.pred.get(key, 0.0) + PRIOR)
-
-
-@dataclass
-class _State:
-    # the drafter's calibration: this request's, pulled towards every request's (`shared`)
-    shared: _Ratios
-    own: _Ratios = field(default_factory=lambda: _Ratios(DECAY))
-    curve: shapes.Curves | None = None  # of the last drafted tree
-    cut: np.ndarray | None = None  # its node indices that were verified, by verify row
-    nodes: int | None = None  # nodes chosen at the last draft (None: not drafted yet)
-    skipped: int = 0  # steps since the last draft
-    gap: int = 2  # skipped steps before the next probe
-    probing: bool = False  # drafted as a probe while plain decoding was winning
-    confidence: float | None = None  # moving mean of the target's top-1 probability, plain steps
-    # gain() by (k, budget) until this request books or draws a new curve (the shared part
-    # moves slowly: it is read again at the request's next booking)
-    gains: dict[tuple[int, int], tuple[float, str]] = field(default_factory=dict)
-
-    def calibration(self, key: tuple) -> float:
-        return self.own.ratio(key, self.shared.ratio(key))
-
-    def gain(self, k: int, budget: int) -> tuple[float, str]:
-        """Calibrated expected accepted length at `k` nodes (≤ budget) and its shape."""
-        if self.curve is None or k <= 0:
-            return 0.0, shapes.OFF
-        got = self.gains.get((k, budget))
-        if got is None:
-            got = self.gains[(k, budget)] = self._gain(min(k, budget))
-        return got
-
-    def _gain(self, k: int) -> tuple[float, str]:
-        cv = self.curve
-        tree = min(self.calibration((shapes.TREE, k)) * cv.expected(shapes.TREE, k),
-                   cv.depth(shapes.TREE, k))  # never past its depth
-        chain = min(self.calibration((shapes.CHAIN, k)) * cv.expected(shapes.CHAIN, k),
-                    cv.depth(shapes.CHAIN, k))
-        return (chain, shapes.CHAIN) if chain > tree else (tree, shapes.TREE)
-
-    def confident_gain(self, k: int, budget: int) -> tuple[float, str]:
-        """What a chain would accept if the drafter were as sure as the target has been on
-        the plain steps since the last draft: Σ c^d over its depths (0 without those steps)."""
-        c = self.confidence
-        if c is None or self.curve is None or k <= 0:
-            return 0.0, shapes.OFF
-        depth = self.curve.depth(shapes.CHAIN, min(k, budget)) or min(k, budget)
-        gain = depth if c >= 1.0 else c * (1.0 - c ** depth) / (1.0 - c)  # Σ_{d ≤ depth} c^d
-        return gain, shapes.CHAIN
-
-    def book(self, key: tuple, real: int, expected: float) -> None:
-        self.own.book(key, real, expected)
-        self.shared.book(key, real, expected)
-        self.gains.clear()
-
-
-def _outside(p: Planned) -> Choice:
-    """The shape of a plan the policy did not choose (no probabilities, budget 0, no draft)."""
-    if n := p.tree.n:
-        chain = np.array_equal(p.tree.depths, np.arange(1, n + 1))
-        return Choice(shapes.CHAIN if chain else shapes.TREE, n, "as drafted: no probabilities")
-    why = ("budget 0: plain decoding asked" if not p.seq.budget else
-           f"drafter fallback: {p.fallback}" if p.fallback else "no draft this step")
-    return Choice(shapes.OFF, 0, why)
 
 
 class Adaptive:
     """Per-engine policy state (engine thread only)."""
 
-    def __init__(self, cost: CostModel, pad_rows) -> None:
+    def __init__(self, cost: CostModel, pad_rows, redecide: int = REDECIDE) -> None:
+        if redecide < 1:
+            raise ValueError(f"redecide must be >= 1, got {redecide}")
         self.cost, self.pad_rows = cost, pad_rows  # pad_rows(rows) → rows a tree occupies
-        self.state: dict[str, _State] = {}
-        self.shared = _Ratios(SHARED_DECAY)
+        self.state: dict[str, State] = {}
+        self.shared = Ratios(SHARED_DECAY)
         self._times: dict[tuple, tuple | None] = {}  # _step_times by shape, this cost epoch
+        self.redecide = redecide
+        self._hold = 0  # steps the last decision to draft still holds
+        self._held_bucket: int | None = None  # the batch bucket it was made for
+        self._fast = False  # this step keeps the held shapes
+        self._prior: dict[str | None, State] = {}  # by drafter kind: the last request drafted
 
     def release(self, request_id: str) -> None:
         self.state.pop(request_id, None)
 
     def to_draft(self, seqs) -> tuple[list, list]:
         """Split speculating requests into (drafted now, skipping: B = 0 this step). Requests
-        without a curve (new, or drafted without probabilities) are drafted; the others are
-        decided among themselves."""
-        states = [self.state.setdefault(s.request_id, _State(self.shared)) for s in seqs]
+        without a curve (drafted without probabilities, or the first of their drafter) are
+        drafted; the others are decided among themselves."""
+        states = [self._state(s) for s in seqs]
         known = [(s, st) for s, st in zip(seqs, states, strict=True) if st.curve is not None]
-        skip = self._skipping(*zip(*known, strict=True)) if known else []
+        self._fast = self._holds(len(seqs), [st for _, st in known])
+        if self._fast:
+            self._hold -= 1
+            skip = []
+        else:
+            skip = self._skipping(*zip(*known, strict=True)) if known else []
         out = {s.request_id for s in skip}
         return [s for s in seqs if s.request_id not in out], skip
+
+    def _state(self, seq) -> State:
+        """The request's state; a new one starts from its drafter's last curve and probe gap
+        (a drafter that has not paid for the requests before is not drafted at once)."""
+        st = self.state.get(seq.request_id)
+        if st is None:
+            st = self.state[seq.request_id] = State(self.shared)
+            prior = self._prior.get(seq.drafter_kind)
+            if prior is not None:
+                st.curve, st.gap, st.skipped = prior.curve, prior.gap, 1
+        return st
+
+    def _holds(self, n: int, states: list[State]) -> bool:
+        """Whether this step keeps the last decision to draft: it still holds, for a batch of
+        this bucket, and every request with a curve has its shape."""
+        if self._hold <= 0 or not states or self._held_bucket != batch_bucket(n):
+            return False
+        return all(st.kind in (shapes.TREE, shapes.CHAIN) for st in states)
 
     def _skipping(self, seqs, states) -> list:
         """Which of `seqs` (each with a curve) skip the drafter this step."""
@@ -170,7 +123,8 @@ class Adaptive:
         for s in seqs:
             st = self.state.get(s.request_id)
             if st is not None and st.nodes is not None and s.budget:
-                out[s.request_id] = min(s.budget, 2 * st.nodes + 1)
+                held = self._fast and st.ask is not None
+                out[s.request_id] = min(s.budget, st.ask if held else 2 * st.nodes + 1)
         return out
 
     def skipped(self, seq) -> Planned:
@@ -184,23 +138,45 @@ class Adaptive:
     def shape(self, plans: list[Planned]) -> None:
         """Cut the drafted trees of `plans` to this step's choice (the drafting is spent)."""
         scored = [p for p in plans if p.tree.n and p.tree.scores is not None and p.choice is None]
+        if self._fast:  # a held step
+            for p in scored:
+                st = self.state[p.seq.request_id]
+                if st.kind in (shapes.TREE, shapes.CHAIN):
+                    self._keep(p, st)
+            scored = [p for p in scored if p.choice is None]
+        self._fast = False
         if scored:
             self._shape(scored)
         for p in plans:  # the rest say why they are outside the choice (counted, traced)
             if p.choice is None:
-                p.choice = _outside(p)
+                p.choice = outside(p)
 
     def _shape(self, scored: list[Planned]) -> None:
         for p in scored:
-            st = self.state.setdefault(p.seq.request_id, _State(self.shared))
+            st = self.state.setdefault(p.seq.request_id, State(self.shared))
             st.curve = shapes.curves(p.tree)
             st.gains.clear()
+            self._prior[p.seq.drafter_kind] = st
         states = [self.state[p.seq.request_id] for p in scored]
         best, why = self._best([p.seq for p in scored], states, drafted=True)
         for p, st in zip(scored, states, strict=True):
             self._cut(p, st, best - 1, why)
+        seqs = [p.seq for p in scored]  # hold only if drafting pays with its cost to come
+        if best > 1 and self._best(seqs, states, drafted=False, margin=SKIP_MARGIN)[0] > 1:
+            self._hold, self._held_bucket = self.redecide - 1, batch_bucket(len(scored))
 
-    def _cut(self, p: Planned, st: _State, k: int, why: str) -> None:
+    def _keep(self, p: Planned, st: State) -> None:
+        """Cut `p`'s tree to the shape its request holds; nothing is booked for it."""
+        st.skipped, st.cut, k = 0, None, min(st.nodes, p.budget)
+        nodes = np.arange(min(k, p.tree.n)) if st.kind == shapes.TREE else \
+            shapes.chain(p.tree, k).nodes
+        if len(nodes) < p.tree.n:
+            p.tree = shapes.subtree(p.tree, shapes.Shape(st.kind, nodes, 0.0))
+            p.layout = shapes.prefix_layout(p.layout, p.tree.n) if st.kind == shapes.TREE \
+                else verify_layout(p.tree, p.seq.last_token, p.start)
+        p.choice = Choice(st.kind, p.tree.n, f"held: {st.why}")
+
+    def _cut(self, p: Planned, st: State, k: int, why: str) -> None:
         st.skipped = 0
         _, kind = st.gain(k, p.budget)
         st.cut = None
@@ -215,6 +191,8 @@ class Adaptive:
             cut = shapes.Shape(kind, nodes, st.curve.expected(kind, k))
             p.tree, p.choice = shapes.subtree(p.tree, cut), Choice(kind, len(nodes), why)
             st.cut = nodes
+            st.ask = int(nodes.max()) + 1 if len(nodes) else None  # a DDTree holding the shape
+        st.kind, st.why = p.choice.shape, why  # held until the next decision
         if p.choice.shape == shapes.TREE:  # a prefix's rows are the layout's first rows
             p.layout = shapes.prefix_layout(p.layout, p.tree.n)
         else:

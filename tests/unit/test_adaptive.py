@@ -182,6 +182,52 @@ def test_policy_takes_big_trees_when_they_pay_and_plain_decoding_when_not():
     assert plan.choice.shape == "off" and plan.tree.n == 0 and plan.layout.num_rows == 1
 
 
+def test_a_decision_to_draft_holds_its_shapes_until_redecide():
+    """After a decision that drafting pays, the next steps keep each request's shape (the
+    drafter asked for just the tree that holds it, nothing booked) until `redecide` steps or a
+    new batch bucket; a decision that pays only because the drafting is spent holds nothing."""
+    seq = _seq("a", budget=63)
+    policy = Adaptive(_cost(draft_ms=0.3), lambda rows: rows, redecide=3)
+    first = _plan(seq, 1, confident=True)
+    policy.shape([first])
+    st, chosen = policy.state["a"], first.choice
+    assert "held" not in chosen.why and st.cut is not None
+    for step in range(3):
+        assert policy.to_draft([seq]) == ([seq], [])
+        asked, nodes = policy.draft_budgets([seq])["a"], st.nodes
+        plan = _plan(seq, 10 + step, confident=True)
+        policy.shape([plan])
+        if step < 2:  # held: the asked tree holds the shape, which is kept and not booked
+            assert asked == st.ask and plan.choice.shape == chosen.shape
+            assert plan.choice.why == f"held: {chosen.why}" and st.cut is None
+            assert plan.tree.n == min(chosen.nodes, asked) == plan.layout.num_rows - 1
+        else:  # the third step decides afresh, on a tree one class above
+            assert asked == min(63, 2 * nodes + 1)
+            assert "held" not in plan.choice.why and st.cut is not None
+    fresh = [_seq(f"b{i}", budget=63) for i in range(3)]  # a new bucket ends the hold
+    policy.shape([_plan(seq, 20, confident=True)])
+    policy.to_draft([seq])
+    assert policy.to_draft([seq, *fresh])[0] == [seq, *fresh] and not policy._fast
+    slow = Adaptive(_cost(draft_ms=10.0), lambda rows: rows, redecide=8)
+    slow.shape([_plan(seq, 2, confident=False)])  # verified (drafting spent), then skipped
+    assert slow.to_draft([seq]) == ([], [seq])
+    with pytest.raises(ValueError, match="redecide"):
+        Adaptive(CostModel(), lambda rows: rows, redecide=0)
+
+
+def test_a_new_request_starts_from_its_drafters_last_curve_and_probe_gap():
+    """A drafter that has not paid (its last curve, probes backed off to every 8 steps) is not
+    called for a new request at once; a request of another drafter has no such prior."""
+    seq = _seq("a", budget=63)
+    slow = Adaptive(_cost(draft_ms=10.0), lambda rows: rows)
+    slow.shape([_plan(seq, 2, confident=False)])
+    slow.state["a"].gap = 8
+    fresh, other = _seq("b", budget=63), _seq("c", budget=63)
+    other.drafter_kind = "ngram"
+    assert slow.to_draft([fresh, other]) == ([other], [fresh])
+    assert slow.state["b"].curve is slow.state["a"].curve and slow.state["c"].curve is None
+
+
 def test_policy_respects_each_request_budget_and_leaves_unscored_trees():
     seq = _seq("a", budget=5)
     policy = Adaptive(_cost(draft_ms=0.01), lambda rows: rows)

@@ -1,0 +1,100 @@
+"""Adaptive speculation's per-request state: how calibrated the drafter has been (accepted
+over expected, by shape), the last drafted tree's curves, the probing schedule and the shape
+the request holds between the policy's decisions. No choosing (engine/adaptive.py does)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specserve.engine.speculative import Planned
+from specserve.spec import shapes
+from specserve.spec.shapes import Choice
+
+PRIOR = 2.0  # pseudo-tokens pulling a shape's calibration towards 1 (trust the drafter)
+DECAY = 0.9
+SHARED_DECAY = 0.99  # the calibration every request shares: a property of the drafter
+
+
+@dataclass
+class Ratios:
+    """Accepted over expected by shape key, as decayed sums."""
+
+    decay: float
+    real: dict[tuple, float] = field(default_factory=dict)
+    pred: dict[tuple, float] = field(default_factory=dict)
+
+    def book(self, key: tuple, real: int, expected: float) -> None:
+        self.real[key] = self.decay * self.real.get(key, 0.0) + real
+        self.pred[key] = self.decay * self.pred.get(key, 0.0) + expected
+
+    def ratio(self, key: tuple, prior: float = 1.0) -> float:
+        return (self.real.get(key, 0.0) + PRIOR * prior) / (self.pred.get(key, 0.0) + PRIOR)
+
+
+@dataclass
+class State:
+    # the drafter's calibration: this request's, pulled towards every request's (`shared`)
+    shared: Ratios
+    own: Ratios = field(default_factory=lambda: Ratios(DECAY))
+    curve: shapes.Curves | None = None  # of the last drafted tree
+    cut: np.ndarray | None = None  # its node indices that were verified, by verify row
+    nodes: int | None = None  # nodes chosen at the last draft (None: not drafted yet)
+    skipped: int = 0  # steps since the last draft
+    gap: int = 2  # skipped steps before the next probe
+    probing: bool = False  # drafted as a probe while plain decoding was winning
+    kind: str | None = None  # the shape chosen at the policy's last decision (held until the next)
+    ask: int | None = None  # the drafter budget that shape needs (a chain: the DDTree holding it)
+    why: str = ""  # and why
+    confidence: float | None = None  # moving mean of the target's top-1 probability, plain steps
+    # gain() by (k, budget) until this request books or draws a new curve (the shared part
+    # moves slowly: it is read again at the request's next booking)
+    gains: dict[tuple[int, int], tuple[float, str]] = field(default_factory=dict)
+
+    def calibration(self, key: tuple) -> float:
+        return self.own.ratio(key, self.shared.ratio(key))
+
+    def gain(self, k: int, budget: int) -> tuple[float, str]:
+        """Calibrated expected accepted length at `k` nodes (≤ budget) and its shape."""
+        if self.curve is None or k <= 0:
+            return 0.0, shapes.OFF
+        got = self.gains.get((k, budget))
+        if got is None:
+            got = self.gains[(k, budget)] = self._gain(min(k, budget))
+        return got
+
+    def _gain(self, k: int) -> tuple[float, str]:
+        cv = self.curve
+        tree = min(self.calibration((shapes.TREE, k)) * cv.expected(shapes.TREE, k),
+                   cv.depth(shapes.TREE, k))  # never past its depth
+        chain = min(self.calibration((shapes.CHAIN, k)) * cv.expected(shapes.CHAIN, k),
+                    cv.depth(shapes.CHAIN, k))
+        return (chain, shapes.CHAIN) if chain > tree else (tree, shapes.TREE)
+
+    def confident_gain(self, k: int, budget: int) -> tuple[float, str]:
+        """What a chain would accept if the drafter were as sure as the target has been on
+        the plain steps since the last draft: Σ c^d over its depths (0 without those steps)."""
+        c = self.confidence
+        if c is None or self.curve is None or k <= 0:
+            return 0.0, shapes.OFF
+        depth = self.curve.depth(shapes.CHAIN, min(k, budget)) or min(k, budget)
+        gain = depth if c >= 1.0 else c * (1.0 - c ** depth) / (1.0 - c)  # Σ_{d ≤ depth} c^d
+        return gain, shapes.CHAIN
+
+    def book(self, key: tuple, real: int, expected: float) -> None:
+        self.own.book(key, real, expected)
+        self.shared.book(key, real, expected)
+        self.gains.clear()
+
+
+def outside(p: Planned) -> Choice:
+    """The shape of a plan the policy did not choose (no probabilities, budget 0, no draft)."""
+    if n := p.tree.n:
+        chain = np.array_equal(p.tree.depths, np.arange(1, n + 1))
+        return Choice(shapes.CHAIN if chain else shapes.TREE, n, "as drafted: no probabilities")
+    why = ("budget 0: plain decoding asked" if not p.seq.budget else
+           f"drafter fallback: {p.fallback}" if p.fallback else "no draft this step")
+    return Choice(shapes.OFF, 0, why)
+
+
