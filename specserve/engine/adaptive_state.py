@@ -70,6 +70,8 @@ class State:
                    cv.depth(shapes.TREE, k))  # never past its depth
         chain = min(self.calibration((shapes.CHAIN, k)) * cv.expected(shapes.CHAIN, k),
                     cv.depth(shapes.CHAIN, k))
+        if cv.chain_inside(k):  # the prefix holds the chain: it accepts at least as much
+            return max(tree, chain), shapes.TREE
         return (chain, shapes.CHAIN) if chain > tree else (tree, shapes.TREE)
 
     def confident_gain(self, k: int, budget: int) -> tuple[float, str]:

@@ -123,6 +123,8 @@ class Curves:
         object.__setattr__(self, "_lists", (self.prefix_expected.tolist(),
                                             self.chain_expected.tolist(),
                                             self.prefix_depth.tolist()))
+        # [L] the prefix length holding the chain's first j + 1 nodes
+        object.__setattr__(self, "_reach", (np.maximum.accumulate(self.chain_nodes) + 1).tolist())
 
     def expected(self, kind: str, k: int) -> float:
         table = self._lists[0] if kind == TREE else self._lists[1]
@@ -133,6 +135,12 @@ class Curves:
             table = self._lists[2]
             return table[k if k < len(table) else -1]
         return min(k, len(self.chain_nodes))
+
+    def chain_inside(self, k: int) -> bool:
+        """Whether the chain of `k` nodes lies inside the first `k` nodes: that prefix then
+        accepts at least as much (a sub-tree accepts the verified path's part inside it)."""
+        m = min(k, len(self._reach))
+        return m == 0 or self._reach[m - 1] <= k
 
 
 def curves(tree: DraftTree) -> Curves:

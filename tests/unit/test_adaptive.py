@@ -102,6 +102,37 @@ def test_realized_length_equals_the_walk_on_the_sub_tree(greedy):
             assert cv.depth(shape.kind, k) == int(tree.depths[shape.nodes].max(initial=0))
 
 
+def test_a_prefix_holding_the_chain_is_chosen_over_it_whatever_the_calibration():
+    """`chain_inside` against set inclusion for every k; where the prefix holds the chain it
+    accepts at least as much on every verified path (so a chain calibrated above it is never
+    chosen), and where it does not, the chain can still win."""
+    from specserve.engine.adaptive_state import Ratios, State
+
+    for seed in range(6):
+        _, lp, ids = _table(seed, depth=4, vocab=7, k=3, scale=0.8)
+        tree = build_ddtree(lp, ids, 30)
+        cv = shapes.curves(tree)
+        for k in range(1, tree.n + 1):
+            inside = set(shapes.chain(tree, k).nodes.tolist()) <= set(range(k))
+            assert cv.chain_inside(k) == inside
+            if inside:  # every path the target could take: the prefix accepts at least as much
+                for node in range(tree.n):
+                    path, row = [], node + 1
+                    while row:
+                        path.append(row - 1)
+                        row = int(tree.parents[row - 1])
+                    accepted = path[::-1]
+                    assert shapes.realized_prefix(accepted, k) >= \
+                        shapes.realized_chain(accepted, cv.chain_nodes, k)
+        st = State(Ratios(0.99), curve=cv)
+        for k in (1, 2, 5, 12):  # a chain that accepted 3× what it was expected to
+            st.own.real[(shapes.CHAIN, k)], st.own.pred[(shapes.CHAIN, k)] = 300.0, 100.0
+        for k in (1, 2, 5, 12):
+            gain, kind = st.gain(k, 30)
+            assert kind == (shapes.TREE if cv.chain_inside(k) else shapes.CHAIN)
+            assert gain >= min(cv.expected(shapes.CHAIN, k), cv.depth(shapes.CHAIN, k))
+
+
 def test_cost_model_estimates_from_its_nearest_measurements():
     cost = CostModel()
     assert cost.verify_s(1, 16, 1000) is None and cost.draft_s(1, 1000) is None
