@@ -3,7 +3,8 @@
 Owns the choice and the per-request state behind it. A step's candidates are its rows per
 request R (under CUDA graphs every tree of a step is padded to one rows bucket, so the step
 shares R): R = 1 is plain decoding (no tree), else each request takes the best of its drafted
-tree's first R − 1 nodes (the DDTree of that budget) and the chain inside it. For every R:
+tree's first R − 1 nodes (the DDTree of that budget) and the chain inside it (the chain only
+where those nodes do not hold it: else they accept at least as much). For every R:
 
     tokens/s(R) = Σ_requests (1 + ĉ · E[accepted]) / (verify(R) + draft)
 
