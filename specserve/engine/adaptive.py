@@ -20,8 +20,9 @@ curves (the drafting time now counts for plain decoding too: it is spent), and t
 cut to it. The client's budget bounds every choice, and the drafter is asked for one size
 class above the last choice. A decision to draft (one that pays with the drafting still to pay)
 holds for REDECIDE steps: in between, each request keeps its shape (the drafter is asked for
-just that tree) and nothing is booked; a new batch bucket or a request without a shape ends the
-hold. Trees without probabilities (the n-gram drafter) are kept as drafted.
+just that tree) and only that shape's outcome is booked (no curves, no counterfactuals); a
+new batch bucket or a request without a shape ends the hold. Trees without probabilities (the
+n-gram drafter) are kept as drafted.
 Lossless: only which draft tokens are verified changes; the acceptance walk is the same.
 """
 
@@ -43,7 +44,8 @@ MAX_PROBE_GAP = 32
 # loses the next curve, a wrong draft costs at most the margin
 SKIP_MARGIN = 1.1
 # steps a decision holds: in between, each request keeps its shape (asking the drafter for just
-# that tree) and books nothing, so that the policy's host work is paid once every REDECIDE steps
+# that tree) and books only that shape, so that the policy's host work is paid once every
+# REDECIDE steps
 REDECIDE = 8
 _EMPTY = DraftTree.empty()
 
@@ -167,7 +169,8 @@ class Adaptive:
             self._hold, self._held_bucket = self.redecide - 1, batch_bucket(len(scored))
 
     def _keep(self, p: Planned, st: State) -> None:
-        """Cut `p`'s tree to the shape its request holds; nothing is booked for it."""
+        """Cut `p`'s tree to the shape its request holds; its expected length is kept for
+        `observe` to book (the calibration of the shape in use keeps learning)."""
         st.skipped, st.cut, k = 0, None, min(st.nodes, p.budget)
         nodes = np.arange(min(k, p.tree.n)) if st.kind == shapes.TREE else \
             shapes.chain(p.tree, k).nodes
@@ -176,6 +179,8 @@ class Adaptive:
             p.layout = shapes.prefix_layout(p.layout, p.tree.n) if st.kind == shapes.TREE \
                 else verify_layout(p.tree, p.seq.last_token, p.start)
         p.choice = Choice(st.kind, p.tree.n, f"held: {st.why}")
+        if p.tree.scores is not None:  # what the held shape is expected to accept: booked
+            st.kept = ((st.kind, st.nodes), float(np.exp(p.tree.scores.astype(np.float64)).sum()))
 
     def _cut(self, p: Planned, st: State, k: int, why: str) -> None:
         st.skipped = 0
@@ -264,6 +269,10 @@ class Adaptive:
         st = self.state.get(p.seq.request_id)
         if st is None or p.choice is None or p.choice.shape == shapes.OFF:
             return
+        if st.cut is None and st.kept is not None:  # a held step: its own shape only
+            key, expected = st.kept
+            st.kept = None
+            st.book(key, len(accepted_rows), expected)
         if st.cut is None or st.curve is None:
             return
         accepted = st.cut[np.asarray(accepted_rows, dtype=np.int64) - 1].tolist()

@@ -47,6 +47,7 @@ class State:
     kind: str | None = None  # the shape chosen at the policy's last decision (held until the next)
     ask: int | None = None  # the drafter budget that shape needs (a chain: the DDTree holding it)
     why: str = ""  # and why
+    kept: tuple | None = None  # this held step's ((kind, nodes), expected accepted), to book
     confidence: float | None = None  # moving mean of the target's top-1 probability, plain steps
     # gain() by (k, budget) until this request books or draws a new curve (the shared part
     # moves slowly: it is read again at the request's next booking)

@@ -215,8 +215,9 @@ def test_policy_takes_big_trees_when_they_pay_and_plain_decoding_when_not():
 
 def test_a_decision_to_draft_holds_its_shapes_until_redecide():
     """After a decision that drafting pays, the next steps keep each request's shape (the
-    drafter asked for just the tree that holds it, nothing booked) until `redecide` steps or a
-    new batch bucket; a decision that pays only because the drafting is spent holds nothing."""
+    drafter asked for just the tree that holds it, only that shape booked) until `redecide`
+    steps or a new batch bucket; a decision that pays only because the drafting is spent holds
+    nothing."""
     seq = _seq("a", budget=63)
     policy = Adaptive(_cost(draft_ms=0.3), lambda rows: rows, redecide=3)
     first = _plan(seq, 1, confident=True)
@@ -228,10 +229,17 @@ def test_a_decision_to_draft_holds_its_shapes_until_redecide():
         asked, nodes = policy.draft_budgets([seq])["a"], st.nodes
         plan = _plan(seq, 10 + step, confident=True)
         policy.shape([plan])
-        if step < 2:  # held: the asked tree holds the shape, which is kept and not booked
+        if step < 2:  # held: the asked tree holds the shape, which is kept
             assert asked == st.ask and plan.choice.shape == chosen.shape
             assert plan.choice.why == f"held: {chosen.why}" and st.cut is None
             assert plan.tree.n == min(chosen.nodes, asked) == plan.layout.num_rows - 1
+            key = (chosen.shape, st.nodes)  # its own shape is booked, nothing else
+            before = dict(st.own.real), dict(st.own.pred)
+            policy.observe(plan, [1])  # one node accepted
+            assert st.own.real[key] == pytest.approx(0.9 * before[0].get(key, 0.0) + 1)
+            expected = float(np.exp(plan.tree.scores.astype(np.float64)).sum())
+            assert st.own.pred[key] == pytest.approx(0.9 * before[1].get(key, 0.0) + expected)
+            assert {k for k in st.own.real if st.own.real[k] != before[0].get(k)} == {key}
         else:  # the third step decides afresh, on a tree one class above
             assert asked == min(63, 2 * nodes + 1)
             assert "held" not in plan.choice.why and st.cut is not None
