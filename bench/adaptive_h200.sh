@@ -2,25 +2,39 @@
 # On the H200 (device tool): bench/bench_adaptive.py on the committed demo pair and on the random
 # Qwen3-8B-body pair (trees never accepted: speculation cannot pay). Results go to $OUT.
 #   bash bench/adaptive_h200.sh "demo random"
+#   CONTEXTS=1024 DEMO_ARGS="--redecide 1" RANDOM_32K=0 \
+#     bash bench/adaptive_h200.sh "phases demo logprobs random"   # one 10-minute call
+# phases: experiments/adaptive_phases.py, µs a step by engine phase, fixed vs adaptive
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ -d .whl ]; then  # wheels the image lacks (bench/served_h200.sh says which)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD:$PWD/bench:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 GPU="--device cuda --dtype bfloat16"
 for section in ${1:-demo random}; do
   echo "== $section $(date -u +%T)"
   case $section in
+    phases)
+      timeout "${PHASES_S:-150}" python3 experiments/adaptive_phases.py $GPU \
+        --out "$OUT/adaptive_phases.json" 2>&1 | tee "$OUT/adaptive_phases.log" ;;
     demo)
-      timeout "${DEMO_S:-300}" python3 bench/bench_adaptive.py $GPU --contexts 1024 8192 \
+      timeout "${DEMO_S:-300}" python3 bench/bench_adaptive.py $GPU --contexts ${CONTEXTS:-1024 8192} \
         --out "$OUT/adaptive_demo.json" ${DEMO_ARGS:-} 2>&1 | tee "$OUT/adaptive_demo.log" ;;
     random)  # 1k at batch 1 and 8; 32k at batch 1 (three engines' KV must fit beside 16 GB)
       timeout "${RANDOM_S:-240}" python3 bench/bench_adaptive.py $GPU --random-pair /tmp/pair8b \
         --texts novel --contexts 1024 --new-tokens 48 --chunk 8192 \
         --out "$OUT/adaptive_8b.json" ${RANDOM_ARGS:-} 2>&1 | tee "$OUT/adaptive_8b.log"
-      timeout "${RANDOM_S:-240}" python3 bench/bench_adaptive.py $GPU --random-pair /tmp/pair8b \
+      [ "${RANDOM_32K:-1}" = 1 ] && timeout "${RANDOM_S:-240}" python3 bench/bench_adaptive.py $GPU --random-pair /tmp/pair8b \
         --texts novel --contexts 32768 --batch 1 --new-tokens 48 --chunk 8192 \
         --out "$OUT/adaptive_8b_32k.json" ${RANDOM_ARGS:-} 2>&1 | tee "$OUT/adaptive_8b_32k.log" ;;
+    logprobs)  # the GPU path's logprobs (CUDA graphs, fused kernels, bf16) against transformers
+      timeout "${LOGPROBS_S:-120}" python3 -m pytest -q -x -p no:cacheprovider \
+        tests/unit/test_logprobs.py -k gpu 2>&1 | tail -5 | tee "$OUT/logprobs_gpu.log" ;;
   esac
 done
 echo "== done $(date -u +%T)"
