@@ -13,12 +13,14 @@ then `--repeats` timed), printing µs per decode step by phase and the steps' ba
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 
 import bench_adaptive  # bench/: it builds the engines and the prompts
+from adaptive_policy_us import COUNT as CALLS  # experiments/: its wall-clock timers
+from adaptive_policy_us import SECONDS as TOTAL
+from adaptive_policy_us import _timed as wrap
 
 from specserve.drafters.dflash import DFlashDrafter
 from specserve.engine import adaptive, engine, postprocess, speculative
@@ -30,22 +32,6 @@ PHASES = [(engine.Engine, "step"), (engine.Engine, "_schedule"), (engine.Engine,
           (postprocess, "commit_trees"), (adaptive.Adaptive, "observe_step"),
           (postprocess, "end_chunks"), (postprocess, "settle_trees"),
           (engine.Engine, "_observe_cost")]
-TOTAL: dict[str, float] = defaultdict(float)
-CALLS: Counter = Counter()
-
-
-def wrap(owner, name: str) -> None:
-    fn = getattr(owner, name)
-
-    @functools.wraps(fn)
-    def timed(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **kw)
-        finally:
-            TOTAL[name] += time.perf_counter() - t0
-            CALLS[name] += 1
-    setattr(owner, name, timed)
 
 
 def run(eng, batch, budget: int, new: int, repeats: int) -> dict:
