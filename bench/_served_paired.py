@@ -50,7 +50,7 @@ def _row(case: str, ctx: int, got: dict, rounds: int) -> dict:
     return dict(case=case, ctx=ctx, rounds=rounds,
                 in_process_p50_ms=[round(x, 3) for x in p50["in-process"]],
                 served_p50_ms=[round(x, 3) for x in p50["served"]],
-                ratios=[round(r, 4) for r in ratios],
+                ratios=[round(r, 6) for r in ratios],  # a ratio of 0.02 keeps 4 digits
                 ratio_median=statistics.median(ratios), ratio_min=min(ratios),
                 ratio_max=max(ratios), ratio_pooled=pooled["served"] / pooled["in-process"],
                 in_process_pooled_p50_ms=pooled["in-process"],
