@@ -172,15 +172,13 @@ class Adaptive:
         """Cut `p`'s tree to the shape its request holds; its expected length is kept for
         `observe` to book (the calibration of the shape in use keeps learning)."""
         st.skipped, st.cut, k = 0, None, min(st.nodes, p.budget)
-        nodes = np.arange(min(k, p.tree.n)) if st.kind == shapes.TREE else \
-            shapes.chain(p.tree, k).nodes
-        if len(nodes) < p.tree.n:
-            p.tree = shapes.subtree(p.tree, shapes.Shape(st.kind, nodes, 0.0))
+        shape = shapes.prefix(p.tree, k) if st.kind == shapes.TREE else shapes.chain(p.tree, k)
+        if len(shape.nodes) < p.tree.n:
+            p.tree = shapes.subtree(p.tree, shape)
             p.layout = shapes.prefix_layout(p.layout, p.tree.n) if st.kind == shapes.TREE \
                 else verify_layout(p.tree, p.seq.last_token, p.start)
         p.choice = Choice(st.kind, p.tree.n, f"held: {st.why}")
-        if p.tree.scores is not None:  # what the held shape is expected to accept: booked
-            st.kept = ((st.kind, st.nodes), float(np.exp(p.tree.scores.astype(np.float64)).sum()))
+        st.kept = ((st.kind, st.nodes), shape.expected)  # booked by `observe`
 
     def _cut(self, p: Planned, st: State, k: int, why: str) -> None:
         st.skipped = 0
