@@ -6,15 +6,7 @@
 #     bash bench/adaptive_h200.sh "phases demo logprobs random"   # one 10-minute call
 # phases: experiments/adaptive_phases.py, µs a step by engine phase, fixed vs adaptive
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-if [ -d .whl ]; then  # wheels the image lacks (bench/served_h200.sh says which)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD:$PWD/bench:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-unset TRITON_INTERPRET
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+source "$(dirname "$0")/_device_env.sh"  # the wheels carried in .whl/, PYTHONPATH, $OUT
 GPU="--device cuda --dtype bfloat16"
 for section in ${1:-demo random}; do
   echo "== $section $(date -u +%T)"

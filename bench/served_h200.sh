@@ -2,22 +2,10 @@
 # On the H200 (device tool): the served path's GPU tests and bench/bench_served.py.
 #   bash bench/served_h200.sh "bench tests"        sections in order; each under its own timeout
 #   BENCH_ARGS="--mps --contexts 1024,32768" bash bench/served_h200.sh bench
-# Wheels for what the image lacks come carried in .whl/ (opentelemetry-{api,sdk,proto,
-# exporter-otlp-proto-grpc,exporter-otlp-proto-common,semantic-conventions}, googleapis-common-
-# protos, grpcio >= 1.85 (the image has 1.84), grpcio-{health-checking,reflection}, starlette,
-# uvicorn, click, h11, prometheus-client; pytest-asyncio for the tests): `pip download --no-deps`
-# the versions .venv has (grpcio for cp312 manylinux x86_64). Results go to $OUT (at most 8 files come back).
+# Wheels for what the image lacks come carried in .whl/ (bench/_device_env.sh says which).
+# Results go to $OUT (at most 8 files come back).
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the repo's packages (not installed there)
-export PYTHONUNBUFFERED=1 GRPC_VERBOSITY=ERROR TOKENIZERS_PARALLELISM=false
-unset TRITON_INTERPRET
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+source "$(dirname "$0")/_device_env.sh"
 for section in ${1:-bench tests}; do
   echo "== $section $(date -u +%T)"
   case $section in
