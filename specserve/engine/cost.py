@@ -1,7 +1,7 @@
 """The verifier's step cost model: measured seconds by shape, kept current while serving.
 
 Owns two tables of recent samples, filled from the engine's own steps (the warm-up's steps
-first: one tree per rows bucket at a short context): the verify part of a
+first: one tree per rows bucket, for one request and for each batch bucket): the verify part of a
 decode step (batched forward + accept + commit, the time a step costs without drafting) keyed by
 (batch bucket, rows per request, context class), and the drafter call (its forward, trees and,
 for the drafter service, the round trip) keyed by (batch bucket, context class). A context class

@@ -16,8 +16,10 @@ warm-up prompt's own chunks reach one rows bucket only, and on the H200 the demo
 prompt spent part of its prefill compiling the 128-row variant, the same section); its decode steps
 are the cost model's first verify times (engine/cost.py; with adaptive speculation the request
 runs twice and only the second pass is booked: the first one's steps timed graph captures and
-compiles); `warm_up_drafter` does the same for a DFlash drafter (a context chunk, then blocks
-of every depth class; with CUDA graphs, of every depth). Both leave no state.
+compiles; then every batch bucket's graphs are captured for every rows bucket and a batch of
+each runs the same chains, `_time_batches`); `warm_up_drafter` does the same for a DFlash
+drafter (a context chunk, then blocks of every depth class; with CUDA graphs, of every depth).
+Both leave no state.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from specserve.types import SamplingParams
 
 log = logging.getLogger(__name__)
 WARMUP_ID = "__specserve_warmup__"
+BATCH_PROMPT = 300  # tokens a prompt of the batches' pass: its steps stay in one context class
 
 
 def size_classes(largest: int) -> list[int]:
@@ -53,8 +56,9 @@ class _ChainDrafter(Drafter):
     same tap layers as the drafter it stands in for, so the forwards (and their CUDA graphs)
     are the ones serving will run."""
 
-    def __init__(self, sizes: list[int], vocab: int, taps: tuple[int, ...] = ()) -> None:
-        self.sizes, self.vocab, self.taps = list(sizes), vocab, taps
+    def __init__(self, sizes: list[int], vocab: int, taps: tuple[int, ...] = (),
+                 batch: int = 1) -> None:
+        self.sizes, self.vocab, self.taps, self.batch = list(sizes), vocab, taps, batch
         self.needs_context = bool(taps)
 
     @property
@@ -62,6 +66,8 @@ class _ChainDrafter(Drafter):
         return self.taps
 
     def draft(self, requests):
+        if len(requests) < self.batch:  # a batch still filling: plain steps
+            return [DraftTree.empty() for _ in requests]
         n = self.sizes.pop(0) if self.sizes else 0
         return [chain_tree([(7 * i + 1) % self.vocab for i in range(min(n, r.max_depth))])
                 if n else DraftTree.empty() for r in requests]
@@ -69,30 +75,26 @@ class _ChainDrafter(Drafter):
 
 def warm_up_engine(engine, batch_rows: Seq[int] = ()) -> float:
     """Run the warm-up request on `engine` (no drafter needed; its own is restored); with CUDA
-    graphs also trees of `batch_rows` rows in every batch bucket (`_warm_batches`). Seconds."""
+    graphs also trees of `batch_rows` rows in every batch bucket (`_warm_batches`; with
+    adaptive speculation every rows bucket, and the batches' steps are timed:
+    `_time_batches`). Seconds."""
     t0, cfg = time.perf_counter(), engine.config
     graphs = engine.runner.graphs  # with CUDA graphs: one tree per rows bucket (captures it)
     sizes = [r - 1 for r in graphs.rows if r > 1] if graphs is not None else \
         size_classes(cfg.max_draft_tokens)
-    max_tokens = sum(sizes) + len(sizes) + 2
-    room = (engine.blocks.num_unreserved_pages - 1) * engine.blocks.page_size - max_tokens \
-        - cfg.max_draft_tokens - 1  # what the pool can take beside the generated tokens
-    prompt_len = max(1, min(cfg.max_num_batched_tokens + 37, room,
-                            engine.max_model_len - max_tokens - 1))
-    max_tokens = min(max_tokens, engine.max_model_len - prompt_len)  # a tiny context: fit it
-    vocab = engine.model_config.vocab_size
-    prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0))
-    previous = engine.drafter
+    vocab, previous = engine.model_config.vocab_size, engine.drafter
     taps = tuple(previous.target_layer_ids) if getattr(previous, "needs_context", False) else ()
-    try:  # with adaptive speculation a second pass: the first one's steps timed first launches
-        for _ in range(2 if engine.adaptive is not None else 1):
-            engine.set_drafter(_ChainDrafter(sizes, vocab, taps))
-            engine.cost.clear()
-            _run_request(engine, prompt.tolist(), max_tokens, cfg.max_draft_tokens)
+    adaptive = engine.adaptive is not None  # it may choose any tree at any batch bucket
+    try:
+        prompt_len = _time_one(engine, sizes, vocab, taps)
+        captured = _warm_batches(graphs, cfg.max_num_seqs, taps,
+                                 None if adaptive else batch_rows) if graphs else 0
+        if graphs is not None:  # captured outside any step: the next step is not a capture's
+            engine.cost.graph_builds = graphs.builds
+        timed = _time_batches(engine, sizes, vocab, taps) if adaptive else 0
     finally:
         engine.set_drafter(previous)
         engine.cost.clear(verify=False)  # the stand-in drafter's times say nothing of the real one
-    captured = _warm_batches(graphs, cfg.max_num_seqs, taps, batch_rows) if graphs else 0
     if engine.runner.device.type == "cuda":  # long prefill chunks: cuDNN + the merge kernel
         mc = engine.model_config
         prefill_warmup.warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, engine.runner.dtype,
@@ -101,9 +103,27 @@ def warm_up_engine(engine, batch_rows: Seq[int] = ()) -> float:
         warm_up_causal_chunks(mc, engine.runner.dtype, engine.runner.device,
                               engine.blocks.page_size)
     seconds = time.perf_counter() - t0
-    log.info("warm-up: prompt %d, trees %s, %d more graphs, %.1f s", prompt_len, sizes,
-             captured, seconds)
+    log.info("warm-up: prompt %d, trees %s, %d more graphs, %d batch buckets timed, %.1f s",
+             prompt_len, sizes, captured, timed, seconds)
     return seconds
+
+
+def _time_one(engine, sizes: list[int], vocab: int, taps: tuple[int, ...]) -> int:
+    """The one-request pass (twice with adaptive speculation: the first one's steps timed
+    first launches); returns its prompt's length (a chunk and a remainder where it fits)."""
+    cfg = engine.config
+    max_tokens = sum(sizes) + len(sizes) + 2
+    room = (engine.blocks.num_unreserved_pages - 1) * engine.blocks.page_size - max_tokens \
+        - cfg.max_draft_tokens - 1  # what the pool can take beside the generated tokens
+    prompt_len = max(1, min(cfg.max_num_batched_tokens + 37, room,
+                            engine.max_model_len - max_tokens - 1))
+    max_tokens = min(max_tokens, engine.max_model_len - prompt_len)  # a tiny context: fit it
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0))
+    for _ in range(2 if engine.adaptive is not None else 1):
+        engine.set_drafter(_ChainDrafter(sizes, vocab, taps))
+        engine.cost.clear()
+        _run_request(engine, prompt.tolist(), max_tokens, cfg.max_draft_tokens)
+    return prompt_len
 
 
 def _run_request(engine, prompt: list[int], max_tokens: int, budget: int) -> None:
@@ -116,16 +136,60 @@ def _run_request(engine, prompt: list[int], max_tokens: int, budget: int) -> Non
         engine.abort(WARMUP_ID)
 
 
-def _warm_batches(graphs, max_num_seqs: int, taps: tuple[int, ...], rows: Seq[int]) -> int:
-    """Graphs captured: the other context class of one request's, then the trees of `rows`
-    rows for every batch bucket up to `max_num_seqs` (else the first step of 8 requests at once
-    captured its graph inside them: BENCHMARKS.md, "A burst of requests")."""
-    captured = graphs.warm(1, taps)
+def _batch_buckets(max_num_seqs: int) -> list[int]:
+    """The batch buckets above one request a server of `max_num_seqs` reaches."""
     top = bucket_of(min(max_num_seqs, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
-    if rows:
-        for bb in (b for b in BATCH_BUCKETS if 1 < b <= top):
+    return [b for b in BATCH_BUCKETS if 1 < b <= top]
+
+
+def _warm_batches(graphs, max_num_seqs: int, taps: tuple[int, ...],
+                  rows: Seq[int] | None) -> int:
+    """Graphs captured: the other context class of one request's, then the trees of `rows`
+    rows (None: of every rows bucket) for every batch bucket up to `max_num_seqs` (else the
+    first step of 8 requests at once captured its graph inside them: BENCHMARKS.md, "A burst
+    of requests")."""
+    captured = graphs.warm(1, taps)
+    if rows is None or rows:
+        for bb in _batch_buckets(max_num_seqs):
             captured += graphs.warm(bb, taps, rows)
     return captured
+
+
+def _time_batches(engine, sizes: list[int], vocab: int, taps: tuple[int, ...]) -> int:
+    """With adaptive speculation, the cost model's verify times of batches: for each batch
+    bucket above one, that many requests at once verify a chain of every size of `sizes`,
+    then plain steps, booked as serving books them (a shape never measured is estimated from
+    others, and a batch's only measured shape was the one its requests chose). The prompts
+    are BATCH_PROMPT tokens (one context class throughout). Stops at the first bucket whose
+    pages do not fit; returns the buckets timed."""
+    cfg, page, timed = engine.config, engine.blocks.page_size, 0
+    room = (engine.blocks.num_unreserved_pages - 1) * page
+    gen = torch.Generator().manual_seed(1)
+    for bb in _batch_buckets(cfg.max_num_seqs):
+        bb = min(bb, cfg.max_num_seqs)  # the bucket's largest batch this server runs
+        filling = -(-bb * BATCH_PROMPT // cfg.max_num_batched_tokens)  # plain steps meanwhile
+        # room for every chain: a request's drafts are cut to its tokens left
+        params = SamplingParams(max_tokens=filling + sum(sizes) + len(sizes) + 3,
+                                ignore_eos=True)
+        need = BATCH_PROMPT + params.max_tokens + cfg.max_draft_tokens + 1
+        if need > engine.max_model_len or bb * -(-need // page) * page > room:
+            break
+        drafter = _ChainDrafter(sizes, vocab, taps, batch=bb)
+        engine.set_drafter(drafter)
+        ids = [f"{WARMUP_ID}{i}" for i in range(bb)]
+        try:
+            for rid in ids:
+                prompt = torch.randint(0, vocab, (BATCH_PROMPT,), generator=gen).tolist()
+                engine.add_request(rid, prompt, params, budget=cfg.max_draft_tokens)
+            plain = 3  # the last chain's step, then two full-batch plain steps
+            while engine.has_unfinished and plain:
+                engine.step()
+                plain -= not drafter.sizes
+        finally:
+            for rid in ids:
+                engine.abort(rid)
+        timed += 1
+    return timed
 
 
 def causal_chunk_shapes(mc) -> list[tuple[int, int, int | None]]:

@@ -329,7 +329,7 @@ def test_engine_stops_calling_a_drafter_that_cannot_pay(tiny_target, make_engine
     prompts = random_prompts(2, vocab, [19, 33], seed=8)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = make_engine(path, max_draft_tokens=15).generate(prompts, params)
-    engine = make_engine(path, max_draft_tokens=15, adaptive=True)
+    engine = make_engine(path, max_draft_tokens=15, adaptive=True, max_num_seqs=2)
     warm_up_engine(engine)  # the verify costs, as the services measure them
     drafter = _SlowDrafter(vocab)
     engine.set_drafter(drafter)
@@ -370,6 +370,26 @@ def test_warm_up_books_steady_verify_times_not_first_launches(tiny_target, make_
     verify = [k for k in cost.table() if k.startswith("verify")]
     assert len(seen) >= 4 and len(verify) >= 4  # plain decoding and trees of three sizes
     assert len(booked) >= len(verify) and not any(booked)  # no first launch among them
+
+
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_warm_up_times_every_tree_of_every_batch_bucket(tiny_target, make_engine, graphs):
+    """With adaptive speculation the warm-up also runs the server's batches (2 requests at
+    once, then 3: the largest of bucket 4 it runs) through a chain of every size class and a
+    plain step, each step booked at its batch: a batch's shapes are measured, not estimated
+    from the one shape its requests chose. With CUDA graphs every rows bucket's graph of each
+    batch bucket is captured first (a step that captures is not booked). The stand-ins leave
+    no request or page behind."""
+    from specserve.engine.warmup import warm_up_engine
+
+    path, _ = tiny_target
+    engine = make_engine(path, max_draft_tokens=15, adaptive=True, max_num_seqs=3,
+                         max_num_batched_tokens=256, cuda_graphs=graphs)
+    warm_up_engine(engine, (1, 16))
+    measured = {(n, rows) for n, rows, _ in engine.cost.verify}
+    assert {(n, rows) for n in (2, 4) for rows in (1, 2, 4, 8, 16)} <= measured
+    assert not any(n > 4 for n, _ in measured) and not engine.requests
+    assert engine.blocks.num_used_pages == 0
 
 
 def test_a_step_that_builds_a_cuda_graph_is_not_booked(tiny_target, make_engine):
