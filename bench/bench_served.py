@@ -204,7 +204,8 @@ def run(args, results: dict, tmp: Path) -> None:
     cases = workload(args, args.model)
     run_in_process(args, results, engine, cases)  # the services are idle meanwhile
     if args.paired:
-        svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier")])
+        svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier"),
+                  "--http-port", "off"])  # gRPC only: nothing on :8000
         svc.wait()
         results["paired"] = paired(engine, svc, cases, args.new_tokens, args.budget,
                                    args.paired, log)
@@ -237,7 +238,8 @@ def run_in_process(args, results: dict, engine, cases) -> None:
 
 def run_served(args, results: dict, svc: Services, variant: str, cases) -> None:
     """Every case through a gateway started on the running verifier and drafter."""
-    svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier")])
+    svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier"),
+                  "--http-port", "off"])  # gRPC only: nothing on :8000
     svc.wait()
     for case, ctx, prompts, late in cases:
         once = served(svc.addr("gateway"), prompts[-1:], 4, args.budget)

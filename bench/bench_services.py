@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
 VOCAB = 320
 ENV = {**os.environ, "GRPC_VERBOSITY": "ERROR", "OMP_NUM_THREADS": "1",
-       "TOKENIZERS_PARALLELISM": "false", "SPECSERVE_KV_MEMORY_GB": "0.05"}
+       "TOKENIZERS_PARALLELISM": "false", "SPECSERVE_KV_MEMORY_GB": "0.05",
+       "SPECSERVE_GATEWAY_HTTP_PORT": "off"}  # gRPC only: nothing bound on :8000
 
 
 def make_model(root: Path) -> Path:
