@@ -204,9 +204,7 @@ def run(args, results: dict, tmp: Path) -> None:
     cases = workload(args, args.model)
     run_in_process(args, results, engine, cases)  # the services are idle meanwhile
     if args.paired:
-        svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier"),
-                  "--http-port", "off"])  # gRPC only: nothing on :8000
-        svc.wait()
+        start_gateway(args, svc)
         results["paired"] = paired(engine, svc, cases, args.new_tokens, args.budget,
                                    args.paired, log)
         svc.stop("gateway")
@@ -221,6 +219,13 @@ def run(args, results: dict, tmp: Path) -> None:
             svc.wait()
         run_served(args, results, svc, variant, cases)
     svc.close()
+
+
+def start_gateway(args, svc: Services) -> None:
+    """A gateway on the running verifier, gRPC only (nothing on :8000); waits until it serves."""
+    svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier"),
+                          "--http-port", "off"])
+    svc.wait()
 
 
 def run_in_process(args, results: dict, engine, cases) -> None:
@@ -238,9 +243,7 @@ def run_in_process(args, results: dict, engine, cases) -> None:
 
 def run_served(args, results: dict, svc: Services, variant: str, cases) -> None:
     """Every case through a gateway started on the running verifier and drafter."""
-    svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier"),
-                  "--http-port", "off"])  # gRPC only: nothing on :8000
-    svc.wait()
+    start_gateway(args, svc)
     for case, ctx, prompts, late in cases:
         once = served(svc.addr("gateway"), prompts[-1:], 4, args.budget)
         before = verifier_stats(svc.addr("verifier"))

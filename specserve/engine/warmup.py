@@ -87,9 +87,10 @@ def warm_up_engine(engine, batch_rows: Seq[int] = ()) -> float:
     adaptive = engine.adaptive is not None  # it may choose any tree at any batch bucket
     try:
         prompt_len = _time_one(engine, sizes, vocab, taps)
-        captured = _warm_batches(graphs, cfg.max_num_seqs, taps,
-                                 None if adaptive else batch_rows) if graphs else 0
+        captured = 0
         if graphs is not None:  # captured outside any step: the next step is not a capture's
+            captured = _warm_batches(graphs, cfg.max_num_seqs, taps,
+                                     None if adaptive else batch_rows)
             engine.cost.graph_builds = graphs.builds
         timed = _time_batches(engine, sizes, vocab, taps) if adaptive else 0
     finally:
@@ -122,18 +123,23 @@ def _time_one(engine, sizes: list[int], vocab: int, taps: tuple[int, ...]) -> in
     for _ in range(2 if engine.adaptive is not None else 1):
         engine.set_drafter(_ChainDrafter(sizes, vocab, taps))
         engine.cost.clear()
-        _run_request(engine, prompt.tolist(), max_tokens, cfg.max_draft_tokens)
+        _run_requests(engine, [prompt.tolist()],
+                      SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return prompt_len
 
 
-def _run_request(engine, prompt: list[int], max_tokens: int, budget: int) -> None:
-    engine.add_request(WARMUP_ID, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                       budget=budget)
+def _run_requests(engine, prompts: list[list[int]], params: SamplingParams,
+                  more=lambda: True) -> None:
+    """Add `prompts` at once, step while any is unfinished and `more()`, then abort them all."""
+    ids = [WARMUP_ID if len(prompts) == 1 else f"{WARMUP_ID}{i}" for i in range(len(prompts))]
     try:
-        while engine.has_unfinished:
+        for rid, prompt in zip(ids, prompts, strict=True):
+            engine.add_request(rid, prompt, params, budget=engine.config.max_draft_tokens)
+        while engine.has_unfinished and more():
             engine.step()
     finally:
-        engine.abort(WARMUP_ID)
+        for rid in ids:
+            engine.abort(rid)
 
 
 def _batch_buckets(max_num_seqs: int) -> list[int]:
@@ -176,20 +182,22 @@ def _time_batches(engine, sizes: list[int], vocab: int, taps: tuple[int, ...]) -
             break
         drafter = _ChainDrafter(sizes, vocab, taps, batch=bb)
         engine.set_drafter(drafter)
-        ids = [f"{WARMUP_ID}{i}" for i in range(bb)]
-        try:
-            for rid in ids:
-                prompt = torch.randint(0, vocab, (BATCH_PROMPT,), generator=gen).tolist()
-                engine.add_request(rid, prompt, params, budget=cfg.max_draft_tokens)
-            plain = 3  # the last chain's step, then two full-batch plain steps
-            while engine.has_unfinished and plain:
-                engine.step()
-                plain -= not drafter.sizes
-        finally:
-            for rid in ids:
-                engine.abort(rid)
+        prompts = [torch.randint(0, vocab, (BATCH_PROMPT,), generator=gen).tolist()
+                   for _ in range(bb)]
+        _run_requests(engine, prompts, params, _plain_steps_after(drafter, 2))
         timed += 1
     return timed
+
+
+def _plain_steps_after(drafter: _ChainDrafter, plain: int):
+    """A `more()` for `_run_requests`: true until `plain` steps have run after the step that
+    verified the drafter's last chain."""
+    left = [plain + 1]
+
+    def more() -> bool:
+        left[0] -= not drafter.sizes
+        return left[0] > 0
+    return more
 
 
 def causal_chunk_shapes(mc) -> list[tuple[int, int, int | None]]:
