@@ -1,4 +1,5 @@
-"""Where a step's host time goes, by phase: fixed budgets vs adaptive (held / every step).
+"""Where a step's host time goes, by phase: the chain vs fixed budgets vs adaptive (held / every
+step).
 
     PYTHONPATH=.:bench python experiments/adaptive_phases.py --device cuda --dtype bfloat16 \
         --out phases.json
@@ -73,7 +74,8 @@ def main() -> None:
     out = []
     for n in args.batch:
         batch = bench_adaptive.prompts(tok, args.text, n, args.context)
-        for name, eng, budget in [("B=15", "fixed", 15), ("B=63", "fixed", 63),
+        for name, eng, budget in [("chain 15", "chain", 15), ("B=15", "fixed", 15),
+                                  ("B=31", "fixed", 31), ("B=63", "fixed", 63),
                                   ("adaptive", "adaptive", 63),
                                   ("adaptive every step", "adaptive-r", 63)]:
             r = run(engines[eng], batch, budget, args.new_tokens, args.repeats)
