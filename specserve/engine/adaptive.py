@@ -160,12 +160,13 @@ class Adaptive:
             st.curve = shapes.curves(p.tree)
             st.gains.clear()
             self._prior[p.seq.drafter_kind] = st
-        states = [self.state[p.seq.request_id] for p in scored]
-        best, why = self._best([p.seq for p in scored], states, drafted=True)
+        seqs, states = [p.seq for p in scored], [self.state[p.seq.request_id] for p in scored]
+        rated, top = self._rated(seqs, states), max(s.budget for s in seqs)
+        best, why = self._choose(rated, len(seqs), True, 1.0, top)
         for p, st in zip(scored, states, strict=True):
             self._cut(p, st, best - 1, why)
-        seqs = [p.seq for p in scored]  # hold only if drafting pays with its cost to come
-        if best > 1 and self._best(seqs, states, drafted=False, margin=SKIP_MARGIN)[0] > 1:
+        # hold only if drafting pays with its cost to come (the gains were read before the cuts)
+        if best > 1 and self._choose(rated, len(seqs), False, SKIP_MARGIN, top)[0] > 1:
             self._hold, self._held_bucket = self.redecide - 1, batch_bucket(len(scored))
 
     def _keep(self, p: Planned, st: State) -> None:
@@ -208,22 +209,34 @@ class Adaptive:
         `drafted`, plain decoding's step carries the drafting time too (it is spent);
         `confident`: gains from the target's recent confidence instead of the last curve;
         plain decoding wins only by `margin`."""
-        n = len(seqs)
-        ctx = max(s.num_computed for s in seqs)
-        top = max(s.budget for s in seqs)
-        times = self._step_times(n, ctx, top)
+        return self._choose(self._rated(seqs, states, confident), len(seqs), drafted, margin,
+                            max(s.budget for s in seqs))
+
+    def _rated(self, seqs, states, confident: bool = False) -> tuple | None:
+        """([(rows, expected tokens of the step, verify seconds)] for plain decoding and each
+        size class, drafting seconds), or None while a shape is unmeasured."""
+        times = self._step_times(len(seqs), max(s.num_computed for s in seqs),
+                                 max(s.budget for s in seqs))
         if times is None:
-            return top + 1, "unmeasured: the client's budget"
+            return None
         verify, draft = times
-        rated = []
-        for rows, t in verify:
-            tokens = sum(1 + (st.confident_gain if confident else st.gain)(rows - 1, s.budget)[0]
-                         for s, st in zip(seqs, states, strict=True))
-            rated.append((tokens / (t + (draft if rows > 1 or drafted else 0.0)), rows, tokens,
-                          t))
-        ar = rated[0]
-        rated[0] = (ar[0] / margin, *ar[1:])
-        rate, rows, tokens, t = max(rated)
+        gains = [(st.confident_gain if confident else st.gain, s.budget)
+                 for s, st in zip(seqs, states, strict=True)]
+        return [(rows, sum(1 + gain(rows - 1, budget)[0] for gain, budget in gains), t)
+                for rows, t in verify], draft
+
+    @staticmethod
+    def _choose(rated: tuple | None, n: int, drafted: bool, margin: float,
+                top: int) -> tuple[int, str]:
+        """`_best`'s pick among `_rated`'s rows."""
+        if rated is None:
+            return top + 1, "unmeasured: the client's budget"
+        verify, draft = rated
+        rates = [(tokens / (t + (draft if rows > 1 or drafted else 0.0)), rows, tokens, t)
+                 for rows, tokens, t in verify]
+        ar = rates[0]
+        rates[0] = (ar[0] / margin, *ar[1:])
+        rate, rows, tokens, t = max(rates)
         return rows, (f"step rows {rows}: {tokens / n:.2f} tok/step in {t * 1e3:.2f} ms "
                       f"(+{draft * 1e3:.2f} draft) = {rate:.0f} tok/s; plain {ar[0]:.0f} tok/s")
 
