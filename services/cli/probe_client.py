@@ -20,23 +20,35 @@ HEAD_CHARS = 80
 
 
 class _Waiting:
-    """A live 'prefilling N tokens … t s' line on stderr until the first token arrives."""
+    """A live 'prefilling N tokens … t s' line on stderr until the first token arrives: redrawn
+    in place every `TTY_EVERY_S` on a terminal; elsewhere (a log file, CI) a line every
+    `LOG_EVERY_S`, then the last one."""
 
-    def __init__(self, label: str) -> None:
+    TTY_EVERY_S, LOG_EVERY_S = 0.5, 10.0
+
+    def __init__(self, label: str, stream=None) -> None:
         self.label, self.done = label, threading.Event()
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty()
         self.t0 = time.perf_counter()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
+    def _line(self) -> str:
+        return f"  {self.label} … {time.perf_counter() - self.t0:6.1f} s"
+
     def _run(self) -> None:
-        while not self.done.wait(0.5):
-            print(f"\r  {self.label} … {time.perf_counter() - self.t0:6.1f} s", end="",
-                  file=sys.stderr, flush=True)
+        while not self.done.wait(self.TTY_EVERY_S if self.tty else self.LOG_EVERY_S):
+            if self.tty:
+                print(f"\r{self._line()}", end="", file=self.stream, flush=True)
+            else:
+                print(self._line(), file=self.stream, flush=True)
 
     def stop(self) -> None:
         if not self.done.is_set():
             self.done.set()
-            print(f"\r  {self.label} … {time.perf_counter() - self.t0:6.1f} s", file=sys.stderr,
+            self.thread.join()  # no redraw after the last line
+            print(f"\r{self._line()}" if self.tty else self._line(), file=self.stream,
                   flush=True)
 
 
