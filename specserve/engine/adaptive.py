@@ -20,9 +20,10 @@ curves (the drafting time now counts for plain decoding too: it is spent), and t
 cut to it. The client's budget bounds every choice, and the drafter is asked for one size
 class above the last choice. A decision to draft (one that pays with the drafting still to pay)
 holds for REDECIDE steps: in between, each request keeps its shape (the drafter is asked for
-just that tree) and only that shape's outcome is booked (no curves, no counterfactuals); a
-new batch bucket or a request without a shape ends the hold. Trees without probabilities (the
-n-gram drafter) are kept as drafted.
+just that tree) and only that shape's outcome is booked (no curves, no counterfactuals). The
+hold outlives requests that finish; a new request joins it with the held size's DDTree prefix;
+a batch grown past the bucket it was priced for, or a request the decision skipped, ends it.
+Trees without probabilities (the n-gram drafter) are kept as drafted.
 Lossless: only which draft tokens are verified changes; the acceptance walk is the same.
 """
 
@@ -62,7 +63,8 @@ class Adaptive:
         self._times: dict[tuple, tuple | None] = {}  # _step_times by shape, this cost epoch
         self.redecide = redecide
         self._hold = 0  # steps the last decision to draft still holds
-        self._held_bucket: int | None = None  # the batch bucket it was made for
+        self._held: tuple[int, int, str] | None = None  # its (batch bucket, nodes, why)
+        self._decision = 0  # decisions made (State.decision: the last one a request took part in)
         self._fast = False  # this step keeps the held shapes
         self._prior: dict[str | None, State] = {}  # by drafter kind: the last request drafted
 
@@ -76,11 +78,8 @@ class Adaptive:
         states = [self._state(s) for s in seqs]
         known = [(s, st) for s, st in zip(seqs, states, strict=True) if st.curve is not None]
         self._fast = self._holds(len(seqs), [st for _, st in known])
-        if self._fast:
-            self._hold -= 1
-            skip = []
-        else:
-            skip = self._skipping(*zip(*known, strict=True)) if known else []
+        self._hold = self._hold - 1 if self._fast else 0  # else: decided afresh
+        skip = self._skipping(*zip(*known, strict=True)) if known and not self._fast else []
         out = {s.request_id for s in skip}
         return [s for s in seqs if s.request_id not in out], skip
 
@@ -96,11 +95,12 @@ class Adaptive:
         return st
 
     def _holds(self, n: int, states: list[State]) -> bool:
-        """Whether this step keeps the last decision to draft: it still holds, for a batch of
-        this bucket, and every request with a curve has its shape."""
-        if self._hold <= 0 or not states or self._held_bucket != batch_bucket(n):
+        """Whether this step keeps the last decision to draft: it still holds, for a batch
+        no bigger than the bucket it was priced for, and every request with a curve took part
+        in it or is new (it joins)."""
+        if self._hold <= 0 or not states or batch_bucket(n) > self._held[0]:
             return False
-        return all(st.kind in (shapes.TREE, shapes.CHAIN) for st in states)
+        return all(st.decision == self._decision or st.kind is None for st in states)
 
     def _skipping(self, seqs, states) -> list:
         """Which of `seqs` (each with a curve) skip the drafter this step."""
@@ -121,13 +121,16 @@ class Adaptive:
 
     def draft_budgets(self, seqs) -> dict[str, int]:
         """What to ask the drafter for: one size class above the last choice (trees grow a
-        class a step; the heap and top-k of a budget never chosen are not paid for)."""
+        class a step; the heap and top-k of a budget never chosen are not paid for); in a held
+        step the tree holding the held shape (a request joining it: the held size)."""
         out = {}
         for s in seqs:
             st = self.state.get(s.request_id)
-            if st is not None and st.nodes is not None and s.budget:
-                held = self._fast and st.ask is not None
-                out[s.request_id] = min(s.budget, st.ask if held else 2 * st.nodes + 1)
+            if st is None or not s.budget or not (self._fast or st.nodes is not None):
+                continue
+            held = st.ask if st.decision == self._decision else None
+            ask = (held or self._held[1]) if self._fast else 2 * st.nodes + 1
+            out[s.request_id] = min(s.budget, ask)
         return out
 
     def skipped(self, seq) -> Planned:
@@ -143,9 +146,12 @@ class Adaptive:
         scored = [p for p in plans if p.tree.n and p.tree.scores is not None and p.choice is None]
         if self._fast:  # a held step
             for p in scored:
-                st = self.state[p.seq.request_id]
-                if st.kind in (shapes.TREE, shapes.CHAIN):
-                    self._keep(p, st)
+                st = self.state.setdefault(p.seq.request_id, State(self.shared))
+                if st.decision != self._decision:  # new: it joins with the held size's prefix
+                    _, nodes, why = self._held
+                    st.kind, st.nodes, st.ask, st.why = shapes.TREE, nodes, nodes, f"joined: {why}"
+                    st.decision = self._decision
+                self._keep(p, st)
             scored = [p for p in scored if p.choice is None]
         self._fast = False
         if scored:
@@ -166,8 +172,11 @@ class Adaptive:
         for p, st in zip(scored, states, strict=True):
             self._cut(p, st, best - 1, why)
         # hold only if drafting pays with its cost to come (the gains were read before the cuts)
-        if best > 1 and self._choose(rated, len(seqs), False, SKIP_MARGIN, top)[0] > 1:
-            self._hold, self._held_bucket = self.redecide - 1, batch_bucket(len(scored))
+        hold = best > 1 and self._choose(rated, len(seqs), False, SKIP_MARGIN, top)[0] > 1
+        self._hold, self._decision = self.redecide - 1 if hold else 0, self._decision + 1
+        self._held = (batch_bucket(len(scored)), best - 1, why) if hold else None
+        for st in states:
+            st.decision = self._decision
 
     def _keep(self, p: Planned, st: State) -> None:
         """Cut `p`'s tree to the shape its request holds; its expected length is kept for
@@ -280,20 +289,4 @@ class Adaptive:
         st = self.state.get(p.seq.request_id)
         if st is None or p.choice is None or p.choice.shape == shapes.OFF:
             return
-        if st.cut is None and st.kept is not None:  # a held step: its own shape only
-            key, expected = st.kept
-            st.kept = None
-            st.book(key, len(accepted_rows), expected)
-        if st.cut is None or st.curve is None:
-            return
-        accepted = st.cut[np.asarray(accepted_rows, dtype=np.int64) - 1].tolist()
-        path, n, cv = st.curve.chain_nodes, len(st.cut), st.curve
-        for k in size_classes(p.budget):
-            if p.choice.shape == shapes.TREE and k <= n:
-                st.book((shapes.TREE, k), shapes.realized_prefix(accepted, k),
-                        cv.expected(shapes.TREE, k))
-            on_chain = path[:k]
-            if (k <= n if p.choice.shape == shapes.CHAIN else
-                    not len(on_chain) or int(on_chain.max()) < n):
-                st.book((shapes.CHAIN, k), shapes.realized_chain(accepted, path, k),
-                        cv.expected(shapes.CHAIN, k))
+        st.book_verified(p.choice.shape, size_classes(p.budget), accepted_rows)

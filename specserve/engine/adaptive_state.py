@@ -45,6 +45,7 @@ class State:
     gap: int = 2  # skipped steps before the next probe
     probing: bool = False  # drafted as a probe while plain decoding was winning
     kind: str | None = None  # the shape chosen at the policy's last decision (held until the next)
+    decision: int | None = None  # the policy's last decision it took part in (or joined)
     ask: int | None = None  # the drafter budget that shape needs (a chain: the DDTree holding it)
     why: str = ""  # and why
     kept: tuple | None = None  # this held step's ((kind, nodes), expected accepted), to book
@@ -89,6 +90,28 @@ class State:
         self.own.book(key, real, expected)
         self.shared.book(key, real, expected)
         self.gains.clear()
+
+    def book_verified(self, shape: str, classes, accepted_rows: list[int]) -> None:
+        """Book a verified tree of `shape` (accepted: its verify rows `accepted_rows`): a held
+        step its own shape only; a decided one what each candidate shape of the size
+        `classes` inside it would have accepted."""
+        if self.cut is None and self.kept is not None:  # a held step
+            key, expected = self.kept
+            self.kept = None
+            self.book(key, len(accepted_rows), expected)
+        if self.cut is None or self.curve is None:
+            return
+        accepted = self.cut[np.asarray(accepted_rows, dtype=np.int64) - 1].tolist()
+        path, n, cv = self.curve.chain_nodes, len(self.cut), self.curve
+        for k in classes:
+            if shape == shapes.TREE and k <= n:
+                self.book((shapes.TREE, k), shapes.realized_prefix(accepted, k),
+                          cv.expected(shapes.TREE, k))
+            on_chain = path[:k]
+            if (k <= n if shape == shapes.CHAIN else
+                    not len(on_chain) or int(on_chain.max()) < n):
+                self.book((shapes.CHAIN, k), shapes.realized_chain(accepted, path, k),
+                          cv.expected(shapes.CHAIN, k))
 
 
 def outside(p: Planned) -> Choice:

@@ -216,8 +216,8 @@ def test_policy_takes_big_trees_when_they_pay_and_plain_decoding_when_not():
 def test_a_decision_to_draft_holds_its_shapes_until_redecide():
     """After a decision that drafting pays, the next steps keep each request's shape (the
     drafter asked for just the tree that holds it, only that shape booked) until `redecide`
-    steps or a new batch bucket; a decision that pays only because the drafting is spent holds
-    nothing."""
+    steps or a batch grown past the bucket it was priced for; a decision that pays only because
+    the drafting is spent holds nothing."""
     seq = _seq("a", budget=63)
     policy = Adaptive(_cost(draft_ms=0.3), lambda rows: rows, redecide=3)
     first = _plan(seq, 1, confident=True)
@@ -243,7 +243,7 @@ def test_a_decision_to_draft_holds_its_shapes_until_redecide():
         else:  # the third step decides afresh, on a tree one class above
             assert asked == min(63, 2 * nodes + 1)
             assert "held" not in plan.choice.why and st.cut is not None
-    fresh = [_seq(f"b{i}", budget=63) for i in range(3)]  # a new bucket ends the hold
+    fresh = [_seq(f"b{i}", budget=63) for i in range(3)]  # a bigger bucket ends the hold
     policy.shape([_plan(seq, 20, confident=True)])
     policy.to_draft([seq])
     assert policy.to_draft([seq, *fresh])[0] == [seq, *fresh] and not policy._fast
@@ -252,6 +252,37 @@ def test_a_decision_to_draft_holds_its_shapes_until_redecide():
     assert slow.to_draft([seq]) == ([], [seq])
     with pytest.raises(ValueError, match="redecide"):
         Adaptive(CostModel(), lambda rows: rows, redecide=0)
+
+
+def test_a_held_decision_outlives_finished_requests_and_takes_in_new_ones():
+    """A request that finishes leaves the hold standing; a new one joins it with the held
+    size's DDTree prefix (the drafter asked for just that); a request that the last decision
+    left out (skipped, or decided alone before it) ends it."""
+    a, b, c = (_seq(r, budget=63) for r in "abc")
+    policy = Adaptive(_cost(draft_ms=0.3), lambda rows: rows, redecide=8)
+    policy.shape([_plan(a, 1, confident=True), _plan(b, 2, confident=True)])
+    st = policy.state["a"]
+    k, ask, kind = st.nodes, st.ask, st.kind
+    assert 1 <= k < 63 and policy.state["b"].nodes == k
+    policy.release("b")  # b finished
+    assert policy.to_draft([a]) == ([a], []) and policy.draft_budgets([a]) == {"a": ask}
+    plan = _plan(a, 3, confident=True)
+    policy.shape([plan])
+    assert plan.choice.why.startswith("held:") and plan.choice.shape == kind
+    assert policy.to_draft([a, c]) == ([a, c], [])  # c is new: it joins
+    assert policy.draft_budgets([a, c]) == {"a": ask, "c": k}
+    joined = _plan(c, 4, confident=True)
+    policy.shape([_plan(a, 5, confident=True), joined])
+    assert joined.choice.shape == "tree" and joined.tree.n == k == joined.layout.num_rows - 1
+    assert joined.choice.why.startswith("held: joined:")
+    assert np.array_equal(joined.tree.token_ids, _plan(c, 4, confident=True).tree.token_ids[:k])
+    policy.observe(joined, [1, 2])  # its shape is booked like any held one
+    assert policy.state["c"].own.real[("tree", k)] == 2
+    apart = Adaptive(_cost(draft_ms=0.3), lambda rows: rows, redecide=8)
+    apart.shape([_plan(a, 1, confident=True)])
+    apart.shape([_plan(b, 2, confident=True)])  # a second decision, without a
+    assert apart.to_draft([a, b]) == ([a, b], []) and not apart._fast
+    assert apart.draft_budgets([a])["a"] == min(63, 2 * apart.state["a"].nodes + 1)
 
 
 def test_a_new_request_starts_from_its_drafters_last_curve_and_probe_gap():
