@@ -5,6 +5,7 @@
 #   CONTEXTS=1024 DEMO_ARGS="--redecide 1" RANDOM_32K=0 \
 #     bash bench/adaptive_h200.sh "phases demo logprobs random"   # one 10-minute call
 # phases: experiments/adaptive_phases.py, µs a step by engine phase, fixed vs adaptive
+#   (PHASES_ARGS="--random-pair /tmp/pair8b --text novel" TAG=_8b: on the random pair)
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"  # the wheels carried in .whl/, PYTHONPATH, $OUT
 GPU="--device cuda --dtype bfloat16"
@@ -12,8 +13,8 @@ for section in ${1:-demo random}; do
   echo "== $section $(date -u +%T)"
   case $section in
     phases)
-      timeout "${PHASES_S:-150}" python3 experiments/adaptive_phases.py $GPU \
-        --out "$OUT/adaptive_phases.json" 2>&1 | tee "$OUT/adaptive_phases.log" ;;
+      timeout "${PHASES_S:-150}" python3 experiments/adaptive_phases.py $GPU ${PHASES_ARGS:-} \
+        --out "$OUT/adaptive_phases${TAG:-}.json" 2>&1 | tee "$OUT/adaptive_phases${TAG:-}.log" ;;
     demo)
       timeout "${DEMO_S:-300}" python3 bench/bench_adaptive.py $GPU --contexts ${CONTEXTS:-1024 8192} \
         --out "$OUT/adaptive_demo.json" ${DEMO_ARGS:-} 2>&1 | tee "$OUT/adaptive_demo.log" ;;

@@ -204,18 +204,22 @@ def parse(argv=None):
     return args
 
 
+def random_pair(where: str, tiny: bool, device: str) -> tuple[str, str]:
+    """(target, drafter) directories of bench_served's random pair, written once to `where`."""
+    from pathlib import Path
+
+    from _served_models import BODY_8B, TINY, write_pair  # bench/, beside this script
+
+    taps = (1, 3) if tiny else (1, 9, 17, 25, 33)
+    return tuple(map(str, write_pair(Path(where), TINY if tiny else BODY_8B, taps,
+                                     device=device)))
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     torch.manual_seed(args.seed)
     if args.random_pair:
-        from pathlib import Path
-
-        from _served_models import BODY_8B, TINY, write_pair  # bench/, beside this script
-
-        shape = TINY if args.tiny else BODY_8B
-        taps = (1, 3) if args.tiny else (1, 9, 17, 25, 33)
-        args.model, args.draft_model = map(str, write_pair(Path(args.random_pair), shape, taps,
-                                                           device=args.device))
+        args.model, args.draft_model = random_pair(args.random_pair, args.tiny, args.device)
     t0 = time.perf_counter()
     engines, tok = build(args)
     print(f"built and warmed 3 engines in {time.perf_counter() - t0:.1f} s "

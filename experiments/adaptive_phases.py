@@ -2,7 +2,7 @@
 step).
 
     PYTHONPATH=.:bench python experiments/adaptive_phases.py --device cuda --dtype bfloat16 \
-        --out phases.json
+        --out phases.json [--random-pair /tmp/pair8b --text novel]
 
 On the H200 the demo pair's steps are host-bound and adaptive ran 0.76–0.88× the best fixed
 budget at batch 8 (BENCHMARKS.md, "Run 5") while committing as much per step. This wraps the
@@ -64,19 +64,25 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--random-pair", default=None, metavar="DIR",
+                    help="bench_adaptive's random pair (speculation cannot pay), not the demo's")
+    ap.add_argument("--tiny", action="store_true", help="with --random-pair: its small shape")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     bargs = bench_adaptive.parse(["--device", args.device, "--dtype", args.dtype,
                                   "--contexts", str(args.context), "--redecide", "1"])
+    if args.random_pair:
+        bargs.model, bargs.draft_model = bench_adaptive.random_pair(
+            args.random_pair, args.tiny, args.device)
     engines, tok = bench_adaptive.build(bargs)
     for owner, name in PHASES:
         wrap(owner, name)
     out = []
     for n in args.batch:
         batch = bench_adaptive.prompts(tok, args.text, n, args.context)
-        for name, eng, budget in [("chain 15", "chain", 15), ("B=15", "fixed", 15),
-                                  ("B=31", "fixed", 31), ("B=63", "fixed", 63),
-                                  ("adaptive", "adaptive", 63),
+        for name, eng, budget in [("AR", "fixed", 0), ("chain 15", "chain", 15),
+                                  ("B=15", "fixed", 15), ("B=31", "fixed", 31),
+                                  ("B=63", "fixed", 63), ("adaptive", "adaptive", 63),
                                   ("adaptive every step", "adaptive-r", 63)]:
             r = run(engines[eng], batch, budget, args.new_tokens, args.repeats)
             r.update(name=name, batch=n)

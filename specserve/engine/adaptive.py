@@ -14,16 +14,17 @@ included), pulled towards every request's ratio (how calibrated the drafter is),
 the cost model (engine/cost.py). Before drafting, with last step's curves: if plain decoding
 wins by SKIP_MARGIN, nobody is drafted (B = 0, no drafter call; the context rows wait for the
 next draft), except requests without a curve yet and probes (a skipping request is drafted
-again after 2, 4, … 32 steps, or at once when the target's own confidence on its plain steps
-says a chain as sure would pay). After drafting, the choice is made again with the fresh
-curves (the drafting time now counts for plain decoding too: it is spent), and the trees are
-cut to it. The client's budget bounds every choice, and the drafter is asked for one size
-class above the last choice. A decision to draft (one that pays with the drafting still to pay)
-holds for REDECIDE steps: in between, each request keeps its shape (the drafter is asked for
-just that tree) and only that shape's outcome is booked (no curves, no counterfactuals). The
-hold outlives requests that finish; a new request joins it with the held size's DDTree prefix;
-a batch grown past the bucket it was priced for, or a request the decision skipped, ends it.
-Trees without probabilities (the n-gram drafter) are kept as drafted.
+again after 2, 4, … 32 steps, or at once when the target's own confidence on its plain steps,
+read every CONFIDENCE_EVERY of them, says a chain as sure would pay). After drafting, the
+choice is made again with the fresh curves (the drafting time now counts for plain decoding
+too: it is spent), and the trees are cut to it. The client's budget bounds every choice, and
+the drafter is asked for one size class above the last choice. A decision to draft (one that
+pays with the drafting still to pay) holds for REDECIDE steps: in between, each request keeps
+its shape (the drafter is asked for just that tree) and only that shape's outcome is booked (no
+curves, no counterfactuals). The hold outlives requests that finish; a new request joins it
+with the held size's DDTree prefix; a batch grown past the bucket it was priced for, or a
+request the decision skipped, ends it. Trees without probabilities (the n-gram drafter) are
+kept as drafted.
 Lossless: only which draft tokens are verified changes; the acceptance walk is the same.
 """
 
@@ -41,6 +42,8 @@ from specserve.spec.shapes import Choice
 from specserve.spec.tree import DraftTree, verify_layout
 
 MAX_PROBE_GAP = 32
+# plain steps between two readings of the target's confidence (a softmax and a transfer each)
+CONFIDENCE_EVERY = 4
 # skip the drafter only when plain decoding is expected this much faster: a wrong skip also
 # loses the next curve, a wrong draft costs at most the margin
 SKIP_MARGIN = 1.1
@@ -112,11 +115,11 @@ class Adaptive:
         for st in states:
             if st.skipped == 0:  # drafted last step, plain decoding wins again: back off
                 st.gap = min(2 * st.gap, MAX_PROBE_GAP) if st.probing else 2
-        due = [st.skipped + 1 >= st.gap or (st.skipped and self._best(
+        due = [st.skipped + 1 >= st.gap or (st.fresh and self._best(
             [s], [st], drafted=False, confident=True)[0] > 1)  # probes
             for s, st in zip(seqs, states, strict=True)]
         for st, d in zip(states, due, strict=True):
-            st.probing |= d
+            st.probing, st.fresh = st.probing or d, False
         return [s for s, d in zip(seqs, due, strict=True) if not d]
 
     def draft_budgets(self, seqs) -> dict[str, int]:
@@ -265,7 +268,9 @@ class Adaptive:
     def observe_step(self, verified: list[tuple[Planned, list[int], int]], logits) -> None:
         """Book a step's verified trees: (plan, accepted verify rows, its root row in `logits`
         [N, V]) each."""
-        plain = [(p, row) for p, _, row in verified if p.choice and p.choice.shape == shapes.OFF]
+        plain = [(p, row) for p, _, row in verified if p.choice and p.choice.shape == shapes.OFF
+                 and (st := self.state.get(p.seq.request_id)) is not None
+                 and st.skipped % CONFIDENCE_EVERY == 1]
         if plain:
             self._observe_plain([p for p, _ in plain], [row for _, row in plain], logits)
         for p, rows, _ in verified:
@@ -274,15 +279,13 @@ class Adaptive:
     def _observe_plain(self, plans: list[Planned], rows: list[int], logits) -> None:
         """After plain steps, how sure the target was of each token (its top-1 probability):
         one softmax and one transfer for the whole step."""
-        states = [self.state.get(p.seq.request_id) for p in plans]
-        if not any(states):
-            return
+        states = [self.state[p.seq.request_id] for p in plans]
         index = torch.tensor(rows, device=logits.device)
         tops = torch.softmax(logits.index_select(0, index).float(), -1).amax(-1).tolist()
         for st, top in zip(states, tops, strict=True):
-            if st is not None:
-                st.confidence = top if st.skipped <= 1 or st.confidence is None else \
-                    0.5 * st.confidence + 0.5 * top
+            st.confidence = top if st.skipped <= 1 or st.confidence is None else \
+                0.5 * st.confidence + 0.5 * top
+            st.fresh = True
 
     def observe(self, p: Planned, accepted_rows: list[int]) -> None:
         """Book what each candidate shape inside the verified tree would have accepted."""

@@ -50,6 +50,7 @@ class State:
     why: str = ""  # and why
     kept: tuple | None = None  # this held step's ((kind, nodes), expected accepted), to book
     confidence: float | None = None  # moving mean of the target's top-1 probability, plain steps
+    fresh: bool = False  # confidence read since the last probe decision
     # gain() by (k, budget) until this request books or draws a new curve (the shared part
     # moves slowly: it is read again at the request's next booking)
     gains: dict[tuple[int, int], tuple[float, str]] = field(default_factory=dict)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from specserve.engine import adaptive
 from specserve.engine.adaptive import Adaptive
 from specserve.engine.cost import CostModel, context_class
 from specserve.engine.sequence import Sequence
@@ -283,6 +284,34 @@ def test_a_held_decision_outlives_finished_requests_and_takes_in_new_ones():
     apart.shape([_plan(b, 2, confident=True)])  # a second decision, without a
     assert apart.to_draft([a, b]) == ([a, b], []) and not apart._fast
     assert apart.draft_budgets([a])["a"] == min(63, 2 * apart.state["a"].nodes + 1)
+
+
+def test_a_skipping_request_is_probed_once_the_target_is_sure_of_its_plain_steps():
+    """The target's top-1 probability on plain steps is read every CONFIDENCE_EVERY of them
+    (one softmax and transfer each); once a chain as sure would pay, the request is drafted
+    before its probe gap is up."""
+    seq = _seq("a", budget=63)
+    policy = Adaptive(_cost(draft_ms=1.5), lambda rows: rows)
+    policy.shape([_plan(seq, 2, confident=False)])  # the drafter expected little
+    st = policy.state["a"]
+    assert policy.to_draft([seq]) == ([], [seq])
+    st.gap = 32  # probes backed off
+    gen = torch.Generator().manual_seed(9)
+    flat = torch.randn(3, 50, generator=gen) * 0.1  # [rows, V]: top-1 ≈ 1/50
+    sure = torch.randn(3, 50, generator=gen)
+    sure[1, 17] += 30.0  # top-1 ≈ 1
+    readings = []
+    for step in range(1, 30):
+        if step > 1 and (now := policy.to_draft([seq])[0]):
+            break
+        plan = policy.skipped(seq)
+        before = st.confidence
+        policy.observe_step([(plan, [], 0 if step == 1 else 1)], flat if step == 1 else sure)
+        if st.confidence != before:
+            readings.append(st.skipped)
+    assert now == [seq] and step < st.gap and st.probing
+    assert readings == [1 + adaptive.CONFIDENCE_EVERY * i for i in range(len(readings))]
+    assert len(readings) >= 3 and readings[-1] == step - 1  # probed right after a reading
 
 
 def test_a_new_request_starts_from_its_drafters_last_curve_and_probe_gap():
