@@ -107,7 +107,7 @@ class Adaptive:
 
     def _skipping(self, seqs, states) -> list:
         """Which of `seqs` (each with a curve) skip the drafter this step."""
-        best, _ = self._best(seqs, states, drafted=False, margin=SKIP_MARGIN)
+        best, _ = self._best(seqs, states, drafted=False, margin=SKIP_MARGIN, how="forecast")
         if best > 1:
             for st in states:
                 st.gap, st.probing = 2, False
@@ -116,7 +116,7 @@ class Adaptive:
             if st.skipped == 0:  # drafted last step, plain decoding wins again: back off
                 st.gap = min(2 * st.gap, MAX_PROBE_GAP) if st.probing else 2
         due = [st.skipped + 1 >= st.gap or (st.fresh and self._best(
-            [s], [st], drafted=False, confident=True)[0] > 1)  # probes
+            [s], [st], drafted=False, how="confident")[0] > 1)  # probes
             for s, st in zip(seqs, states, strict=True)]
         for st, d in zip(states, due, strict=True):
             st.probing, st.fresh = st.probing or d, False
@@ -183,7 +183,12 @@ class Adaptive:
 
     def _keep(self, p: Planned, st: State) -> None:
         """Cut `p`'s tree to the shape its request holds; its expected length is kept for
-        `observe` to book (the calibration of the shape in use keeps learning)."""
+        `observe` to book (the calibration of the shape in use keeps learning). On the hold's
+        last step the drafted tree also gives the request its curve: the next decision reads
+        this step's drafter, not the one that made the last decision."""
+        if self._hold == 0:
+            st.curve = shapes.curves(p.tree)
+            st.gains.clear()
         st.skipped, st.cut, k = 0, None, min(st.nodes, p.budget)
         shape = shapes.prefix(p.tree, k) if st.kind == shapes.TREE else shapes.chain(p.tree, k)
         if len(shape.nodes) < p.tree.n:
@@ -215,16 +220,16 @@ class Adaptive:
         else:
             p.layout = verify_layout(p.tree, p.seq.last_token, p.start)
 
-    def _best(self, seqs, states, drafted: bool, confident: bool = False,
-              margin: float = 1.0) -> tuple[int, str]:
+    def _best(self, seqs, states, drafted: bool, margin: float = 1.0,
+              how: str = "") -> tuple[int, str]:
         """The step's rows per request maximising expected tokens per second, and why. Once
-        `drafted`, plain decoding's step carries the drafting time too (it is spent);
-        `confident`: gains from the target's recent confidence instead of the last curve;
-        plain decoding wins only by `margin`."""
-        return self._choose(self._rated(seqs, states, confident), len(seqs), drafted, margin,
+        `drafted`, plain decoding's step carries the drafting time too (it is spent); `how`
+        names the State's gain (`gain` by default; before drafting `forecast_gain`, and
+        `confident_gain` for probes); plain decoding wins only by `margin`."""
+        return self._choose(self._rated(seqs, states, how), len(seqs), drafted, margin,
                             max(s.budget for s in seqs))
 
-    def _rated(self, seqs, states, confident: bool = False) -> tuple | None:
+    def _rated(self, seqs, states, how: str = "") -> tuple | None:
         """([(rows, expected tokens of the step, verify seconds)] for plain decoding and each
         size class, drafting seconds), or None while a shape is unmeasured."""
         times = self._step_times(len(seqs), max(s.num_computed for s in seqs),
@@ -232,7 +237,7 @@ class Adaptive:
         if times is None:
             return None
         verify, draft = times
-        gains = [(st.confident_gain if confident else st.gain, s.budget)
+        gains = [(getattr(st, f"{how}_gain" if how else "gain"), s.budget)
                  for s, st in zip(seqs, states, strict=True)]
         return [(rows, sum(1 + gain(rows - 1, budget)[0] for gain, budget in gains), t)
                 for rows, t in verify], draft

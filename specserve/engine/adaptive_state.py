@@ -51,6 +51,7 @@ class State:
     kept: tuple | None = None  # this held step's ((kind, nodes), expected accepted), to book
     confidence: float | None = None  # moving mean of the target's top-1 probability, plain steps
     fresh: bool = False  # confidence read since the last probe decision
+    recent: float | None = None  # moving mean of the accepted length on its drafted steps
     # gain() by (k, budget) until this request books or draws a new curve (the shared part
     # moves slowly: it is read again at the request's next booking)
     gains: dict[tuple[int, int], tuple[float, str]] = field(default_factory=dict)
@@ -77,6 +78,15 @@ class State:
             return max(tree, chain), shapes.TREE
         return (chain, shapes.CHAIN) if chain > tree else (tree, shapes.TREE)
 
+    def forecast_gain(self, k: int, budget: int) -> tuple[float, str]:
+        """`gain` before drafting: the last curve, but at least what the request has been
+        accepting at the size it holds (one shallow tree does not turn a request that has been
+        accepting long paths over to plain decoding)."""
+        gain, kind = self.gain(k, budget)
+        if self.recent is not None and self.nodes is not None and min(k, budget) >= self.nodes:
+            gain = max(gain, min(self.recent, k))
+        return gain, kind
+
     def confident_gain(self, k: int, budget: int) -> tuple[float, str]:
         """What a chain would accept if the drafter were as sure as the target has been on
         the plain steps since the last draft: Σ c^d over its depths (0 without those steps)."""
@@ -96,10 +106,12 @@ class State:
         """Book a verified tree of `shape` (accepted: its verify rows `accepted_rows`): a held
         step its own shape only; a decided one what each candidate shape of the size
         `classes` inside it would have accepted."""
+        n = len(accepted_rows)
+        self.recent = n if self.recent is None else 0.5 * self.recent + 0.5 * n
         if self.cut is None and self.kept is not None:  # a held step
             key, expected = self.kept
             self.kept = None
-            self.book(key, len(accepted_rows), expected)
+            self.book(key, n, expected)
         if self.cut is None or self.curve is None:
             return
         accepted = self.cut[np.asarray(accepted_rows, dtype=np.int64) - 1].tolist()

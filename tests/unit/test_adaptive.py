@@ -225,6 +225,7 @@ def test_a_decision_to_draft_holds_its_shapes_until_redecide():
     policy.shape([first])
     st, chosen = policy.state["a"], first.choice
     assert "held" not in chosen.why and st.cut is not None
+    curve = st.curve
     for step in range(3):
         assert policy.to_draft([seq]) == ([seq], [])
         asked, nodes = policy.draft_budgets([seq])["a"], st.nodes
@@ -241,6 +242,8 @@ def test_a_decision_to_draft_holds_its_shapes_until_redecide():
             expected = float(np.exp(plan.tree.scores.astype(np.float64)).sum())
             assert st.own.pred[key] == pytest.approx(0.9 * before[1].get(key, 0.0) + expected)
             assert {k for k in st.own.real if st.own.real[k] != before[0].get(k)} == {key}
+            # the hold's last step gives the next decision a curve of its own drafter
+            assert (st.curve is curve) == (step == 0)
         else:  # the third step decides afresh, on a tree one class above
             assert asked == min(63, 2 * nodes + 1)
             assert "held" not in plan.choice.why and st.cut is not None
@@ -312,6 +315,27 @@ def test_a_skipping_request_is_probed_once_the_target_is_sure_of_its_plain_steps
     assert now == [seq] and step < st.gap and st.probing
     assert readings == [1 + adaptive.CONFIDENCE_EVERY * i for i in range(len(readings))]
     assert len(readings) >= 3 and readings[-1] == step - 1  # probed right after a reading
+
+
+def test_before_drafting_a_request_is_forecast_at_least_what_it_has_been_accepting():
+    """The skip decision before drafting reads the last tree's curve, but no less than the
+    request's recent accepted length at the size it holds: one shallow tree does not turn a
+    request that has been accepting long paths over to plain decoding."""
+    seq = _seq("a", budget=63)
+    sure = Adaptive(_cost(draft_ms=3.0), lambda rows: rows)
+    plan = _plan(seq, 1, confident=True)
+    sure.shape([plan])
+    sure.observe(plan, [1, 2, 3, 4, 5])
+    assert sure.state["a"].recent == 5
+
+    def skipped(recent):
+        policy = Adaptive(_cost(draft_ms=3.0), lambda rows: rows)
+        policy.shape([_plan(seq, 2, confident=False)])  # a flat tree: little expected
+        st = policy.state["a"]
+        st.nodes, st.recent = 15, recent
+        return policy.to_draft([seq]) == ([], [seq])
+
+    assert skipped(None) and skipped(0.5) and not skipped(6.0)
 
 
 def test_a_new_request_starts_from_its_drafters_last_curve_and_probe_gap():
