@@ -50,9 +50,10 @@ class EngineConfig:
     # drafting overlapped with verification: two groups of speculating requests take turns
     # (engine/overlap.py; needs a drafter that can `submit` ahead, the drafter service's client)
     overlap: bool = False
-    # with a drafter that can `submit` ahead (the drafter service's client) and neither overlap
-    # nor adaptive: the next step's drafts are sent as soon as a step's acceptance is known, so
-    # the commit's remaining host work runs while the drafter drafts (engine/overlap.Ahead)
+    # with a drafter that can `submit` ahead (the drafter service's client) and no overlap: the
+    # next step's drafts are sent as soon as a step's acceptance is known, so the commit's
+    # remaining host work runs while the drafter drafts (engine/overlap.Ahead); with adaptive,
+    # while its decision to draft holds (each request asking for the tree its shape needs)
     draft_ahead: bool = True
     # adaptive speculation (engine/adaptive.py): each step's tree (or none) chosen by measured
     # cost and the drafter's probabilities, the request's budget its bound; off = as asked

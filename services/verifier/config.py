@@ -133,7 +133,8 @@ class VerifierConfig:
         "--draft-ahead", "SPECSERVE_DRAFT_AHEAD",
         "on: each step's next drafts are sent as soon as its acceptance is known, so the "
         "rest of the commit, streaming and scheduling run while the drafter drafts (lossless; "
-        "not with --overlap or --adaptive on) | off: sent when the next step starts",
+        "not with --overlap on; with --adaptive on while its decision to draft holds) | off: "
+        "sent when the next step starts",
         default="on")
     adaptive: str = _switch(
         "--adaptive", "SPECSERVE_ADAPTIVE",

@@ -31,9 +31,8 @@ Lossless: only which draft tokens are verified changes; the acceptance walk is t
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from specserve.engine.adaptive_state import SHARED_DECAY, Ratios, State, outside
+from specserve.engine.adaptive_state import SHARED_DECAY, Ratios, State, outside, read_confidence
 from specserve.engine.cost import CostModel, batch_bucket, context_class
 from specserve.engine.speculative import Planned
 from specserve.engine.warmup import size_classes
@@ -122,17 +121,25 @@ class Adaptive:
             st.probing, st.fresh = st.probing or d, False
         return [s for s, d in zip(seqs, due, strict=True) if not d]
 
-    def draft_budgets(self, seqs) -> dict[str, int]:
+    def ahead(self, seqs) -> dict[str, int] | None:
+        """The drafter budgets of `seqs` for the next step if the decision to draft holds for
+        it (its drafts can be asked for before this step's bookings), else None."""
+        states = [self.state.get(s.request_id) for s in seqs]
+        if not self._holds(len(seqs), [st for st in states if st and st.curve is not None]):
+            return None
+        return self.draft_budgets(seqs, held=True)
+
+    def draft_budgets(self, seqs, held: bool | None = None) -> dict[str, int]:
         """What to ask the drafter for: one size class above the last choice (trees grow a
         class a step; the heap and top-k of a budget never chosen are not paid for); in a held
         step the tree holding the held shape (a request joining it: the held size)."""
-        out = {}
+        out, fast = {}, self._fast if held is None else held
         for s in seqs:
             st = self.state.get(s.request_id)
-            if st is None or not s.budget or not (self._fast or st.nodes is not None):
+            if st is None or not s.budget or not (fast or st.nodes is not None):
                 continue
-            held = st.ask if st.decision == self._decision else None
-            ask = (held or self._held[1]) if self._fast else 2 * st.nodes + 1
+            kept = st.ask if st.decision == self._decision else None
+            ask = (kept or self._held[1]) if fast else 2 * st.nodes + 1
             out[s.request_id] = min(s.budget, ask)
         return out
 
@@ -277,20 +284,10 @@ class Adaptive:
                  and (st := self.state.get(p.seq.request_id)) is not None
                  and st.skipped % CONFIDENCE_EVERY == 1]
         if plain:
-            self._observe_plain([p for p, _ in plain], [row for _, row in plain], logits)
+            read_confidence([self.state[p.seq.request_id] for p, _ in plain],
+                            [row for _, row in plain], logits)
         for p, rows, _ in verified:
             self.observe(p, rows)
-
-    def _observe_plain(self, plans: list[Planned], rows: list[int], logits) -> None:
-        """After plain steps, how sure the target was of each token (its top-1 probability):
-        one softmax and one transfer for the whole step."""
-        states = [self.state[p.seq.request_id] for p in plans]
-        index = torch.tensor(rows, device=logits.device)
-        tops = torch.softmax(logits.index_select(0, index).float(), -1).amax(-1).tolist()
-        for st, top in zip(states, tops, strict=True):
-            st.confidence = top if st.skipped <= 1 or st.confidence is None else \
-                0.5 * st.confidence + 0.5 * top
-            st.fresh = True
 
     def observe(self, p: Planned, accepted_rows: list[int]) -> None:
         """Book what each candidate shape inside the verified tree would have accepted."""

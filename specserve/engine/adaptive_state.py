@@ -1,12 +1,14 @@
 """Adaptive speculation's per-request state: how calibrated the drafter has been (accepted
-over expected, by shape), the last drafted tree's curves, the probing schedule and the shape
-the request holds between the policy's decisions. No choosing (engine/adaptive.py does)."""
+over expected, by shape), the last drafted tree's curves, the probing schedule, the target's
+confidence on plain steps, its recent accepted length and the shape the request holds between
+the policy's decisions. No choosing (engine/adaptive.py does)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from specserve.engine.speculative import Planned
 from specserve.spec import shapes
@@ -125,6 +127,17 @@ class State:
                     not len(on_chain) or int(on_chain.max()) < n):
                 self.book((shapes.CHAIN, k), shapes.realized_chain(accepted, path, k),
                           cv.expected(shapes.CHAIN, k))
+
+
+def read_confidence(states: list[State], rows: list[int], logits: torch.Tensor) -> None:
+    """After plain steps, how sure the target was of each token (its top-1 probability, at
+    `rows` of `logits` [N, V]): one softmax and one transfer for the whole step."""
+    index = torch.tensor(rows, device=logits.device)
+    tops = torch.softmax(logits.index_select(0, index).float(), -1).amax(-1).tolist()
+    for st, top in zip(states, tops, strict=True):
+        st.confidence = top if st.skipped <= 1 or st.confidence is None else \
+            0.5 * st.confidence + 0.5 * top
+        st.fresh = True
 
 
 def outside(p: Planned) -> Choice:

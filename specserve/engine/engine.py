@@ -62,7 +62,7 @@ class Engine:
                             f"{type(drafter).__name__}")
         self.drafter = drafter
         self._alternation = overlap.Alternation()  # a new drafter: nothing in flight
-        early = self.config.draft_ahead and not (self.config.overlap or self.adaptive)
+        early = self.config.draft_ahead and not self.config.overlap
         self._ahead = overlap.Ahead() if early and drafter and drafter.asynchronous else None
         self._needs_context = drafter is not None and drafter.needs_context
         taps = tuple(drafter.target_layer_ids) if self._needs_context else ()
@@ -88,18 +88,11 @@ class Engine:
             raise InvalidRequest(f"budget must be in [0, {self.config.max_draft_tokens}] "
                                  f"(the engine's max_draft_tokens), got {budget}")
         prompt_ids = self._prompt_ids(prompt, params.max_tokens)
-        seq = Sequence(
-            request_id=request_id,
-            prompt_ids=prompt_ids,
-            params=params,
-            stop_ids=self._stop_ids(params),
-            max_len=self.max_model_len,
-            generator=make_generator(params, self.runner.device),
-            arrival=next(self._arrivals),
-            budget=budget,
-            drafter_kind=drafter_kind,
-            spec_stats=RequestSpecStats(device=self.runner.device_name),
-        )
+        seq = Sequence(request_id=request_id, prompt_ids=prompt_ids, params=params,
+                       stop_ids=self._stop_ids(params), max_len=self.max_model_len,
+                       generator=make_generator(params, self.runner.device),
+                       arrival=next(self._arrivals), budget=budget, drafter_kind=drafter_kind,
+                       spec_stats=RequestSpecStats(device=self.runner.device_name))
         if self.tokenizer is not None:
             from specserve.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -181,7 +174,8 @@ class Engine:
         outputs += committed.outputs
         outputs += postprocess.end_chunks(self, batch, verify_s)
         if self._ahead is not None:  # the next drafts, while the rest of the commit runs
-            self._ahead.send(self.scheduler.running, self.drafter, self.max_model_len)
+            self._ahead.send(self.scheduler.running, self.drafter, self.max_model_len,
+                             self.adaptive)
         postprocess.settle_trees(self, batch, committed, draft_s, verify_s)
         self.last_step = StepTimes(t_start, t_draft, t_verify, time.time_ns(), tuple(
             (w.seq.request_id, w.start, w.num_tokens) for w in batch.chunks))
@@ -220,17 +214,21 @@ class Engine:
         (`draft_ahead`), or with `overlap` one group's, drafted last step; with adaptive
         speculation, cut to (or skipped for) the step's choice."""
         args = (self.drafter, self.max_model_len, self.model_config.vocab_size)
-        if self._ahead is not None:
-            return self._ahead.plan(decoding, *args)
-        if self.config.overlap and self.drafter is not None and self.drafter.asynchronous:
-            plans, draft_s = self._alternation.plan(decoding, *args)[:2]
-        elif self.adaptive is not None and self.drafter is not None:
+        if self.adaptive is not None and self.drafter is not None:
             _, skip = self.adaptive.to_draft([s for s in decoding if s.budget])
+            sent = set() if self._ahead is None else self._ahead.sent()
+            skip = [s for s in skip if s.request_id not in sent]  # asked for: it is verified
             out = {s.request_id for s in skip}
             now = [s for s in decoding if s.request_id not in out]
             self._draft_rows = sum(x.shape[0] for s in now for x in s.pending_context)
-            plans, draft_s = speculative.plan(now, *args, self.adaptive.draft_budgets(now))
+            budgets = self.adaptive.draft_budgets(now)
+            plans, draft_s = speculative.plan(now, *args, budgets) if self._ahead is None \
+                else self._ahead.plan(now, *args, budgets)
             plans += [self.adaptive.skipped(s) for s in skip]
+        elif self._ahead is not None:
+            return self._ahead.plan(decoding, *args)
+        elif self.config.overlap and self.drafter is not None and self.drafter.asynchronous:
+            plans, draft_s = self._alternation.plan(decoding, *args)[:2]
         else:
             return speculative.plan(decoding, *args)
         if self.adaptive is not None:

@@ -93,17 +93,23 @@ class Ahead:
     def __init__(self) -> None:
         self.in_flight: _InFlight | None = None
 
-    def send(self, running: Seq[Sequence], drafter, max_len: int) -> None:
+    def send(self, running: Seq[Sequence], drafter, max_len: int, policy=None) -> None:
         """Ask now for the next drafts of the speculating decoding requests of `running` (the
-        scheduler's, after this step's commit)."""
+        scheduler's, after this step's commit). With adaptive speculation (`policy`): only
+        while its decision to draft holds for them, each for the tree its shape needs."""
         seqs = [s for s in running if s.budget and not s.in_prefill]
-        if seqs:
-            self.in_flight = _submit(0, seqs, drafter, max_len, ahead=True)
+        budgets = None if policy is None or not seqs else policy.ahead(seqs)
+        if seqs and (policy is None or budgets is not None):
+            self.in_flight = _submit(0, seqs, drafter, max_len, ahead=True, budgets=budgets)
 
-    def plan(self, seqs: Seq[Sequence], drafter, max_len: int, vocab: int
-             ) -> tuple[list[speculative.Planned], float]:
+    def sent(self) -> set[str]:
+        """The requests whose next drafts are in flight."""
+        return set() if self.in_flight is None else {s.request_id for s in self.in_flight.seqs}
+
+    def plan(self, seqs: Seq[Sequence], drafter, max_len: int, vocab: int,
+             budgets: dict[str, int] | None = None) -> tuple[list[speculative.Planned], float]:
         """This step's plans (the trees sent ahead where they still hold, the others drafted
-        now) and the time spent here (s)."""
+        now, with `budgets` where given) and the time spent here (s)."""
         t0 = time.perf_counter()
         flight, self.in_flight = self.in_flight, None
         sent = {} if flight is None else {
@@ -111,16 +117,16 @@ class Ahead:
         held = {s.request_id for s in seqs if s.budget and sent.get(s.request_id) == s.num_computed}
         ready = [s for s in seqs if s.request_id in held]
         rest = [s for s in seqs if s.request_id not in held]
-        plans = speculative.plan(rest, drafter, max_len, vocab)[0] if rest else []
+        plans = speculative.plan(rest, drafter, max_len, vocab, budgets)[0] if rest else []
         if flight is not None:  # collected even when none is ready: nothing left unread
             plans += _collect(flight, ready, drafter, vocab)
         return plans, time.perf_counter() - t0
 
 
-def _submit(group: int, seqs: list[Sequence], drafter, max_len: int,
-            ahead: bool = False) -> _InFlight:
+def _submit(group: int, seqs: list[Sequence], drafter, max_len: int, ahead: bool = False,
+            budgets: dict[str, int] | None = None) -> _InFlight:
     """Send the drafts of `seqs` (group `group`); what submit raised is kept for the collect."""
-    reqs = speculative.draft_requests(seqs, max_len)
+    reqs = speculative.draft_requests(seqs, max_len, budgets)
     wanted = [r for r in reqs if r.budget > 0]
     try:
         collect = drafter.submit(wanted, ahead=ahead)

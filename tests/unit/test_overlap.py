@@ -6,11 +6,15 @@ starts decoding late."""
 
 from __future__ import annotations
 
+from collections import Counter
+
+import numpy as np
 import pytest
 
 from specserve.config import EngineConfig
 from specserve.drafters.ngram import NgramDrafter
 from specserve.engine.engine import Engine
+from specserve.spec.tree import DraftTree
 from specserve.types import SamplingParams
 from tests.helpers import AheadDrafter, random_prompts
 
@@ -28,13 +32,14 @@ def _requests(vocab: int):
                                                                    strict=True))]
 
 
-def _run(path, requests, mode: str, abort_at: int | None = None, switch_at: int | None = None):
+def _run(path, requests, mode: str, abort_at: int | None = None, switch_at: int | None = None,
+         drafter=None, adaptive: bool = False):
     """`mode`: serial | ahead | overlap; `switch_at`: the drafter (stateless: trees from the
     history) is set at that step, the steps before draft with a synchronous one."""
     engine = Engine(EngineConfig(str(path), page_size=PAGE, max_draft_tokens=16,
                                  max_num_batched_tokens=64, overlap=mode == "overlap",
-                                 draft_ahead=mode == "ahead"))
-    drafter = AheadDrafter()
+                                 draft_ahead=mode == "ahead", adaptive=adaptive))
+    drafter = drafter or AheadDrafter()
     engine.set_drafter(drafter if switch_at is None else NgramDrafter())
     steps: dict[str, list[tuple[int, int, int]]] = {rid: [] for rid, *_ in requests}
     per_step: list[set[str]] = []
@@ -128,3 +133,43 @@ def test_requests_decoding_when_drafts_ahead_begin_are_drafted_at_once(checkpoin
     assert tokens == ref_tokens and steps == ref_steps
     assert drafter.calls[0][0] == "draft" and len(drafter.calls[0][1]) > 1
     assert {kind for kind, _ in drafter.calls[1:]} == {"ahead"}
+
+
+class ScoredAheadDrafter(AheadDrafter):
+    """AheadDrafter's trees, each node's path scored as if the drafter were sure of it (what
+    adaptive speculation reads); it logs each call's budgets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.budgets: list[tuple[str, tuple[int, ...]]] = []
+
+    @staticmethod
+    def _scored(trees):
+        return [DraftTree.unchecked(t.token_ids, t.parents, t.depths,
+                                    (np.log(0.9) * t.depths).astype(np.float32)) for t in trees]
+
+    def draft(self, requests):
+        self.budgets.append(("draft", tuple(r.budget for r in requests)))
+        return self._scored(super().draft(requests))
+
+    def submit(self, requests, ahead=False):
+        self.budgets.append(("ahead", tuple(r.budget for r in requests)))
+        trees = self._scored(super().submit(requests, ahead)())
+        return lambda: trees
+
+
+def test_adaptive_speculation_sends_the_drafts_of_held_steps_ahead(checkpoint_cache):
+    """With adaptive speculation, a step whose decision to draft holds has its drafts sent
+    ahead, each for the tree its shape needs (not the client's budget); decisions draft at
+    once; greedy tokens are the serial loop's."""
+    path, hf = checkpoint_cache("qwen3-gqa4-yarn")
+    requests = [r for r in _requests(hf.config.vocab_size) if not r[2].temperature]
+    ref_tokens, *_ = _run(path, requests, mode="serial")
+    tokens, steps, _, drafter = _run(path, requests, mode="ahead", adaptive=True,
+                                     drafter=ScoredAheadDrafter())
+    assert tokens == ref_tokens
+    kinds = Counter(kind for kind, _ in drafter.calls)
+    assert kinds["ahead"] >= 5 and kinds["draft"] >= 1
+    asked = [b for kind, budgets in drafter.budgets if kind == "ahead" for b in budgets]
+    assert asked and max(asked) <= 9 and min(asked) < 9  # held shapes, within the budgets
+    assert max(c for s in steps.values() for _, _, c in s) > 2  # drafts were accepted
