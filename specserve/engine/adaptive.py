@@ -117,6 +117,9 @@ class Adaptive:
         due = [st.skipped + 1 >= st.gap or (st.fresh and self._best(
             [s], [st], drafted=False, how="confident")[0] > 1)  # probes
             for s, st in zip(seqs, states, strict=True)]
+        if any(due):  # those half-way to their probe ride along: one drafter call, not several
+            due = [d or (st.skipped > 0 and 2 * (st.skipped + 1) >= st.gap)
+                   for d, st in zip(due, states, strict=True)]
         for st, d in zip(states, due, strict=True):
             st.probing, st.fresh = st.probing or d, False
         return [s for s, d in zip(seqs, due, strict=True) if not d]

@@ -338,6 +338,20 @@ def test_before_drafting_a_request_is_forecast_at_least_what_it_has_been_accepti
     assert skipped(None) and skipped(0.5) and not skipped(6.0)
 
 
+def test_requests_half_way_to_their_probe_ride_along_with_one_that_is_due():
+    """Skipping requests probe in one drafter call: when one is due, those past half their
+    gap are drafted with it; the others keep skipping."""
+    seqs = [_seq(r, budget=63) for r in "abc"]
+    slow = Adaptive(_cost(draft_ms=10.0), lambda rows: rows)
+    slow.shape([_plan(s, 2 + i, confident=False) for i, s in enumerate(seqs)])
+    assert slow.to_draft(seqs) == ([], seqs)
+    for s, gap in zip(seqs, (4, 8, 32), strict=True):
+        st = slow.state[s.request_id]
+        st.skipped, st.gap = 3, gap  # a is due, b half-way, c far from it
+    assert slow.to_draft(seqs) == (seqs[:2], seqs[2:])
+    assert slow.state["a"].probing and slow.state["b"].probing and not slow.state["c"].probing
+
+
 def test_a_new_request_starts_from_its_drafters_last_curve_and_probe_gap():
     """A drafter that has not paid (its last curve, probes backed off to every 8 steps) is not
     called for a new request at once; a request of another drafter has no such prior."""
