@@ -14,17 +14,17 @@ included), pulled towards every request's ratio (how calibrated the drafter is),
 the cost model (engine/cost.py). Before drafting, with last step's curves: if plain decoding
 wins by SKIP_MARGIN, nobody is drafted (B = 0, no drafter call; the context rows wait for the
 next draft), except requests without a curve yet and probes (a skipping request is drafted
-again after 2, 4, … 32 steps, or at once when the target's own confidence on its plain steps,
-read every CONFIDENCE_EVERY of them, says a chain as sure would pay). After drafting, the
-choice is made again with the fresh curves (the drafting time now counts for plain decoding
-too: it is spent), and the trees are cut to it. The client's budget bounds every choice, and
-the drafter is asked for one size class above the last choice. A decision to draft (one that
-pays with the drafting still to pay) holds for REDECIDE steps: in between, each request keeps
-its shape (the drafter is asked for just that tree) and only that shape's outcome is booked (no
-curves, no counterfactuals). The hold outlives requests that finish; a new request joins it
-with the held size's DDTree prefix; a batch grown past the bucket it was priced for, or a
-request the decision skipped, ends it. Trees without probabilities (the n-gram drafter) are
-kept as drafted.
+again after 2, 4, … 32 steps — with it those past half their gap — or at once when the target's
+own confidence on its plain steps, read every CONFIDENCE_EVERY of them, says a chain as sure
+would pay). After drafting, the choice is made again with the fresh curves (the drafting time
+now counts for plain decoding too: it is spent), and the trees are cut to it. The client's
+budget bounds every choice, and the drafter is asked for one size class above the last choice.
+A decision to draft (one that pays with the drafting still to pay) holds for REDECIDE steps: in
+between, each request keeps its shape (the drafter is asked for just that tree) and only that
+shape's outcome is booked (no curves, no counterfactuals). The hold outlives requests that
+finish; a new request joins it with the held size's DDTree prefix; a batch grown past the
+bucket it was priced for, or a request the decision skipped, ends it. Trees without
+probabilities (the n-gram drafter) are kept as drafted.
 Lossless: only which draft tokens are verified changes; the acceptance walk is the same.
 """
 
