@@ -174,3 +174,26 @@ class AheadDrafter(NgramDrafter):
             self.sent_ahead[self.step] = self.calls[-1][1]
         trees = super().draft(requests)
         return lambda: trees
+
+
+class ScoredAheadDrafter(AheadDrafter):
+    """AheadDrafter's trees, each node's path scored as if the drafter were sure of it (what
+    adaptive speculation reads); it logs each call's budgets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.budgets: list[tuple[str, tuple[int, ...]]] = []
+
+    @staticmethod
+    def _scored(trees):
+        return [DraftTree.unchecked(t.token_ids, t.parents, t.depths,
+                                    (np.log(0.9) * t.depths).astype(np.float32)) for t in trees]
+
+    def draft(self, requests):
+        self.budgets.append(("draft", tuple(r.budget for r in requests)))
+        return self._scored(super().draft(requests))
+
+    def submit(self, requests, ahead=False):
+        self.budgets.append(("ahead", tuple(r.budget for r in requests)))
+        trees = self._scored(super().submit(requests, ahead)())
+        return lambda: trees

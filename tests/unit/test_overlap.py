@@ -8,15 +8,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import pytest
 
 from specserve.config import EngineConfig
 from specserve.drafters.ngram import NgramDrafter
 from specserve.engine.engine import Engine
-from specserve.spec.tree import DraftTree
 from specserve.types import SamplingParams
-from tests.helpers import AheadDrafter, random_prompts
+from tests.helpers import AheadDrafter, ScoredAheadDrafter, random_prompts
 
 PAGE = 8
 
@@ -135,38 +133,16 @@ def test_requests_decoding_when_drafts_ahead_begin_are_drafted_at_once(checkpoin
     assert {kind for kind, _ in drafter.calls[1:]} == {"ahead"}
 
 
-class ScoredAheadDrafter(AheadDrafter):
-    """AheadDrafter's trees, each node's path scored as if the drafter were sure of it (what
-    adaptive speculation reads); it logs each call's budgets."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.budgets: list[tuple[str, tuple[int, ...]]] = []
-
-    @staticmethod
-    def _scored(trees):
-        return [DraftTree.unchecked(t.token_ids, t.parents, t.depths,
-                                    (np.log(0.9) * t.depths).astype(np.float32)) for t in trees]
-
-    def draft(self, requests):
-        self.budgets.append(("draft", tuple(r.budget for r in requests)))
-        return self._scored(super().draft(requests))
-
-    def submit(self, requests, ahead=False):
-        self.budgets.append(("ahead", tuple(r.budget for r in requests)))
-        trees = self._scored(super().submit(requests, ahead)())
-        return lambda: trees
-
-
-def test_adaptive_speculation_sends_the_drafts_of_held_steps_ahead(checkpoint_cache):
+@pytest.mark.parametrize("abort_at", [None, 9])
+def test_adaptive_speculation_sends_the_drafts_of_held_steps_ahead(checkpoint_cache, abort_at):
     """With adaptive speculation, a step whose decision to draft holds has its drafts sent
     ahead, each for the tree its shape needs (not the client's budget); decisions draft at
-    once; greedy tokens are the serial loop's."""
+    once; greedy tokens are the serial loop's, a request aborted meanwhile included."""
     path, hf = checkpoint_cache("qwen3-gqa4-yarn")
     requests = [r for r in _requests(hf.config.vocab_size) if not r[2].temperature]
-    ref_tokens, *_ = _run(path, requests, mode="serial")
+    ref_tokens, *_ = _run(path, requests, mode="serial", abort_at=abort_at)
     tokens, steps, _, drafter = _run(path, requests, mode="ahead", adaptive=True,
-                                     drafter=ScoredAheadDrafter())
+                                     drafter=ScoredAheadDrafter(), abort_at=abort_at)
     assert tokens == ref_tokens
     kinds = Counter(kind for kind, _ in drafter.calls)
     assert kinds["ahead"] >= 5 and kinds["draft"] >= 1
