@@ -138,10 +138,10 @@ class Adaptive:
         step the tree holding the held shape (a request joining it: the held size)."""
         out, fast = {}, self._fast if held is None else held
         for s in seqs:
-            st = self.state.get(s.request_id)
-            if st is None or not s.budget or not (fast or st.nodes is not None):
+            st = self.state.get(s.request_id)  # None: a request new to the policy
+            if not s.budget or not (fast or (st is not None and st.nodes is not None)):
                 continue
-            kept = st.ask if st.decision == self._decision else None
+            kept = st.ask if st is not None and st.decision == self._decision else None
             ask = (kept or self._held[1]) if fast else 2 * st.nodes + 1
             out[s.request_id] = min(s.budget, ask)
         return out

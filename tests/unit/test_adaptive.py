@@ -273,6 +273,9 @@ def test_a_held_decision_outlives_finished_requests_and_takes_in_new_ones():
     plan = _plan(a, 3, confident=True)
     policy.shape([plan])
     assert plan.choice.why.startswith("held:") and plan.choice.shape == kind
+    d = _seq("d", budget=63)  # its prompt just done: the drafts sent ahead ask the held size
+    assert policy.ahead([a, d]) == {"a": ask, "d": k}
+    assert policy.ahead([a, c, d]) is None  # a bigger bucket than the decision priced
     assert policy.to_draft([a, c]) == ([a, c], [])  # c is new: it joins
     assert policy.draft_budgets([a, c]) == {"a": ask, "c": k}
     joined = _plan(c, 4, confident=True)
