@@ -106,7 +106,8 @@ class Adaptive:
 
     def _skipping(self, seqs, states) -> list:
         """Which of `seqs` (each with a curve) skip the drafter this step."""
-        best, _ = self._best(seqs, states, drafted=False, margin=SKIP_MARGIN, how="forecast")
+        best, _ = self._best(seqs, states, drafted=False, margin=SKIP_MARGIN,
+                             gain=State.forecast_gain)
         if best > 1:
             for st in states:
                 st.gap, st.probing = 2, False
@@ -115,7 +116,7 @@ class Adaptive:
             if st.skipped == 0:  # drafted last step, plain decoding wins again: back off
                 st.gap = min(2 * st.gap, MAX_PROBE_GAP) if st.probing else 2
         due = [st.skipped + 1 >= st.gap or (st.fresh and self._best(
-            [s], [st], drafted=False, how="confident")[0] > 1)  # probes
+            [s], [st], drafted=False, gain=State.confident_gain)[0] > 1)  # probes
             for s, st in zip(seqs, states, strict=True)]
         if any(due):  # those half-way to their probe ride along: one drafter call, not several
             due = [d or (st.skipped > 0 and 2 * (st.skipped + 1) >= st.gap)
@@ -231,15 +232,15 @@ class Adaptive:
             p.layout = verify_layout(p.tree, p.seq.last_token, p.start)
 
     def _best(self, seqs, states, drafted: bool, margin: float = 1.0,
-              how: str = "") -> tuple[int, str]:
+              gain=State.gain) -> tuple[int, str]:
         """The step's rows per request maximising expected tokens per second, and why. Once
-        `drafted`, plain decoding's step carries the drafting time too (it is spent); `how`
-        names the State's gain (`gain` by default; before drafting `forecast_gain`, and
-        `confident_gain` for probes); plain decoding wins only by `margin`."""
-        return self._choose(self._rated(seqs, states, how), len(seqs), drafted, margin,
+        `drafted`, plain decoding's step carries the drafting time too (it is spent); `gain`:
+        the State method giving a request's expected accepted length (before drafting
+        `forecast_gain`, for probes `confident_gain`); plain decoding wins only by `margin`."""
+        return self._choose(self._rated(seqs, states, gain), len(seqs), drafted, margin,
                             max(s.budget for s in seqs))
 
-    def _rated(self, seqs, states, how: str = "") -> tuple | None:
+    def _rated(self, seqs, states, gain=State.gain) -> tuple | None:
         """([(rows, expected tokens of the step, verify seconds)] for plain decoding and each
         size class, drafting seconds), or None while a shape is unmeasured."""
         times = self._step_times(len(seqs), max(s.num_computed for s in seqs),
@@ -247,9 +248,8 @@ class Adaptive:
         if times is None:
             return None
         verify, draft = times
-        gains = [(getattr(st, f"{how}_gain" if how else "gain"), s.budget)
-                 for s, st in zip(seqs, states, strict=True)]
-        return [(rows, sum(1 + gain(rows - 1, budget)[0] for gain, budget in gains), t)
+        pairs = list(zip(states, (s.budget for s in seqs), strict=True))
+        return [(rows, sum(1 + gain(st, rows - 1, budget)[0] for st, budget in pairs), t)
                 for rows, t in verify], draft
 
     @staticmethod
@@ -283,12 +283,11 @@ class Adaptive:
     def observe_step(self, verified: list[tuple[Planned, list[int], int]], logits) -> None:
         """Book a step's verified trees: (plan, accepted verify rows, its root row in `logits`
         [N, V]) each."""
-        plain = [(p, row) for p, _, row in verified if p.choice and p.choice.shape == shapes.OFF
+        plain = [(st, row) for p, _, row in verified if p.choice and p.choice.shape == shapes.OFF
                  and (st := self.state.get(p.seq.request_id)) is not None
                  and st.skipped % CONFIDENCE_EVERY == 1]
         if plain:
-            read_confidence([self.state[p.seq.request_id] for p, _ in plain],
-                            [row for _, row in plain], logits)
+            read_confidence([st for st, _ in plain], [row for _, row in plain], logits)
         for p, rows, _ in verified:
             self.observe(p, rows)
 

@@ -98,8 +98,10 @@ class Ahead:
         scheduler's, after this step's commit). With adaptive speculation (`policy`): only
         while its decision to draft holds for them, each for the tree its shape needs."""
         seqs = [s for s in running if s.budget and not s.in_prefill]
-        budgets = None if policy is None or not seqs else policy.ahead(seqs)
-        if seqs and (policy is None or budgets is not None):
+        if not seqs:
+            return
+        budgets = None if policy is None else policy.ahead(seqs)
+        if policy is None or budgets is not None:  # None from the policy: it decides afresh
             self.in_flight = _submit(0, seqs, drafter, max_len, ahead=True, budgets=budgets)
 
     def sent(self) -> set[str]:
