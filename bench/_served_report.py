@@ -31,6 +31,11 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['case']:<16} {r['path'][:34]:<34} {i['late_ttft_ms']:9.1f}  "
                      f"{i['steps_meanwhile']:4d}  {i['step_meanwhile_p50_ms']:.2f} / "
                      f"{i['step_meanwhile_p90_ms']:.2f} / {i['step_meanwhile_max_ms']:.2f}")
+    lines += ["", "steady steps by what they verified: count  p50 / p90 ms"]
+    for r in rows:
+        by = r["summary"].get("steady_by_shape") or {}
+        lines.append(f"{r['case']:<10} {r['path'][:40]:<40} " + "  ".join(
+            f"{k} {v['n']} {v['p50_ms']:.2f} / {v['p90_ms']:.2f}" for k, v in by.items()))
     lines += ["", "ms per step: in process the drafter's own forward + tree; served the "
               "verifier's profile (Stats.profile)"]
     for r in rows:

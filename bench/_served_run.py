@@ -28,6 +28,7 @@ class Timing:
 
     sent: float
     arrivals: list[tuple[float, int]] = field(default_factory=list)
+    shapes: list[str] = field(default_factory=list)  # each arrival's step: `step_label`
     phases: dict = field(default_factory=dict)  # the request's own stats: steps, draft_s, ...
 
 
@@ -58,7 +59,22 @@ def summary(timings: list[Timing]) -> dict:
                 last_token_spread_ms=(max(lasts) - min(lasts)) * 1e3,
                 tok_s=tokens / (end - start) if end > start else float("nan"),
                 steps=len(steady) + len(first), requests=len(timings),
-                phases_per_step=per_step)
+                phases_per_step=per_step, steady_by_shape=steady_by_shape(timings))
+
+
+def step_label(shape: str | None, tree_size: int) -> str:
+    """What a step verified: adaptive's shape (tree / chain / off), else tree or off."""
+    return shape or ("tree" if tree_size else "off")
+
+
+def steady_by_shape(timings: list[Timing]) -> dict:
+    """The steady steps by what they verified (`step_label`): count, p50 and p90 (ms)."""
+    by: dict[str, list[float]] = {}
+    for t in timings:
+        pairs = zip(t.arrivals[1:], t.arrivals[2:], t.shapes[2:], strict=False)
+        for a, b, label in pairs:
+            by.setdefault(label, []).append((b[0] - a[0]) * 1e3)
+    return {k: dict(n=len(v), p50_ms=_p(v, 0.5), p90_ms=_p(v, 0.9)) for k, v in sorted(by.items())}
 
 
 def steady_steps(timings: list[Timing]) -> list[float]:
@@ -143,7 +159,10 @@ def in_process(engine, prompts: list[list[int]], new: int, budget: int,
             drafter_ms.append((stats.forward_s + stats.tree_s) * 1e3)
         for out in outs:
             if out.new_token_ids:
-                timings[out.request_id].arrivals.append((now, len(out.new_token_ids)))
+                t = timings[out.request_id]
+                t.arrivals.append((now, len(out.new_token_ids)))
+                step = out.stats.step if out.stats is not None else None
+                t.shapes.append(step_label(step.shape, step.tree_size) if step else "off")
             if out.finished and out.stats is not None:
                 timings[out.request_id].phases = _phases(out.stats.request)
     return list(timings.values())
@@ -213,6 +232,7 @@ async def _one(stub, prompt: list[int], new: int, budget: int, t: Timing) -> Tim
     async for msg in stub.Generate(req, timeout=600):
         if msg.WhichOneof("event") == "chunk" and msg.chunk.token_ids:
             t.arrivals.append((time.perf_counter(), len(msg.chunk.token_ids)))
+            t.shapes.append(step_label(msg.chunk.shape, msg.chunk.tree_size))
         elif msg.WhichOneof("event") == "final":
             t.phases = _phases(msg.final.stats)
     return t

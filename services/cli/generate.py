@@ -152,7 +152,7 @@ def _generate_remote(args, prompt, params) -> int:
     from specserve.v1 import gateway_pb2_grpc
 
     req = _request(args, prompt, params)
-    text, ids, logprobs, final = [], [], [], None
+    chunks, final = [], None  # chunks: (client time it arrived, wire.Chunk)
     ch, metadata = gateway_channel(args)
     with ch:
         call = gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=args.timeout_s,
@@ -163,16 +163,14 @@ def _generate_remote(args, prompt, params) -> int:
                 if isinstance(event, wire.Final):
                     final = event
                     continue
-                text.append(event.text)
-                ids += event.token_ids
-                logprobs += event.logprobs
+                chunks.append((time.perf_counter(), event))
                 if not args.json:
                     print(event.text, end="", flush=True)
         except KeyboardInterrupt:
             call.cancel()
             return 130
         except grpc.RpcError as e:
-            sep = "\n" if text and not args.json else ""
+            sep = "\n" if chunks and not args.json else ""
             print(f"{sep}specserve generate: error: {e.code().name}: {e.details()}",
                   file=sys.stderr)
             _print_trace(_trace_id(call))
@@ -182,8 +180,7 @@ def _generate_remote(args, prompt, params) -> int:
               file=sys.stderr)
         _print_trace(_trace_id(call))
         return 2
-    _report("".join(text), ids, final, args.json, _trace_id(call),
-            logprobs if params.logprobs is not None else None)
+    _report(chunks, final, args.json, _trace_id(call), params.logprobs is not None)
     return 0
 
 
@@ -206,19 +203,32 @@ def _logprobs_json(ids: list[int], logprobs) -> list[dict]:
             for i, t in zip(ids, logprobs, strict=True)]
 
 
-def _report(text: str, ids: list[int], final, as_json: bool, trace_id: str | None = None,
-            logprobs=None) -> None:
-    stats = final.stats
+def _steps_json(chunks) -> list[dict]:
+    """One entry per verifier step that streamed tokens (the first: the prompt's token): what
+    it verified and committed, and ms since the previous step's tokens arrived (client clock)."""
+    timed = [(t, c) for t, c in chunks if c.token_ids]
+    before = [None] + [t for t, _ in timed[:-1]]
+    return [{"tokens": len(c.token_ids), "commit_len": c.commit_len,
+             "accepted_depth": c.accepted_depth, "tree_size": c.tree_size, "shape": c.shape,
+             "fallback": c.fallback, "ms": None if t0 is None else round(1e3 * (t - t0), 3)}
+            for t0, (t, c) in zip(before, timed, strict=True)]
+
+
+def _report(chunks, final, as_json: bool, trace_id: str | None = None,
+            with_logprobs: bool = False) -> None:
+    stats, ids = final.stats, [i for _, c in chunks for i in c.token_ids]
     if as_json:
+        logprobs = [lp for _, c in chunks for lp in c.logprobs]
         print(json.dumps({
-            "text": text, "token_ids": ids, "request_id": final.request_id,
-            "verifier": final.verifier,
+            "text": "".join(c.text for _, c in chunks), "token_ids": ids,
+            "request_id": final.request_id, "verifier": final.verifier,
             "finish_reason": final.finish_reason.value if final.finish_reason else None,
             "usage": {"prompt_tokens": final.prompt_tokens,
                       "completion_tokens": final.completion_tokens},
             "stats": {**stats.as_dict(), "other_s": final.other_s},
             "ttft_s": final.ttft_s, "wall_s": final.wall_s, "trace_id": trace_id,
-            **({} if logprobs is None else {"logprobs": _logprobs_json(ids, logprobs)})}))
+            "steps": _steps_json(chunks),
+            **({"logprobs": _logprobs_json(ids, logprobs)} if with_logprobs else {})}))
         return
     reason = final.finish_reason.value if final.finish_reason else "?"
     print(f"\n[{len(ids)} tokens in {final.wall_s:.2f} s, TTFT {final.ttft_s * 1e3:.0f} ms, "

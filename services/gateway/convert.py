@@ -133,7 +133,8 @@ def chunk_to_pb(text: str, step: Step | None) -> gateway_pb2.GenerateResponse:
     if step is None:
         return gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(text=text))
     chunk = gateway_pb2.Chunk(text=text, token_ids=step.token_ids, commit_len=step.commit_len,
-                              accepted_depth=step.accepted_depth)
+                              accepted_depth=step.accepted_depth, tree_size=step.tree_size,
+                              shape=step.shape, fallback=step.fallback)
     logprobs_to_pb(step.logprobs, chunk.logprobs)
     logprobs_to_pb(step.prompt_logprobs, chunk.prompt_logprobs)
     return gateway_pb2.GenerateResponse(chunk=chunk)
@@ -182,7 +183,8 @@ def response_from_pb(msg: gateway_pb2.GenerateResponse) -> tuple[str, Step] | Ga
     """A chunk → (text delta, step); the final → GatewayFinal."""
     if msg.WhichOneof("event") == "chunk":
         c = msg.chunk
-        return c.text, Step(tuple(c.token_ids), c.commit_len, c.accepted_depth)
+        return c.text, Step(tuple(c.token_ids), c.commit_len, c.accepted_depth, c.tree_size,
+                            fallback=c.fallback, shape=c.shape)  # the budget is not sent
     f = msg.final
     stats, other_s = spec_stats_from_pb(f.stats)
     return GatewayFinal(finish_from_pb(f.finish_reason), f.usage.prompt_tokens,

@@ -380,6 +380,12 @@ def test_cli_generate(stack, prompts, expected, tokenizer):
     assert data["usage"] == {"prompt_tokens": len(prompts[0]), "completion_tokens": 16}
     assert data["stats"]["steps"] > 0 and data["text"] == tokenizer.decode(expected[0][:16])
     assert len(data["trace_id"]) == 32 and int(data["trace_id"], 16)  # spans are exported
+    steps = data["steps"]  # one per verifier step: the prompt's token, then the spec steps
+    assert len(steps) == data["stats"]["steps"] + 1 and steps[0]["ms"] is None
+    assert sum(s["tokens"] for s in steps) == 16 and all(s["ms"] > 0 for s in steps[1:])
+    assert sum(s["tree_size"] for s in steps) == data["stats"]["draft_tokens"]
+    assert sum(s["accepted_depth"] for s in steps) == data["stats"]["accepted_tokens"]
+    assert {s["shape"] for s in steps} == {""}  # the verifier is not adaptive here
     out = _cli("generate", "--gateway", stack.addr("gateway"), "--prompt", prompts[4],
                "--max-tokens", "8", "--ignore-eos")
     assert out.returncode == 0, out.stderr

@@ -179,6 +179,9 @@ def test_bench_served_tiny(tmp_path):
         assert s["steady_max_ms"] >= s["steady_mean_ms"] > 0
         assert s["ttft_each_ms"] == [round(s["ttft_ms"], 1)]  # one request
         assert s["first_token_spread_ms"] == 0 == s["last_token_spread_ms"]
+        by = s["steady_by_shape"]  # the steady steps split by what they verified
+        assert sum(v["n"] for v in by.values()) == 4 and set(by) <= {"tree", "off"}
+        assert all(v["p90_ms"] >= v["p50_ms"] > 0 for v in by.values())
         assert r["floor"]["step_ms"] > 0 and r["ratio"]["ttft"] > 0
     assert all(r["shapes_once_ttft_ms"] > 0 for r in rows)  # each case's first prompt alone
     served = [r for r in rows if r["path"] == "served auto"]

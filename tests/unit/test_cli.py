@@ -11,6 +11,7 @@ import sys
 import types
 from collections import Counter
 from concurrent import futures
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -72,7 +73,7 @@ class _FakeGateway(gateway_pb2_grpc.GatewayServicer):
             yield convert.chunk_to_pb("hi", Step((5,), 1, 0))
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         yield convert.chunk_to_pb("hi", Step((5,), 1, 0))
-        yield convert.chunk_to_pb(" there", Step((6, 7), 2, 1))
+        yield convert.chunk_to_pb(" there", Step((6, 7), 2, 1, tree_size=4, shape="chain"))
         yield convert.final_to_pb(GatewayFinal(FinishReason.LENGTH, 2, 3, stats, 0.01, "r1",
                                                0.02, 0.05, "10.0.0.7:50052"))
 
@@ -95,6 +96,11 @@ def test_generate_streams_from_the_gateway(gateway, capsys):
     assert out["text"] == "hi there" and out["token_ids"] == [5, 6, 7]
     assert out["finish_reason"] == "length" and out["stats"]["steps"] == 1
     assert out["verifier"] == "10.0.0.7:50052" and out["trace_id"] is None  # spans not exported
+    first, second = out["steps"]
+    assert first == {"tokens": 1, "commit_len": 1, "accepted_depth": 0, "tree_size": 0,
+                     "shape": "", "fallback": "", "ms": None}
+    assert second.pop("ms") >= 0 and second == {"tokens": 2, "commit_len": 2, "accepted_depth": 1,
+                                                "tree_size": 4, "shape": "chain", "fallback": ""}
     req = fake.requests[0]
     assert list(req.token_ids.ids) == [1, 2] and list(req.sampling.stop) == ["\n\n"]
     assert req.spec.budget == 7 and not req.sampling.HasField("temperature")
@@ -137,9 +143,13 @@ def test_the_client_wire_is_the_gateways():
     for reason in (*FinishReason, None):
         msg = convert.final_to_pb(GatewayFinal(reason, 4, 5, stats, 0.5, "r", 0.6, 0.7))
         assert vars(wire.event(msg)) == vars(convert.response_from_pb(msg))
-    text, step = convert.response_from_pb(convert.chunk_to_pb("ab", Step((1, 2), 3, 2)))
-    assert wire.event(convert.chunk_to_pb("ab", Step((1, 2), 3, 2))) == \
-        wire.Chunk(text, step.token_ids, step.commit_len, step.accepted_depth)
+    for step in (Step((1, 2), 3, 2), Step((3,), 1, 0, 5, 5, "drafter_timeout", "off"),
+                 Step((4, 5), 2, 1, tree_size=3, budget=7, shape="tree")):
+        text, got = convert.response_from_pb(convert.chunk_to_pb("ab", step))
+        assert got == replace(step, budget=0)  # the budget stays at the verifier
+        assert wire.event(convert.chunk_to_pb("ab", step)) == wire.Chunk(
+            text, got.token_ids, got.commit_len, got.accepted_depth, (), got.tree_size,
+            got.shape, got.fallback)
     metadata = (("other", "1"), (convert.TRACE_ID_KEY, "abc"))
     assert wire.trace_id(metadata) == convert.trace_id_from_metadata(metadata) == "abc"
 
