@@ -33,6 +33,7 @@ TARGET = "the target does not follow the text at this length"
 BROKEN = "speculation broken (lossless check failed)"
 NO_DRAFTER = "drafter unavailable (fallbacks)"
 NOTHING_DRAFTED = "no speculation (nothing drafted)"
+PLAIN = "adaptive chose plain decoding (drafts did not pay)"
 FEW_STEPS = "too few decode steps to judge"
 
 
@@ -62,6 +63,7 @@ class ProbeRow:
     trace_id: str | None = None  # the request's trace (when the services export spans)
     device: str = ""  # where the verifier ran the target
     verifier: str = ""  # the verifier replica that served it (its address)
+    plain: float | None = None  # share of steps adaptive speculation decoded plainly (None: off)
 
     @property
     def ttft_other_s(self) -> float:
@@ -77,6 +79,8 @@ def verdict(row: ProbeRow, hard_below: float = 2.0) -> str:
         return NO_DRAFTER
     if row.followed is not None and row.followed < 0.5:
         return TARGET
+    if row.plain is not None and row.plain > 0.5:
+        return PLAIN
     if row.steps and not row.drafts:
         return NOTHING_DRAFTED
     if row.steps < 2:
@@ -155,18 +159,20 @@ def prompt_ids(tokenizer, text: str, n: int) -> list[int]:
 
 
 def table(rows: list[ProbeRow]) -> str:
-    """The markdown table; a `verifier` column when the rows were served by several replicas."""
+    """The markdown table; a `plain` column when adaptive speculation chose the shapes, a
+    `verifier` column when the rows were served by several replicas."""
     several = len({r.verifier for r in rows}) > 1
+    adaptive = any(r.plain is not None for r in rows)
+    extra = (" plain |" if adaptive else "") + (" verifier |" if several else "")
     head = ("| text | context | commit len | depth | drafts | followed | lossless | fails at "
             "| prefill s | TTFT other s | 1st step ms | steady step ms | fallbacks | verdict |"
-            + (" verifier |" if several else "")
-            + "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-            + ("---|" if several else ""))
+            + extra + "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+            + "---|" * extra.count("|"))
     lines = [f"| {r.text} | {r.context:,} | {r.commit_len:.2f} | {r.depth:.2f} | "
              f"{r.drafts:.2f} | {_opt(r.followed)} | {_yes(r.lossless)} | "
              f"{r.fail_position or '-'} | {r.prefill_s:.2f} | {r.ttft_other_s:.2f} | "
              f"{r.first_step_ms:.1f} | {r.steady_step_ms:.1f} | {r.fallbacks} | {r.verdict} |"
-             + (f" {r.verifier} |" if several else "")
+             + (f" {_opt(r.plain)} |" if adaptive else "") + (f" {r.verifier} |" if several else "")
              for r in rows]
     return "\n".join([head, *lines])
 

@@ -124,4 +124,5 @@ def _row(g: Generation, text: str, context: int, expected, lossless) -> probe.Pr
         stream_commit_len=sum(x.commit_len for x in spec_steps) / max(len(spec_steps), 1),
         text_head=g.text[:HEAD_CHARS], followed=probe.followed(g.ids, expected),
         lossless=lossless, accepted_per_position=rates, fail_position=fail,
-        trace_id=g.trace_id, device=s.device, verifier=final.verifier)
+        trace_id=g.trace_id, device=s.device, verifier=final.verifier,
+        plain=s.shapes.get("off", 0) / sum(s.shapes.values()) if s.shapes else None)

@@ -28,11 +28,12 @@ def test_probe_table_json_and_plot(stack, checkpoints, tmp_path):  # noqa: F811
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| text | context | commit len | depth | drafts |" in proc.stdout
     assert "| 1st step ms | steady step ms |" in proc.stdout
+    assert "| plain |" not in proc.stdout  # the verifier is not adaptive here
     rows = json.loads(out.read_text())
     assert [(r["text"], r["context"]) for r in rows] == [
         ("predictable", 40), ("predictable", 200), ("novel", 40), ("novel", 200)]
     for r in rows:
-        assert r["new_tokens"] == 24 and r["steps"] >= 1
+        assert r["new_tokens"] == 24 and r["steps"] >= 1 and r["plain"] is None
         assert r["device"] == "cpu"  # the verifier's device, for the plot's title
         # the probe's per-step numbers and the final message's stats are the same numbers
         assert r["stream_commit_len"] == pytest.approx(r["commit_len"])

@@ -60,6 +60,17 @@ def test_rows_without_samples_are_null_in_json_and_not_judged():
     assert probe.verdict(_row(commit_len=1.4)) == probe.HARD
 
 
+def test_adaptive_rows_say_how_often_it_decoded_plainly():
+    rows = [_row(plain=0.0), _row(text="novel", plain=0.625, commit_len=1.7, followed=None)]
+    assert probe.verdict(rows[0]) == probe.HEALTHY and probe.verdict(rows[1]) == probe.PLAIN
+    assert probe.verdict(_row(plain=0.5, commit_len=1.4)) == probe.HARD  # not past half
+    assert probe.verdict(_row(plain=0.9, lossless=False)) == probe.BROKEN  # still first
+    head, rule, *lines = probe.table(rows).splitlines()
+    assert head.endswith("| verdict | plain |") and rule.count("|") == head.count("|")
+    assert lines[0].endswith("| 0.00 |") and lines[1].endswith("| 0.62 |")
+    assert "| plain |" not in probe.table([_row()])  # no adaptive row: no column
+
+
 def test_ctrl_c_keeps_the_rows_measured(monkeypatch, tmp_path, capsys):
     def interrupted(args, source, rows):
         rows.append(_row())
@@ -72,3 +83,22 @@ def test_ctrl_c_keeps_the_rows_measured(monkeypatch, tmp_path, capsys):
     assert code == 130 and "interrupted after 1 rows" in got.err
     assert "| predictable | 1,000 | 3.56 |" in got.out
     assert json.loads(out.read_text())[0]["commit_len"] == 3.56
+
+
+@pytest.mark.parametrize("shapes, plain", [({}, None), ({"off": 5, "tree": 2, "chain": 1}, 0.625)])
+def test_a_row_reads_the_plain_share_from_the_final_stats(shapes, plain):
+    from collections import Counter
+
+    from services.cli import probe_client, wire
+    from specserve.spec.metrics import RequestSpecStats
+    from specserve.types import FinishReason
+
+    stats = RequestSpecStats(steps=8, draft_tokens=11, accepted_tokens=5, committed_tokens=13,
+                             commit_len_hist=Counter({1: 5, 3: 1, 5: 2}), shapes=Counter(shapes))
+    steps = [wire.Chunk("a", (7,) * n, n, n - 1) for n in (1, 1, 1, 1, 1, 1, 3, 5, 5)]
+    g = probe_client.Generation(ids=[7] * 19, text="a" * 9, steps=steps,
+                                arrivals=[0.01 * i for i in range(9)],
+                                final=wire.Final(FinishReason.LENGTH, 40, 19, stats, 0.0, "r",
+                                                 0.02, 0.3))
+    row = probe_client._row(g, "novel", 40, None, True)
+    assert row.plain == plain and row.steps == 8 and row.drafts == pytest.approx(11 / 8)
