@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -185,6 +186,15 @@ def start_services(args, svc: Services, variant: str) -> None:
 
 
 def run(args, results: dict, tmp: Path) -> None:
+    """`measure` with services that stop with it, whether it ends, fails or is killed."""
+    svc = Services(tmp)
+    try:
+        measure(args, results, svc)
+    finally:
+        svc.close()
+
+
+def measure(args, results: dict, svc: Services) -> None:
     import torch  # after MPS is up: this process is a client too
     from _e2e_common import ceilings
 
@@ -192,7 +202,6 @@ def run(args, results: dict, tmp: Path) -> None:
 
     results["ceilings"] = ceilings(args.device, args.tiny)
     log(f"ceilings {results['ceilings']}")
-    svc = Services(tmp)
     variants = args.variants.split(",")
     start_services(args, svc, variants[0])
     vcfg = VerifierConfig(args.model, device=args.device, draft_model=args.draft_model,
@@ -218,7 +227,6 @@ def run(args, results: dict, tmp: Path) -> None:
             start_services(args, svc, variant)
             svc.wait()
         run_served(args, results, svc, variant, cases)
-    svc.close()
 
 
 def start_gateway(args, svc: Services) -> None:
@@ -259,6 +267,7 @@ def run_served(args, results: dict, svc: Services, variant: str, cases) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: the services stop too
     tmp = Path(tempfile.mkdtemp(prefix="bench-served-"))
     args.device = args.device or ("cpu" if args.tiny else "cuda")
     if args.tiny:

@@ -237,3 +237,24 @@ def test_trace_breakdown_splits_each_step(tmp_path):
     for part, ms in detail.items():
         assert abs(req["rest"][part] - ms) < 1e-3, part
     assert abs(req["first"]["wire_in"] - 7.5) < 1e-3
+
+
+def test_bench_served_stops_its_services_when_it_fails(tmp_path):
+    """A run that fails after starting the services (here the in-process engine's config
+    refuses the budget) stops them: no drafter, verifier or gateway outlives it."""
+    pair = tmp_path / "pair"
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_served.py"), "--tiny",
+                           "--ckpt-dir", str(pair), "--contexts", "48", "--batch8-contexts", "",
+                           "--new-tokens", "4", "--variants", "auto", "--budget", "5000",
+                           "--out", str(tmp_path / "served.json")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "default_budget" in proc.stderr, proc.stderr[-2000:]
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:  # it ended meanwhile
+            continue
+        if b"services." in b" ".join(args) and any(str(pair).encode() in a for a in args):
+            left.append(args)
+    assert not left, left
