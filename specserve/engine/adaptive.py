@@ -10,20 +10,22 @@ where those nodes do not hold it: else they accept at least as much). For every 
 
 with E from the drafter's own path probabilities (spec/shapes.py), ĉ the request's running
 ratio of accepted to expected for that shape (measured on every verified tree, counterfactuals
-included), pulled towards every request's ratio (how calibrated the drafter is), and times from
-the cost model (engine/cost.py). Before drafting, with last step's curves: if plain decoding
-wins by SKIP_MARGIN, nobody is drafted (B = 0, no drafter call; the context rows wait for the
-next draft), except requests without a curve yet and probes (a skipping request is drafted
-again after 2, 4, … 32 steps — with it those past half their gap — or at once when the target's
-own confidence on its plain steps, read every CONFIDENCE_EVERY of them, says a chain as sure
-would pay). After drafting, the choice is made again with the fresh curves (the drafting time
-now counts for plain decoding too: it is spent), and the trees are cut to it. The client's
-budget bounds every choice, and the drafter is asked for one size class above the last choice.
-A decision to draft (one that pays with the drafting still to pay) holds for REDECIDE steps: in
-between, each request keeps its shape (the drafter is asked for just that tree) and only that
-shape's outcome is booked (no curves, no counterfactuals). The hold outlives requests that
-finish; a new request joins it with the held size's DDTree prefix; a batch grown past the
-bucket it was priced for, or a request the decision skipped, ends it. Trees without
+included), pulled towards every request's ratio (how calibrated the drafter is; a shape never
+verified takes the nearest verified one's), and times from the cost model (engine/cost.py).
+Before drafting, with last step's curves: if plain decoding wins by SKIP_MARGIN, nobody is
+drafted (B = 0, no drafter call; the context rows wait for the next draft), except requests
+without a curve yet and probes (a skipping request is drafted again after 2, 4, … 32 steps —
+with it those past half their gap — or at once when the target's own confidence on its plain
+steps, read every CONFIDENCE_EVERY of them, says a chain as sure would pay). After drafting,
+the choice is made again with the fresh curves (the drafting time now counts for plain
+decoding too: it is spent), and the trees are cut to it. The client's budget bounds every
+choice, and the drafter is asked for one size class above the last choice. A decision to draft
+(one that pays with the drafting still to pay) holds for REDECIDE steps: in between, each
+request keeps its shape (the drafter is asked for just that tree) and only that shape's outcome
+is booked (no curves, no counterfactuals). The hold outlives requests that finish; a new
+request joins it with the held size's DDTree prefix; a batch grown past the bucket it was
+priced for, a request the decision skipped, or a step where most held shapes were accepted to
+their deepest node (a bigger one would have accepted more) ends it. Trees without
 probabilities (the n-gram drafter) are kept as drafted.
 Lossless: only which draft tokens are verified changes; the acceptance walk is the same.
 """
@@ -46,9 +48,8 @@ CONFIDENCE_EVERY = 4
 # skip the drafter only when plain decoding is expected this much faster: a wrong skip also
 # loses the next curve, a wrong draft costs at most the margin
 SKIP_MARGIN = 1.1
-# steps a decision holds: in between, each request keeps its shape (asking the drafter for just
-# that tree) and books only that shape, so that the policy's host work is paid once every
-# REDECIDE steps
+# steps a decision holds (each request keeps its shape, asking the drafter for just that tree and
+# booking only that shape): the policy's host work is paid once every REDECIDE steps
 REDECIDE = 8
 _EMPTY = DraftTree.empty()
 
@@ -177,8 +178,7 @@ class Adaptive:
     def _shape(self, scored: list[Planned]) -> None:
         for p in scored:
             st = self.state.setdefault(p.seq.request_id, State(self.shared))
-            st.curve = shapes.curves(p.tree)
-            st.gains.clear()
+            st.take_curve(p.tree)
             self._prior[p.seq.drafter_kind] = st
         seqs, states = [p.seq for p in scored], [self.state[p.seq.request_id] for p in scored]
         rated, top = self._rated(seqs, states), max(s.budget for s in seqs)
@@ -198,8 +198,7 @@ class Adaptive:
         last step the drafted tree also gives the request its curve: the next decision reads
         this step's drafter, not the one that made the last decision."""
         if self._hold == 0:
-            st.curve = shapes.curves(p.tree)
-            st.gains.clear()
+            st.take_curve(p.tree)
         st.skipped, st.cut, k = 0, None, min(st.nodes, p.budget)
         shape = shapes.prefix(p.tree, k) if st.kind == shapes.TREE else shapes.chain(p.tree, k)
         if len(shape.nodes) < p.tree.n:
@@ -283,17 +282,19 @@ class Adaptive:
     def observe_step(self, verified: list[tuple[Planned, list[int], int]], logits) -> None:
         """Book a step's verified trees: (plan, accepted verify rows, its root row in `logits`
         [N, V]) each."""
-        plain = [(st, row) for p, _, row in verified if p.choice and p.choice.shape == shapes.OFF
-                 and (st := self.state.get(p.seq.request_id)) is not None
-                 and st.skipped % CONFIDENCE_EVERY == 1]
-        if plain:
-            read_confidence([st for st, _ in plain], [row for _, row in plain], logits)
-        for p, rows, _ in verified:
-            self.observe(p, rows)
+        read_confidence([(st, row) for p, _, row in verified
+                         if p.choice and p.choice.shape == shapes.OFF
+                         and (st := self.state.get(p.seq.request_id)) is not None
+                         and st.skipped % CONFIDENCE_EVERY == 1], logits)
+        held = [s for s in (self.observe(p, rows) for p, rows, _ in verified) if s is not None]
+        if self._hold and 2 * sum(held) > len(held):  # most held shapes were too small
+            self._hold = 0  # decided afresh next step, each asking a size class up
 
-    def observe(self, p: Planned, accepted_rows: list[int]) -> None:
-        """Book what each candidate shape inside the verified tree would have accepted."""
+    def observe(self, p: Planned, accepted_rows: list[int]) -> bool | None:
+        """Book what each candidate shape inside the verified tree would have accepted; a held
+        shape: whether it was accepted to its deepest node with room to grow (else None)."""
         st = self.state.get(p.seq.request_id)
         if st is None or p.choice is None or p.choice.shape == shapes.OFF:
-            return
-        st.book_verified(p.choice.shape, size_classes(p.budget), accepted_rows)
+            return None
+        return st.book_verified(p.choice.shape, size_classes(p.budget), accepted_rows,
+                                p.tree.max_depth if p.tree.n < p.budget else None)

@@ -5,6 +5,7 @@ the policy's decisions. No choosing (engine/adaptive.py does)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,7 @@ class Ratios:
     decay: float
     real: dict[tuple, float] = field(default_factory=dict)
     pred: dict[tuple, float] = field(default_factory=dict)
+    deepest: int = 0  # the longest chain a drafted tree has held (the shared Ratios only)
 
     def book(self, key: tuple, real: int, expected: float) -> None:
         self.real[key] = self.decay * self.real.get(key, 0.0) + real
@@ -33,6 +35,16 @@ class Ratios:
 
     def ratio(self, key: tuple, prior: float = 1.0) -> float:
         return (self.real.get(key, 0.0) + PRIOR * prior) / (self.pred.get(key, 0.0) + PRIOR)
+
+    def nearest(self, key: tuple) -> float:
+        """The ratio of the booked shape nearest `key` = (kind, nodes): of its kind if any, the
+        closest size by ratio of sizes (1 with nothing booked). A shape never verified is taken
+        to be as calibrated as its nearest one: the drafter's over- or under-confidence carries
+        over, where 1 would keep a larger tree looking as bad as the drafter alone says."""
+        booked = [b for b in self.pred if b[0] == key[0]] or list(self.pred)
+        if not booked:
+            return 1.0
+        return self.ratio(min(booked, key=lambda b: abs(math.log(b[1] / key[1]))))
 
 
 @dataclass
@@ -58,8 +70,15 @@ class State:
     # moves slowly: it is read again at the request's next booking)
     gains: dict[tuple[int, int], tuple[float, str]] = field(default_factory=dict)
 
+    def take_curve(self, tree) -> None:
+        """The curves of the request's newly drafted `tree` (DraftTree with scores)."""
+        self.curve = shapes.curves(tree)
+        self.gains.clear()
+        self.shared.deepest = max(self.shared.deepest, len(self.curve.chain_nodes))
+
     def calibration(self, key: tuple) -> float:
-        return self.own.ratio(key, self.shared.ratio(key))
+        shared = self.shared.ratio(key) if key in self.shared.pred else self.shared.nearest(key)
+        return self.own.ratio(key, shared)
 
     def gain(self, k: int, budget: int) -> tuple[float, str]:
         """Calibrated expected accepted length at `k` nodes (≤ budget) and its shape."""
@@ -91,11 +110,13 @@ class State:
 
     def confident_gain(self, k: int, budget: int) -> tuple[float, str]:
         """What a chain would accept if the drafter were as sure as the target has been on
-        the plain steps since the last draft: Σ c^d over its depths (0 without those steps)."""
+        the plain steps since the last draft: Σ c^d over its depths (0 without those steps),
+        as deep as the longest chain the drafter has drafted (not the last one: the text may
+        have turned predictable since)."""
         c = self.confidence
         if c is None or self.curve is None or k <= 0:
             return 0.0, shapes.OFF
-        depth = self.curve.depth(shapes.CHAIN, min(k, budget)) or min(k, budget)
+        depth = min(k, budget, self.shared.deepest or k)
         gain = depth if c >= 1.0 else c * (1.0 - c ** depth) / (1.0 - c)  # Σ_{d ≤ depth} c^d
         return gain, shapes.CHAIN
 
@@ -104,18 +125,21 @@ class State:
         self.shared.book(key, real, expected)
         self.gains.clear()
 
-    def book_verified(self, shape: str, classes, accepted_rows: list[int]) -> None:
+    def book_verified(self, shape: str, classes, accepted_rows: list[int],
+                      deepest: int | None = None) -> bool | None:
         """Book a verified tree of `shape` (accepted: its verify rows `accepted_rows`): a held
-        step its own shape only; a decided one what each candidate shape of the size
-        `classes` inside it would have accepted."""
+        step its own shape only, and says whether the whole `deepest` was accepted (None: no
+        room to grow); a decided one what each candidate shape of the size `classes` inside it
+        would have accepted (None)."""
         n = len(accepted_rows)
         self.recent = n if self.recent is None else 0.5 * self.recent + 0.5 * n
         if self.cut is None and self.kept is not None:  # a held step
             key, expected = self.kept
             self.kept = None
             self.book(key, n, expected)
+            return deepest is not None and n >= deepest
         if self.cut is None or self.curve is None:
-            return
+            return None
         accepted = self.cut[np.asarray(accepted_rows, dtype=np.int64) - 1].tolist()
         path, n, cv = self.curve.chain_nodes, len(self.cut), self.curve
         for k in classes:
@@ -127,14 +151,17 @@ class State:
                     not len(on_chain) or int(on_chain.max()) < n):
                 self.book((shapes.CHAIN, k), shapes.realized_chain(accepted, path, k),
                           cv.expected(shapes.CHAIN, k))
+        return None
 
 
-def read_confidence(states: list[State], rows: list[int], logits: torch.Tensor) -> None:
-    """After plain steps, how sure the target was of each token (its top-1 probability, at
-    `rows` of `logits` [N, V]): one softmax and one transfer for the whole step."""
-    index = torch.tensor(rows, device=logits.device)
+def read_confidence(plain: list[tuple[State, int]], logits: torch.Tensor) -> None:
+    """After plain steps, how sure the target was of each token (its top-1 probability at each
+    (state, row of `logits` [N, V]) of `plain`): one softmax and one transfer for the step."""
+    if not plain:
+        return
+    index = torch.tensor([row for _, row in plain], device=logits.device)
     tops = torch.softmax(logits.index_select(0, index).float(), -1).amax(-1).tolist()
-    for st, top in zip(states, tops, strict=True):
+    for (st, _), top in zip(plain, tops, strict=True):
         st.confidence = top if st.skipped <= 1 or st.confidence is None else \
             0.5 * st.confidence + 0.5 * top
         st.fresh = True

@@ -320,6 +320,89 @@ def test_a_skipping_request_is_probed_once_the_target_is_sure_of_its_plain_steps
     assert len(readings) >= 3 and readings[-1] == step - 1  # probed right after a reading
 
 
+def _deepest_path(tree: DraftTree) -> list[int]:
+    """The verify rows, by depth, of the path to the tree's deepest node (all of it accepted)."""
+    rows, row = [], int(np.argmax(tree.depths)) + 1
+    while row:
+        rows.append(row)
+        row = int(tree.parents[row - 1])
+    return rows[::-1]
+
+
+def test_a_held_shape_accepted_to_its_deepest_node_ends_the_hold():
+    """When most held requests accept their held shape to its deepest node (a bigger one would
+    have accepted more), the next step decides afresh and asks the drafter a size class up;
+    a shape that stops short keeps the hold."""
+    seq = _seq("a", budget=63)
+    steep = _cost(draft_ms=0.3, verify_ms=(1.0, 1.1, 1.2, 1.4, 4.0, 8.0, 16.0))
+    policy = Adaptive(steep, lambda rows: rows, redecide=8)
+    policy.shape([_plan(seq, 1, confident=True)])
+    st = policy.state["a"]
+    assert 1 <= st.nodes < 15
+    policy.to_draft([seq])
+    short = _plan(seq, 2, confident=True)
+    policy.shape([short])
+    assert short.choice.why.startswith("held:") and short.tree.max_depth >= 2
+    policy.observe_step([(short, _deepest_path(short.tree)[:1], 0)], None)
+    assert policy.to_draft([seq]) == ([seq], []) and policy._fast  # stopped short: held
+    full = _plan(seq, 3, confident=True)
+    policy.shape([full])
+    assert full.choice.why.startswith("held:")
+    policy.observe_step([(full, _deepest_path(full.tree), 0)], None)
+    assert policy.to_draft([seq]) == ([seq], []) and not policy._fast
+    assert policy.draft_budgets([seq]) == {"a": min(63, 2 * st.nodes + 1)}
+    decided = _plan(seq, 4, confident=True)
+    policy.shape([decided])
+    assert "held" not in decided.choice.why
+
+
+def test_a_shape_never_verified_is_as_calibrated_as_its_nearest_verified_one():
+    """The drafter's calibration of a shape no tree has been verified at is borrowed from the
+    booked shape nearest in size (of its kind first), not the drafter's own 1: an
+    under-confident drafter's bigger trees look as good as its verified ones."""
+    from specserve.engine.adaptive_state import Ratios, State
+
+    shared = Ratios(0.99)
+    a, b = State(shared), State(shared)
+    assert a.calibration((shapes.TREE, 31)) == 1.0  # nothing booked yet
+    a.book((shapes.TREE, 7), 13, 6.5)  # accepted twice what the drafter expected
+    seven = shared.ratio((shapes.TREE, 7))
+    assert seven > 1.5
+    for st in (a, b):  # b never verified a tree: the shared calibration is its prior
+        assert st.calibration((shapes.TREE, 31)) == pytest.approx(seven)
+        assert st.calibration((shapes.CHAIN, 15)) == pytest.approx(seven)  # no chain booked
+    a.book((shapes.TREE, 63), 3, 4.5)
+    assert b.calibration((shapes.TREE, 31)) == pytest.approx(shared.ratio((shapes.TREE, 63)))
+    assert b.calibration((shapes.TREE, 15)) == pytest.approx(seven)
+    a.book((shapes.CHAIN, 3), 2, 2.0)
+    assert b.calibration((shapes.CHAIN, 15)) == pytest.approx(shared.ratio((shapes.CHAIN, 3)))
+    assert a.calibration((shapes.TREE, 7)) != b.calibration((shapes.TREE, 7))  # a's own
+
+
+def _scored_chain(probs: list[float]) -> DraftTree:
+    chain = chain_tree(range(3, 3 + len(probs)))  # each node's score: its path's log-prob
+    return DraftTree.unchecked(chain.token_ids, chain.parents, chain.depths,
+                               np.cumsum(np.log(probs)).astype(np.float32))
+
+
+def test_a_confident_probe_reaches_as_deep_as_the_drafter_has_drafted():
+    """The target's confidence on plain steps prices a chain as deep as the longest chain any
+    request's tree has held, not the last (shallow) tree of this request."""
+    from specserve.engine.adaptive_state import Ratios, State
+
+    shared = Ratios(0.99)
+    shallow, deep = State(shared), State(shared)
+    shallow.take_curve(_scored_chain([0.3, 0.2]))
+    assert shared.deepest == 2
+    deep.take_curve(_scored_chain([0.9] * 9))
+    assert shared.deepest == 9 and len(shallow.curve.chain_nodes) == 2
+    shallow.confidence = 0.95
+    sure = [sum(0.95 ** d for d in range(1, n + 1)) for n in range(10)]
+    assert shallow.confident_gain(7, 63)[0] == pytest.approx(sure[7])
+    assert shallow.confident_gain(15, 63)[0] == pytest.approx(sure[9])  # the drafter's deepest
+    assert shallow.confident_gain(15, 4)[0] == pytest.approx(sure[4])  # the client's budget
+
+
 def test_before_drafting_a_request_is_forecast_at_least_what_it_has_been_accepting():
     """The skip decision before drafting reads the last tree's curve, but no less than the
     request's recent accepted length at the size it holds: one shallow tree does not turn a
