@@ -15,8 +15,8 @@ verified takes the nearest verified one's), and times from the cost model (engin
 Before drafting, with last step's curves: if plain decoding wins by SKIP_MARGIN, nobody is
 drafted (B = 0, no drafter call; the context rows wait for the next draft), except requests
 without a curve yet and probes (a skipping request is drafted again after 2, 4, … 32 steps —
-with it those past half their gap — or at once when the target's own confidence on its plain
-steps, read every CONFIDENCE_EVERY of them, says a chain as sure would pay). After drafting,
+with it those past half their gap — or at once when the target's confidence on its plain
+steps, read every CONFIDENCE_EVERY of them, twice says a chain as sure would pay). After drafting,
 the choice is made again with the fresh curves (the drafting time now counts for plain
 decoding too: it is spent), and the trees are cut to it. The client's budget bounds every
 choice, and the drafter is asked for one size class above the last choice. A decision to draft
@@ -116,7 +116,7 @@ class Adaptive:
         for st in states:
             if st.skipped == 0:  # drafted last step, plain decoding wins again: back off
                 st.gap = min(2 * st.gap, MAX_PROBE_GAP) if st.probing else 2
-        due = [st.skipped + 1 >= st.gap or (st.fresh and self._best(
+        due = [st.skipped + 1 >= st.gap or (st.fresh and st.skipped > 1 and self._best(
             [s], [st], drafted=False, gain=State.confident_gain)[0] > 1)  # probes
             for s, st in zip(seqs, states, strict=True)]
         if any(due):  # those half-way to their probe ride along: one drafter call, not several

@@ -320,6 +320,28 @@ def test_a_skipping_request_is_probed_once_the_target_is_sure_of_its_plain_steps
     assert len(readings) >= 3 and readings[-1] == step - 1  # probed right after a reading
 
 
+def test_one_sure_token_right_after_a_draft_does_not_call_a_probe():
+    """The first reading after a draft is one token: a probe needs a second reading that
+    agrees (else a drafter that just failed on text the target is sure of is probed every
+    other step)."""
+    seq = _seq("a", budget=63)
+    policy = Adaptive(_cost(draft_ms=1.5), lambda rows: rows)
+    policy.shape([_plan(seq, 2, confident=False)])
+    st = policy.state["a"]
+    assert policy.to_draft([seq]) == ([], [seq])
+    st.gap = 32  # probes backed off
+    sure = torch.randn(2, 50, generator=torch.Generator().manual_seed(4))
+    sure[:, 11] += 30.0  # [rows, V]: top-1 ≈ 1
+    probed_at = None
+    for step in range(1, 12):
+        if step > 1 and policy.to_draft([seq])[0]:
+            probed_at = st.skipped
+            break
+        policy.observe_step([(policy.skipped(seq), [], 1)], sure)
+        assert st.confidence == pytest.approx(1.0, abs=1e-6)
+    assert probed_at == 1 + adaptive.CONFIDENCE_EVERY  # the second reading, not the first
+
+
 def _deepest_path(tree: DraftTree) -> list[int]:
     """The verify rows, by depth, of the path to the tree's deepest node (all of it accepted)."""
     rows, row = [], int(np.argmax(tree.depths)) + 1
