@@ -296,5 +296,5 @@ class Adaptive:
         st = self.state.get(p.seq.request_id)
         if st is None or p.choice is None or p.choice.shape == shapes.OFF:
             return None
-        return st.book_verified(p.choice.shape, size_classes(p.budget), accepted_rows,
-                                p.tree.max_depth if p.tree.n < p.budget else None)
+        held = st.book_verified(p.choice.shape, size_classes(p.budget), accepted_rows)
+        return p.tree.n < p.budget and len(accepted_rows) >= p.tree.max_depth if held else None

@@ -125,21 +125,19 @@ class State:
         self.shared.book(key, real, expected)
         self.gains.clear()
 
-    def book_verified(self, shape: str, classes, accepted_rows: list[int],
-                      deepest: int | None = None) -> bool | None:
+    def book_verified(self, shape: str, classes, accepted_rows: list[int]) -> bool:
         """Book a verified tree of `shape` (accepted: its verify rows `accepted_rows`): a held
-        step its own shape only, and says whether the whole `deepest` was accepted (None: no
-        room to grow); a decided one what each candidate shape of the size `classes` inside it
-        would have accepted (None)."""
+        step its own shape only (True); a decided one what each candidate shape of the size
+        `classes` inside it would have accepted (False)."""
         n = len(accepted_rows)
         self.recent = n if self.recent is None else 0.5 * self.recent + 0.5 * n
         if self.cut is None and self.kept is not None:  # a held step
             key, expected = self.kept
             self.kept = None
             self.book(key, n, expected)
-            return deepest is not None and n >= deepest
+            return True
         if self.cut is None or self.curve is None:
-            return None
+            return False
         accepted = self.cut[np.asarray(accepted_rows, dtype=np.int64) - 1].tolist()
         path, n, cv = self.curve.chain_nodes, len(self.cut), self.curve
         for k in classes:
@@ -151,7 +149,7 @@ class State:
                     not len(on_chain) or int(on_chain.max()) < n):
                 self.book((shapes.CHAIN, k), shapes.realized_chain(accepted, path, k),
                           cv.expected(shapes.CHAIN, k))
-        return None
+        return False
 
 
 def read_confidence(plain: list[tuple[State, int]], logits: torch.Tensor) -> None:
