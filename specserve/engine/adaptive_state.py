@@ -37,10 +37,13 @@ class Ratios:
         return (self.real.get(key, 0.0) + PRIOR * prior) / (self.pred.get(key, 0.0) + PRIOR)
 
     def nearest(self, key: tuple) -> float:
-        """The ratio of the booked shape nearest `key` = (kind, nodes): of its kind if any, the
-        closest size by ratio of sizes (1 with nothing booked). A shape never verified is taken
-        to be as calibrated as its nearest one: the drafter's over- or under-confidence carries
-        over, where 1 would keep a larger tree looking as bad as the drafter alone says."""
+        """The ratio of `key` = (kind, nodes) if booked, else of the booked shape nearest it: of
+        its kind if any, the closest size by ratio of sizes (1 with nothing booked). A shape
+        never verified is taken to be as calibrated as its nearest one: the drafter's over- or
+        under-confidence carries over, where 1 would keep a larger tree looking as bad as the
+        drafter alone says."""
+        if key in self.pred:
+            return self.ratio(key)
         booked = [b for b in self.pred if b[0] == key[0]] or list(self.pred)
         if not booked:
             return 1.0
@@ -77,8 +80,7 @@ class State:
         self.shared.deepest = max(self.shared.deepest, len(self.curve.chain_nodes))
 
     def calibration(self, key: tuple) -> float:
-        shared = self.shared.ratio(key) if key in self.shared.pred else self.shared.nearest(key)
-        return self.own.ratio(key, shared)
+        return self.own.ratio(key, self.shared.nearest(key))
 
     def gain(self, k: int, budget: int) -> tuple[float, str]:
         """Calibrated expected accepted length at `k` nodes (≤ budget) and its shape."""
