@@ -29,6 +29,7 @@ class Timing:
     sent: float
     arrivals: list[tuple[float, int]] = field(default_factory=list)
     shapes: list[str] = field(default_factory=list)  # each arrival's step: `step_label`
+    whys: list[str] = field(default_factory=list)  # and adaptive's reason for it ("": none)
     phases: dict = field(default_factory=dict)  # the request's own stats: steps, draft_s, ...
 
 
@@ -163,6 +164,7 @@ def in_process(engine, prompts: list[list[int]], new: int, budget: int,
                 t.arrivals.append((now, len(out.new_token_ids)))
                 step = out.stats.step if out.stats is not None else None
                 t.shapes.append(step_label(step.shape, step.tree_size) if step else "off")
+                t.whys.append(step.why or "" if step else "")
             if out.finished and out.stats is not None:
                 timings[out.request_id].phases = _phases(out.stats.request)
     return list(timings.values())
@@ -233,6 +235,7 @@ async def _one(stub, prompt: list[int], new: int, budget: int, t: Timing) -> Tim
         if msg.WhichOneof("event") == "chunk" and msg.chunk.token_ids:
             t.arrivals.append((time.perf_counter(), len(msg.chunk.token_ids)))
             t.shapes.append(step_label(msg.chunk.shape, msg.chunk.tree_size))
+            t.whys.append(msg.chunk.why)
         elif msg.WhichOneof("event") == "final":
             t.phases = _phases(msg.final.stats)
     return t
@@ -271,7 +274,14 @@ async def _verifier_stats(address: str) -> dict:
         s = await verifier_pb2_grpc.VerifierStub(ch).Stats(verifier_pb2.StatsRequest(),
                                                            timeout=10)
     return dict(transport=s.drafter_transport, context_rows=dict(s.context_rows),
-                fallbacks=dict(s.fallbacks), steps=s.steps, profile=dict(s.profile))
+                fallbacks=dict(s.fallbacks), steps=s.steps, profile=dict(s.profile),
+                cost_ms=dict(s.cost_ms))
+
+
+def choices(timings: list[Timing]) -> list[str]:
+    """The first request's steps as "shape: why" (adaptive's choices; empty without)."""
+    t = timings[0]
+    return [f"{s}: {w}" for s, w in zip(t.shapes, t.whys, strict=False)] if any(t.whys) else []
 
 
 def profile_per_step(before: dict, after: dict) -> dict:

@@ -43,6 +43,7 @@ from _served_report import paired_table, table
 from _served_run import (
     Services,
     build_engine,
+    choices,
     in_process,
     interference,
     profile_per_step,
@@ -259,10 +260,13 @@ def run_served(args, results: dict, svc: Services, variant: str, cases) -> None:
         stats = verifier_stats(svc.addr("verifier"))
         add_row(results, case, ctx, len(prompts), f"served {variant}", timings,
                 dict(verifier=stats, profile_ms=profile_per_step(before, stats),
-                     shapes_once_ttft_ms=summary(once)["ttft_ms"]), late)
+                     shapes_once_ttft_ms=summary(once)["ttft_ms"], choices=choices(timings)),
+                late)
         save(results, args.out)
         row = results["rows"][-1]
         log(f"served {variant} {case}: {row['summary']} {row['profile_ms']}")
+        for line in row["choices"][:16]:  # adaptive's first steps, and why
+            log(f"  {line}")
 
 
 def main(argv=None) -> int:

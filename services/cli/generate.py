@@ -210,7 +210,8 @@ def _steps_json(chunks) -> list[dict]:
     before = [None] + [t for t, _ in timed[:-1]]
     return [{"tokens": len(c.token_ids), "commit_len": c.commit_len,
              "accepted_depth": c.accepted_depth, "tree_size": c.tree_size, "shape": c.shape,
-             "fallback": c.fallback, "ms": None if t0 is None else round(1e3 * (t - t0), 3)}
+             "fallback": c.fallback, "why": c.why,
+             "ms": None if t0 is None else round(1e3 * (t - t0), 3)}
             for t0, (t, c) in zip(before, timed, strict=True)]
 
 

@@ -34,6 +34,7 @@ class Chunk:
     tree_size: int = 0  # draft nodes the step verified (0: plain decoding)
     shape: str = ""  # adaptive speculation's choice ("": not adaptive)
     fallback: str = ""  # why the step fell back to root-only ("": it did not)
+    why: str = ""  # adaptive speculation's reason for `shape` ("": not adaptive)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def event(msg: gateway_pb2.GenerateResponse) -> Chunk | Final:
     if msg.WhichOneof("event") == "chunk":
         c = msg.chunk
         return Chunk(c.text, tuple(c.token_ids), c.commit_len, c.accepted_depth,
-                     logprobs_from_pb(c.logprobs), c.tree_size, c.shape, c.fallback)
+                     logprobs_from_pb(c.logprobs), c.tree_size, c.shape, c.fallback, c.why)
     f, s = msg.final, msg.final.stats
     stats = RequestSpecStats(
         steps=s.steps, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,

@@ -55,6 +55,7 @@ class Step:
     budget: int = 0
     fallback: str = ""
     shape: str = ""  # adaptive speculation's choice ("" = not adaptive)
+    why: str = ""  # and the expected rates behind it ("" = not adaptive)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first step's, when asked: tokens 1..
     prompt_ids: tuple[int, ...] = ()  # with prompt_logprobs: the prompt's ids (the gateway's)
@@ -117,7 +118,7 @@ def event_from_pb(ev: verifier_pb2.VerifyEvent) -> tuple[Step | None, VerifierFi
     step = None
     if ev.token_ids or ev.commit_len:
         step = Step(tuple(ev.token_ids), ev.commit_len, ev.accepted_depth, ev.tree_size,
-                    ev.budget, ev.fallback, ev.shape, logprobs_from_pb(ev.logprobs),
+                    ev.budget, ev.fallback, ev.shape, ev.why, logprobs_from_pb(ev.logprobs),
                     logprobs_from_pb(ev.prompt_logprobs))
     final = None
     if ev.HasField("final"):
@@ -134,7 +135,7 @@ def chunk_to_pb(text: str, step: Step | None) -> gateway_pb2.GenerateResponse:
         return gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(text=text))
     chunk = gateway_pb2.Chunk(text=text, token_ids=step.token_ids, commit_len=step.commit_len,
                               accepted_depth=step.accepted_depth, tree_size=step.tree_size,
-                              shape=step.shape, fallback=step.fallback)
+                              shape=step.shape, fallback=step.fallback, why=step.why)
     logprobs_to_pb(step.logprobs, chunk.logprobs)
     logprobs_to_pb(step.prompt_logprobs, chunk.prompt_logprobs)
     return gateway_pb2.GenerateResponse(chunk=chunk)
@@ -184,7 +185,7 @@ def response_from_pb(msg: gateway_pb2.GenerateResponse) -> tuple[str, Step] | Ga
     if msg.WhichOneof("event") == "chunk":
         c = msg.chunk
         return c.text, Step(tuple(c.token_ids), c.commit_len, c.accepted_depth, c.tree_size,
-                            fallback=c.fallback, shape=c.shape)  # the budget is not sent
+                            fallback=c.fallback, shape=c.shape, why=c.why)  # no budget sent
     f = msg.final
     stats, other_s = spec_stats_from_pb(f.stats)
     return GatewayFinal(finish_from_pb(f.finish_reason), f.usage.prompt_tokens,

@@ -114,9 +114,10 @@ def final_to_pb(event: verifier_pb2.VerifyEvent, output, stats, wall_s: float) -
 
 def stats_to_pb(stats, drafter_connected: bool, transport: str = "",
                 context_rows: dict[str, int] | None = None,
-                profile: dict[str, float] | None = None) -> verifier_pb2.StatsReply:
+                profile: dict[str, float] | None = None,
+                cost_ms: dict[str, float] | None = None) -> verifier_pb2.StatsReply:
     return verifier_pb2.StatsReply(drafter_transport=transport, context_rows=context_rows or {},
-        profile=profile or {},
+        profile=profile or {}, cost_ms=cost_ms or {},
         kv_pages_used=stats.pages_used, kv_pages_free=stats.pages_free,
         kv_pages_reserved=stats.pages_reserved, preempted=stats.preempted,
         kv_pages_total=stats.pages_total, active_requests=stats.active,

@@ -62,4 +62,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         transport = self.drafter.transport if connected else ""
         rows = dict(self.drafter.context_rows) if self.drafter is not None else {}
         profile = dict(self.loop.profile) | (dict(self.drafter.profile) if self.drafter else {})
-        return convert.stats_to_pb(self.loop.stats(), connected, transport, rows, profile)
+        engine = self.loop.engine  # adaptive's cost model: read between steps, on their thread
+        cost = await self.loop.call(engine.cost.table) if engine.adaptive is not None else {}
+        return convert.stats_to_pb(self.loop.stats(), connected, transport, rows, profile, cost)
+

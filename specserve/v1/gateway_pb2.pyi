@@ -38,7 +38,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("text", "token_ids", "commit_len", "accepted_depth", "logprobs", "prompt_logprobs", "tree_size", "shape", "fallback")
+    __slots__ = ("text", "token_ids", "commit_len", "accepted_depth", "logprobs", "prompt_logprobs", "tree_size", "shape", "fallback", "why")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class Chunk(_message.Message):
     TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     commit_len: int
@@ -57,7 +58,8 @@ class Chunk(_message.Message):
     tree_size: int
     shape: str
     fallback: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., commit_len: _Optional[int] = ..., accepted_depth: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., tree_size: _Optional[int] = ..., shape: _Optional[str] = ..., fallback: _Optional[str] = ...) -> None: ...
+    why: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., commit_len: _Optional[int] = ..., accepted_depth: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., tree_size: _Optional[int] = ..., shape: _Optional[str] = ..., fallback: _Optional[str] = ..., why: _Optional[str] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "usage", "stats", "request_id", "ttft_s", "wall_s", "verifier")

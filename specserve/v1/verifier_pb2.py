@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecserve/v1/verifier.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\x90\x01\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\'\n\x04spec\x18\x04 \x01(\x0b\x32\x19.specserve.v1.SpecOptions\"\xaa\x02\n\x0bVerifyEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\ncommit_len\x18\x02 \x01(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_depth\x18\x03 \x01(\x05\x12\x11\n\ttree_size\x18\x04 \x01(\x05\x12\x0e\n\x06\x62udget\x18\x05 \x01(\x05\x12\x10\n\x08\x66\x61llback\x18\x06 \x01(\t\x12(\n\x05\x66inal\x18\x07 \x01(\x0b\x32\x19.specserve.v1.VerifyFinal\x12\r\n\x05shape\x18\x08 \x01(\t\x12\x0b\n\x03why\x18\t \x01(\t\x12,\n\x08logprobs\x18\n \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\x8c\x01\n\x0bVerifyFinal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.specserve.v1.Usage\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.specserve.v1.SpecStats\"!\n\x0bStopRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\tStopReply\x12\x0f\n\x07stopped\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xc3\x04\n\nStatsReply\x12\x15\n\rkv_pages_used\x18\x01 \x01(\x03\x12\x15\n\rkv_pages_free\x18\x02 \x01(\x03\x12\x16\n\x0ekv_pages_total\x18\x03 \x01(\x03\x12\x17\n\x0f\x61\x63tive_requests\x18\x04 \x01(\x03\x12\x18\n\x10waiting_requests\x18\x05 \x01(\x03\x12\x19\n\x11\x64rafter_connected\x18\x06 \x01(\x08\x12:\n\tfallbacks\x18\x07 \x03(\x0b\x32\'.specserve.v1.StatsReply.FallbacksEntry\x12\r\n\x05steps\x18\x08 \x01(\x03\x12\x19\n\x11\x64rafter_transport\x18\t \x01(\t\x12?\n\x0c\x63ontext_rows\x18\n \x03(\x0b\x32).specserve.v1.StatsReply.ContextRowsEntry\x12\x36\n\x07profile\x18\x0b \x03(\x0b\x32%.specserve.v1.StatsReply.ProfileEntry\x12\x19\n\x11kv_pages_reserved\x18\x0c \x01(\x03\x12\x11\n\tpreempted\x18\r \x01(\x03\x1a\x30\n\x0e\x46\x61llbacksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x32\n\x10\x43ontextRowsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a.\n\x0cProfileEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xcb\x01\n\x08Verifier\x12\x44\n\x08Generate\x12\x1b.specserve.v1.VerifyRequest\x1a\x19.specserve.v1.VerifyEvent0\x01\x12=\n\x05Stats\x12\x1a.specserve.v1.StatsRequest\x1a\x18.specserve.v1.StatsReply\x12:\n\x04Stop\x12\x19.specserve.v1.StopRequest\x1a\x17.specserve.v1.StopReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecserve/v1/verifier.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\x90\x01\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\'\n\x04spec\x18\x04 \x01(\x0b\x32\x19.specserve.v1.SpecOptions\"\xaa\x02\n\x0bVerifyEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\ncommit_len\x18\x02 \x01(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_depth\x18\x03 \x01(\x05\x12\x11\n\ttree_size\x18\x04 \x01(\x05\x12\x0e\n\x06\x62udget\x18\x05 \x01(\x05\x12\x10\n\x08\x66\x61llback\x18\x06 \x01(\t\x12(\n\x05\x66inal\x18\x07 \x01(\x0b\x32\x19.specserve.v1.VerifyFinal\x12\r\n\x05shape\x18\x08 \x01(\t\x12\x0b\n\x03why\x18\t \x01(\t\x12,\n\x08logprobs\x18\n \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\x8c\x01\n\x0bVerifyFinal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.specserve.v1.Usage\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.specserve.v1.SpecStats\"!\n\x0bStopRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\tStopReply\x12\x0f\n\x07stopped\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xa9\x05\n\nStatsReply\x12\x15\n\rkv_pages_used\x18\x01 \x01(\x03\x12\x15\n\rkv_pages_free\x18\x02 \x01(\x03\x12\x16\n\x0ekv_pages_total\x18\x03 \x01(\x03\x12\x17\n\x0f\x61\x63tive_requests\x18\x04 \x01(\x03\x12\x18\n\x10waiting_requests\x18\x05 \x01(\x03\x12\x19\n\x11\x64rafter_connected\x18\x06 \x01(\x08\x12:\n\tfallbacks\x18\x07 \x03(\x0b\x32\'.specserve.v1.StatsReply.FallbacksEntry\x12\r\n\x05steps\x18\x08 \x01(\x03\x12\x19\n\x11\x64rafter_transport\x18\t \x01(\t\x12?\n\x0c\x63ontext_rows\x18\n \x03(\x0b\x32).specserve.v1.StatsReply.ContextRowsEntry\x12\x36\n\x07profile\x18\x0b \x03(\x0b\x32%.specserve.v1.StatsReply.ProfileEntry\x12\x19\n\x11kv_pages_reserved\x18\x0c \x01(\x03\x12\x11\n\tpreempted\x18\r \x01(\x03\x12\x35\n\x07\x63ost_ms\x18\x0e \x03(\x0b\x32$.specserve.v1.StatsReply.CostMsEntry\x1a\x30\n\x0e\x46\x61llbacksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x32\n\x10\x43ontextRowsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a.\n\x0cProfileEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0b\x43ostMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xcb\x01\n\x08Verifier\x12\x44\n\x08Generate\x12\x1b.specserve.v1.VerifyRequest\x1a\x19.specserve.v1.VerifyEvent0\x01\x12=\n\x05Stats\x12\x1a.specserve.v1.StatsRequest\x1a\x18.specserve.v1.StatsReply\x12:\n\x04Stop\x12\x19.specserve.v1.StopRequest\x1a\x17.specserve.v1.StopReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,6 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREPLY_CONTEXTROWSENTRY']._serialized_options = b'8\001'
   _globals['_STATSREPLY_PROFILEENTRY']._loaded_options = None
   _globals['_STATSREPLY_PROFILEENTRY']._serialized_options = b'8\001'
+  _globals['_STATSREPLY_COSTMSENTRY']._loaded_options = None
+  _globals['_STATSREPLY_COSTMSENTRY']._serialized_options = b'8\001'
   _globals['_VERIFYREQUEST']._serialized_start=73
   _globals['_VERIFYREQUEST']._serialized_end=217
   _globals['_VERIFYEVENT']._serialized_start=220
@@ -51,13 +53,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=728
   _globals['_STATSREQUEST']._serialized_end=742
   _globals['_STATSREPLY']._serialized_start=745
-  _globals['_STATSREPLY']._serialized_end=1324
-  _globals['_STATSREPLY_FALLBACKSENTRY']._serialized_start=1176
-  _globals['_STATSREPLY_FALLBACKSENTRY']._serialized_end=1224
-  _globals['_STATSREPLY_CONTEXTROWSENTRY']._serialized_start=1226
-  _globals['_STATSREPLY_CONTEXTROWSENTRY']._serialized_end=1276
-  _globals['_STATSREPLY_PROFILEENTRY']._serialized_start=1278
-  _globals['_STATSREPLY_PROFILEENTRY']._serialized_end=1324
-  _globals['_VERIFIER']._serialized_start=1327
-  _globals['_VERIFIER']._serialized_end=1530
+  _globals['_STATSREPLY']._serialized_end=1426
+  _globals['_STATSREPLY_FALLBACKSENTRY']._serialized_start=1231
+  _globals['_STATSREPLY_FALLBACKSENTRY']._serialized_end=1279
+  _globals['_STATSREPLY_CONTEXTROWSENTRY']._serialized_start=1281
+  _globals['_STATSREPLY_CONTEXTROWSENTRY']._serialized_end=1331
+  _globals['_STATSREPLY_PROFILEENTRY']._serialized_start=1333
+  _globals['_STATSREPLY_PROFILEENTRY']._serialized_end=1379
+  _globals['_STATSREPLY_COSTMSENTRY']._serialized_start=1381
+  _globals['_STATSREPLY_COSTMSENTRY']._serialized_end=1426
+  _globals['_VERIFIER']._serialized_start=1429
+  _globals['_VERIFIER']._serialized_end=1632
 # @@protoc_insertion_point(module_scope)

@@ -46,7 +46,7 @@ async def test_adaptive_choices_travel_with_the_steps(target, expected):
         async with channel(f"127.0.0.1:{port}") as ch:
             stub = verifier_pb2_grpc.VerifierStub(ch)
             events = await _generate(stub, REPETITIVE, 48, drafter=NGRAM, budget=16)
-            await stub.Stats(verifier_pb2.StatsRequest())
+            stats = await stub.Stats(verifier_pb2.StatsRequest())
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
                                       timeout=5).read().decode()
     finally:
@@ -63,3 +63,8 @@ async def test_adaptive_choices_travel_with_the_steps(target, expected):
     final = events[-1].final.stats
     assert sum(final.shapes.values()) == len(shaped) and final.steps == len(steps)
     assert 'specserve_adaptive_choices_total{shape="' in body
+    # the cost model the choices were made by: plain decoding's step and the trees', measured
+    assert any(k.startswith("verify n=1 rows=1 ") for k in stats.cost_ms)
+    assert any(k.startswith("verify n=1 rows=") and not k.startswith("verify n=1 rows=1 ")
+               for k in stats.cost_ms)
+    assert all(v > 0 for v in stats.cost_ms.values())

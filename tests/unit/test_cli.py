@@ -21,7 +21,7 @@ from services.gateway import convert
 from services.gateway.convert import GatewayFinal, Step
 from specserve.spec.metrics import RequestSpecStats
 from specserve.types import FinishReason, SamplingParams
-from specserve.v1 import gateway_pb2_grpc
+from specserve.v1 import gateway_pb2_grpc, verifier_pb2
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -73,7 +73,8 @@ class _FakeGateway(gateway_pb2_grpc.GatewayServicer):
             yield convert.chunk_to_pb("hi", Step((5,), 1, 0))
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         yield convert.chunk_to_pb("hi", Step((5,), 1, 0))
-        yield convert.chunk_to_pb(" there", Step((6, 7), 2, 1, tree_size=4, shape="chain"))
+        yield convert.chunk_to_pb(" there", Step((6, 7), 2, 1, tree_size=4, shape="chain",
+                                                       why="step rows 5: 2.10 tok/step"))
         yield convert.final_to_pb(GatewayFinal(FinishReason.LENGTH, 2, 3, stats, 0.01, "r1",
                                                0.02, 0.05, "10.0.0.7:50052"))
 
@@ -98,9 +99,10 @@ def test_generate_streams_from_the_gateway(gateway, capsys):
     assert out["verifier"] == "10.0.0.7:50052" and out["trace_id"] is None  # spans not exported
     first, second = out["steps"]
     assert first == {"tokens": 1, "commit_len": 1, "accepted_depth": 0, "tree_size": 0,
-                     "shape": "", "fallback": "", "ms": None}
+                     "shape": "", "fallback": "", "why": "", "ms": None}
     assert second.pop("ms") >= 0 and second == {"tokens": 2, "commit_len": 2, "accepted_depth": 1,
-                                                "tree_size": 4, "shape": "chain", "fallback": ""}
+                                                "tree_size": 4, "shape": "chain", "fallback": "",
+                                                "why": "step rows 5: 2.10 tok/step"}
     req = fake.requests[0]
     assert list(req.token_ids.ids) == [1, 2] and list(req.sampling.stop) == ["\n\n"]
     assert req.spec.budget == 7 and not req.sampling.HasField("temperature")
@@ -144,12 +146,14 @@ def test_the_client_wire_is_the_gateways():
         msg = convert.final_to_pb(GatewayFinal(reason, 4, 5, stats, 0.5, "r", 0.6, 0.7))
         assert vars(wire.event(msg)) == vars(convert.response_from_pb(msg))
     for step in (Step((1, 2), 3, 2), Step((3,), 1, 0, 5, 5, "drafter_timeout", "off"),
-                 Step((4, 5), 2, 1, tree_size=3, budget=7, shape="tree")):
+                 Step((4, 5), 2, 1, tree_size=3, budget=7, shape="tree", why="step rows 4")):
         text, got = convert.response_from_pb(convert.chunk_to_pb("ab", step))
         assert got == replace(step, budget=0)  # the budget stays at the verifier
         assert wire.event(convert.chunk_to_pb("ab", step)) == wire.Chunk(
             text, got.token_ids, got.commit_len, got.accepted_depth, (), got.tree_size,
-            got.shape, got.fallback)
+            got.shape, got.fallback, got.why)
+    ev = verifier_pb2.VerifyEvent(token_ids=[4], commit_len=1, shape="off", why="plain faster")
+    assert convert.event_from_pb(ev)[0].why == "plain faster"  # verifier → gateway → client
     metadata = (("other", "1"), (convert.TRACE_ID_KEY, "abc"))
     assert wire.trace_id(metadata) == convert.trace_id_from_metadata(metadata) == "abc"
 
