@@ -78,10 +78,9 @@ async def _build(config: VerifierConfig, metrics: VerifierMetrics
             log.warning("no --draft-model or --tap-layers: no context features, so only "
                         "n-gram drafting can work")
         engine.set_drafter(drafter)  # checks the tap layers against the target
-        ruled_by = [name for name in ("overlap", "adaptive") if getattr(config, name) == "on"]
-        if config.draft_ahead == "on" and ruled_by:
-            log.info("--draft-ahead on is ignored with --%s on, which schedules the drafts "
-                     "itself", ruled_by[0])
+        if config.draft_ahead == "on" and config.overlap == "on":
+            log.info("--draft-ahead on is ignored with --overlap on, which schedules the drafts "
+                     "itself")
         drafter.tracing = tracer
     loop = StepLoop(engine, metrics=metrics, tracer=tracer,
                     admission_window_s=config.admission_window_ms / 1e3)
