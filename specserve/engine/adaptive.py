@@ -10,31 +10,37 @@ where those nodes do not hold it: else they accept at least as much). For every 
 
 with E from the drafter's own path probabilities (spec/shapes.py), ĉ the request's running
 ratio of accepted to expected for that shape (measured on every verified tree, counterfactuals
-included), pulled towards every request's ratio (how calibrated the drafter is; a shape never
-verified takes the nearest verified one's), and times from the cost model (engine/cost.py).
-Before drafting, with last step's curves: if plain decoding wins by SKIP_MARGIN, nobody is
-drafted (B = 0, no drafter call; the context rows wait for the next draft), except requests
-without a curve yet and probes (a skipping request is drafted again after 2, 4, … 32 steps —
-with it those past half their gap — or at once when the target's confidence on its plain
-steps, read every CONFIDENCE_EVERY of them, twice says a chain as sure would pay). After drafting,
-the choice is made again with the fresh curves (the drafting time now counts for plain
-decoding too: it is spent), and the trees are cut to it. The client's budget bounds every
-choice, and the drafter is asked for one size class above the last choice. A decision to draft
-(one that pays with the drafting still to pay) holds for REDECIDE steps: in between, each
-request keeps its shape (the drafter is asked for just that tree) and only that shape's outcome
-is booked (no curves, no counterfactuals). The hold outlives requests that finish; a new
-request joins it with the held size's DDTree prefix; a batch grown past the bucket it was
+included), pulled towards every request's ratio (a shape never verified takes the nearest
+verified one's), and times from the cost model (engine/cost.py). Before drafting, with last
+step's curves: if plain decoding wins by SKIP_MARGIN, nobody is drafted (B = 0, no drafter
+call; the context rows wait for the next draft; the forecast is read again only once a draft,
+the costs, the batch or its context class moved), except requests without a curve yet and
+probes (a skipping request is drafted again after 2, 4, … 32 steps — with it those past half
+their gap — or at once when the target's confidence on its plain steps, read every
+CONFIDENCE_EVERY of them, twice says a chain as sure would pay). After drafting, the choice is
+made again with the fresh curves (the drafting, spent, now counts for plain decoding too) and
+the trees are cut to it. The client's budget bounds every choice; the drafter is asked for one
+size class above the last choice. A decision to draft (one that pays with the drafting still
+to pay) holds for REDECIDE steps: each request keeps its shape (the drafter is asked for just
+that tree) and only that shape's outcome is booked. The hold outlives requests that finish; a
+new request joins it with the held size's DDTree prefix; a batch grown past the bucket it was
 priced for, a request the decision skipped, or a step where most held shapes were accepted to
-their deepest node (a bigger one would have accepted more) ends it. Trees without
-probabilities (the n-gram drafter) are kept as drafted.
-Lossless: only which draft tokens are verified changes; the acceptance walk is the same.
+their deepest node ends it. Trees without probabilities (the n-gram drafter) are kept as
+drafted. Lossless: only which draft tokens are verified changes; the acceptance walk is the same.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from specserve.engine.adaptive_state import SHARED_DECAY, Ratios, State, outside, read_confidence
+from specserve.engine.adaptive_state import (
+    SHARED_DECAY,
+    Ratios,
+    State,
+    choose,
+    outside,
+    read_confidence,
+)
 from specserve.engine.cost import CostModel, batch_bucket, context_class
 from specserve.engine.speculative import Planned
 from specserve.engine.warmup import size_classes
@@ -70,6 +76,8 @@ class Adaptive:
         self._decision = 0  # decisions made (State.decision: the last one a request took part in)
         self._fast = False  # this step keeps the held shapes
         self._prior: dict[str | None, State] = {}  # by drafter kind: the last request drafted
+        self._drafted = 0  # steps with a draft so far: what a forecast reads moves only with one
+        self._plain_at: tuple | None = None  # (batch, context class, costs, drafted) last skipped
 
     def release(self, request_id: str) -> None:
         self.state.pop(request_id, None)
@@ -106,13 +114,16 @@ class Adaptive:
         return all(st.decision == self._decision or st.kind is None for st in states)
 
     def _skipping(self, seqs, states) -> list:
-        """Which of `seqs` (each with a curve) skip the drafter this step."""
-        best, _ = self._best(seqs, states, drafted=False, margin=SKIP_MARGIN,
-                             gain=State.forecast_gain)
-        if best > 1:
+        """Which of `seqs` (each with a curve) skip the drafter this step. The forecast is read
+        again only when its inputs moved: a draft, the cost model, the batch, its context class."""
+        at = (tuple(s.request_id for s in seqs),
+              context_class(max(s.num_computed for s in seqs)), self.cost.epoch, self._drafted)
+        if at != self._plain_at and self._best(seqs, states, drafted=False, margin=SKIP_MARGIN,
+                                               gain=State.forecast_gain)[0] > 1:
             for st in states:
                 st.gap, st.probing = 2, False
             return []
+        self._plain_at = at
         for st in states:
             if st.skipped == 0:  # drafted last step, plain decoding wins again: back off
                 st.gap = min(2 * st.gap, MAX_PROBE_GAP) if st.probing else 2
@@ -159,6 +170,7 @@ class Adaptive:
     def shape(self, plans: list[Planned]) -> None:
         """Cut the drafted trees of `plans` to this step's choice (the drafting is spent)."""
         scored = [p for p in plans if p.tree.n and p.tree.scores is not None and p.choice is None]
+        self._drafted += bool(scored)
         if self._fast:  # a held step
             for p in scored:
                 st = self.state.setdefault(p.seq.request_id, State(self.shared))
@@ -182,11 +194,11 @@ class Adaptive:
             self._prior[p.seq.drafter_kind] = st
         seqs, states = [p.seq for p in scored], [self.state[p.seq.request_id] for p in scored]
         rated, top = self._rated(seqs, states), max(s.budget for s in seqs)
-        best, why = self._choose(rated, len(seqs), True, 1.0, top)
+        best, why = choose(rated, len(seqs), True, 1.0, top)
         for p, st in zip(scored, states, strict=True):
             self._cut(p, st, best - 1, why)
         # hold only if drafting pays with its cost to come (the gains were read before the cuts)
-        hold = best > 1 and self._choose(rated, len(seqs), False, SKIP_MARGIN, top)[0] > 1
+        hold = best > 1 and choose(rated, len(seqs), False, SKIP_MARGIN, top)[0] > 1
         self._hold, self._decision = self.redecide - 1 if hold else 0, self._decision + 1
         self._held = (batch_bucket(len(scored)), best - 1, why) if hold else None
         for st in states:
@@ -236,7 +248,7 @@ class Adaptive:
         `drafted`, plain decoding's step carries the drafting time too (it is spent); `gain`:
         the State method giving a request's expected accepted length (before drafting
         `forecast_gain`, for probes `confident_gain`); plain decoding wins only by `margin`."""
-        return self._choose(self._rated(seqs, states, gain), len(seqs), drafted, margin,
+        return choose(self._rated(seqs, states, gain), len(seqs), drafted, margin,
                             max(s.budget for s in seqs))
 
     def _rated(self, seqs, states, gain=State.gain) -> tuple | None:
@@ -250,21 +262,6 @@ class Adaptive:
         pairs = list(zip(states, (s.budget for s in seqs), strict=True))
         return [(rows, sum(1 + gain(st, rows - 1, budget)[0] for st, budget in pairs), t)
                 for rows, t in verify], draft
-
-    @staticmethod
-    def _choose(rated: tuple | None, n: int, drafted: bool, margin: float,
-                top: int) -> tuple[int, str]:
-        """`_best`'s pick among `_rated`'s rows."""
-        if rated is None:
-            return top + 1, "unmeasured: the client's budget"
-        verify, draft = rated
-        rates = [(tokens / (t + (draft if rows > 1 or drafted else 0.0)), rows, tokens, t)
-                 for rows, tokens, t in verify]
-        ar = rates[0]
-        rates[0] = (ar[0] / margin, *ar[1:])
-        rate, rows, tokens, t = max(rates)
-        return rows, (f"step rows {rows}: {tokens / n:.2f} tok/step in {t * 1e3:.2f} ms "
-                      f"(+{draft * 1e3:.2f} draft) = {rate:.0f} tok/s; plain {ar[0]:.0f} tok/s")
 
     def _step_times(self, n: int, ctx: int, top: int) -> tuple | None:
         """([(rows, verify seconds)] for plain decoding and each size class, drafting
@@ -297,4 +294,5 @@ class Adaptive:
         if st is None or p.choice is None or p.choice.shape == shapes.OFF:
             return None
         held = st.book_verified(p.choice.shape, size_classes(p.budget), accepted_rows)
+        self._drafted += 1  # the calibrations moved
         return p.tree.n < p.budget and len(accepted_rows) >= p.tree.max_depth if held else None

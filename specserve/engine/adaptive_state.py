@@ -1,7 +1,8 @@
 """Adaptive speculation's per-request state: how calibrated the drafter has been (accepted
 over expected, by shape), the last drafted tree's curves, the probing schedule, the target's
 confidence on plain steps, its recent accepted length and the shape the request holds between
-the policy's decisions. No choosing (engine/adaptive.py does)."""
+the policy's decisions; and the arithmetic of a pick among rated rows (`choose`). The choosing
+itself is engine/adaptive.py's."""
 
 from __future__ import annotations
 
@@ -165,6 +166,21 @@ def read_confidence(plain: list[tuple[State, int]], logits: torch.Tensor) -> Non
         st.confidence = top if st.skipped <= 1 or st.confidence is None else \
             0.5 * st.confidence + 0.5 * top
         st.fresh = True
+
+
+def choose(rated: tuple | None, n: int, drafted: bool, margin: float,
+            top: int) -> tuple[int, str]:
+    """The pick among the rated rows of a step (engine/adaptive.py `_rated`): (rows, why)."""
+    if rated is None:
+        return top + 1, "unmeasured: the client's budget"
+    verify, draft = rated
+    rates = [(tokens / (t + (draft if rows > 1 or drafted else 0.0)), rows, tokens, t)
+             for rows, tokens, t in verify]
+    ar = rates[0]
+    rates[0] = (ar[0] / margin, *ar[1:])
+    rate, rows, tokens, t = max(rates)
+    return rows, (f"step rows {rows}: {tokens / n:.2f} tok/step in {t * 1e3:.2f} ms "
+                  f"(+{draft * 1e3:.2f} draft) = {rate:.0f} tok/s; plain {ar[0]:.0f} tok/s")
 
 
 def outside(p: Planned) -> Choice:

@@ -13,6 +13,7 @@ import torch
 
 from specserve.engine import adaptive
 from specserve.engine.adaptive import Adaptive
+from specserve.engine.adaptive_state import State
 from specserve.engine.cost import CostModel, context_class
 from specserve.engine.sequence import Sequence
 from specserve.engine.speculative import Planned
@@ -458,6 +459,37 @@ def test_requests_half_way_to_their_probe_ride_along_with_one_that_is_due():
         st.skipped, st.gap = 3, gap  # a is due, b half-way, c far from it
     assert slow.to_draft(seqs) == (seqs[:2], seqs[2:])
     assert slow.state["a"].probing and slow.state["b"].probing and not slow.state["c"].probing
+
+
+def test_a_skipping_batch_reads_its_forecast_again_only_when_its_inputs_move():
+    """Plain decoding's steps read the forecast once: again after a draft is booked, the cost
+    model moves, the batch changes or its context crosses a class; the choices are those of a
+    policy that reads it every step."""
+    seqs = [_seq("a", budget=63), _seq("b", budget=63, start=57)]
+    policies = [Adaptive(_cost(draft_ms=10.0), lambda rows: rows) for _ in range(2)]
+    reads = []
+    for policy in policies:
+        policy.shape([_plan(s, 2 + i, confident=False) for i, s in enumerate(seqs)])
+    best, gen = policies[0]._best, torch.Generator().manual_seed(12)
+    policies[0]._best = lambda *a, **k: reads.append(k.get("gain")) or best(*a, **k)
+
+    def step(batch):
+        got = [p.to_draft(batch) for p in policies]
+        policies[1]._plain_at = None  # the twin reads its forecast every step
+        for p in policies:
+            p.observe_step([(p.skipped(s), [], i) for i, s in enumerate(batch)],
+                           torch.randn(len(batch), 50, generator=gen))
+        assert got[0] == got[1] and got[0][1] == batch  # the same choice: all skip
+        for st in (st for p in policies for st in p.state.values()):
+            st.gap = 32  # probes backed off
+        return sum(g is State.forecast_gain for g in reads)
+
+    assert [step(seqs) for _ in range(3)] == [1, 1, 1]
+    policies[0].cost.observe_verify(1, 3, 40, 1e-3)  # a shape not measured before
+    assert step(seqs) == 2 and step(seqs) == 2
+    assert step(seqs[:1]) == 3 and step(seqs[:1]) == 3  # b finished
+    seqs[0].num_computed = 2048  # a longer context class
+    assert step(seqs[:1]) == 4
 
 
 def test_a_new_request_starts_from_its_drafters_last_curve_and_probe_gap():
