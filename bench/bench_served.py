@@ -265,8 +265,9 @@ def run_served(args, results: dict, svc: Services, variant: str, cases) -> None:
         save(results, args.out)
         row = results["rows"][-1]
         log(f"served {variant} {case}: {row['summary']} {row['profile_ms']}")
-        for line in row["choices"][:16]:  # adaptive's first steps, and why
-            log(f"  {line}")
+        costs = ", ".join(f"{k} {v:.2f}" for k, v in stats["cost_ms"].items())
+        for line in row["choices"][:16] + ([f"cost ms: {costs}"] if costs else []):
+            log(f"  {line}")  # adaptive's first steps and why; the cost model behind them
 
 
 def main(argv=None) -> int:
