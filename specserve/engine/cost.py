@@ -83,10 +83,12 @@ class CostModel:
         self.epoch += 1
 
     def observe_draft(self, n: int, ctx: int, seconds: float) -> None:
+        """Book a drafter call; callers caching on `epoch` see it move with the entry's value."""
         key = (batch_bucket(n), context_class(ctx))
-        if key not in self.draft:
-            self.epoch += 1
+        before = self.draft[key].value if key in self.draft else None
         _add(self.draft, key, seconds)
+        if key in self.draft and self.draft[key].value != before:
+            self.epoch += 1
 
     def verify_s(self, n: int, rows: int, ctx: int) -> float | None:
         """Seconds of a decode step of `n` requests, `rows` rows each, longest context `ctx`."""
@@ -138,16 +140,19 @@ def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: fl
     each tree occupied (0: each its own), the verify + commit seconds, and the drafting
     seconds (None: not the step's own, as with overlap) with the context rows it carried. A
     draft that also took a prompt's or a skipped stretch's rows costs more once, not every
-    step: only steady drafts are booked. A step that built a CUDA graph (the runner's count of
-    builds, `graph_builds`, moved since the last step) timed the capture: nothing is booked
-    (a shape booked once at its capture's cost was never chosen again, so never measured)."""
+    step: only steady drafts are booked (none where a request had its first tree: its prompt's
+    context, fed to the drafter during the prefill, is taken in then). A step that built a
+    CUDA graph (the runner's count of builds, `graph_builds`, moved since the last step) timed
+    the capture: nothing is booked (a shape booked once at its capture's cost was never chosen
+    again, so never measured)."""
     if graph_builds != cost.graph_builds:
         cost.graph_builds = graph_builds
         return
     ctx = max(p.start for p in plans)
     cost.observe_verify(len(plans), rows or max(p.layout.num_rows for p in plans), ctx, verify_s)
     drafted = sum(1 for p in plans if p.budget and p.drafted)
-    if drafted and draft_s is not None and draft_rows <= STEADY_ROWS * drafted:
+    if drafted and draft_s is not None and draft_rows <= STEADY_ROWS * drafted \
+            and not any(p.first for p in plans):
         cost.observe_draft(drafted, ctx, draft_s)
 
 

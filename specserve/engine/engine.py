@@ -189,6 +189,7 @@ class Engine:
         work = self.scheduler.schedule()
         for seq in self.scheduler.take_preempted():  # recomputed from 0: so is its draft state
             self._release(seq.request_id)
+            seq.drafts = 0
         return work
 
     def _draft_plan(self, work: list[Scheduled]):

@@ -67,6 +67,7 @@ class Sequence:
     budget: int = 0  # draft nodes per step (0 = plain autoregressive decoding)
     drafter_kind: str | None = None  # which drafter (drafters/registry.py); None: the default
     pending_context: list = field(default_factory=list)  # tapped features not yet drafted on
+    drafts: int = 0  # trees the drafter sent for it since its prefill (its state's age there)
     recompute_to: int = 0  # after a preemption: prefill again up to here (its tokens then)
     spec_stats: object | None = None  # RequestSpecStats
     prompt_logprobs: list = field(default_factory=list)  # prompt tokens' TokenLogprobs, unsent

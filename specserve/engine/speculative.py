@@ -39,6 +39,7 @@ class Planned:
     fallback: str | None = None
     drafted: bool = True  # False: adaptive speculation skipped the drafter for it this step
     choice: Choice | None = None  # adaptive speculation's shape (None: the budget as asked)
+    first: bool = False  # the request's first draft: the drafter took in its prompt's context
 
     @property
     def start(self) -> int:
@@ -143,7 +144,8 @@ def planned(seqs: Seq[Sequence], reqs: Seq[DraftRequest], wanted: Seq[DraftReque
         tree = trees.get(seq.request_id, DraftTree.empty())
         why = fallback.get(seq.request_id) or (entry.get(seq.request_id) if not tree.n else None)
         out.append(Planned(seq, tree, verify_layout(tree, req.bonus_token, req.start),
-                           req.budget, why))
+                           req.budget, why, first=bool(tree.n) and not seq.drafts))
+        seq.drafts += bool(tree.n)
     return out
 
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.engine import adaptive
+from specserve.engine import adaptive, speculative
 from specserve.engine.adaptive import Adaptive
 from specserve.engine.adaptive_state import State
-from specserve.engine.cost import CostModel, context_class
+from specserve.engine.cost import CostModel, context_class, observe_step
 from specserve.engine.sequence import Sequence
 from specserve.engine.speculative import Planned
 from specserve.spec import shapes
@@ -161,6 +161,27 @@ def test_cost_model_estimates_from_its_nearest_measurements():
     cost.observe_draft(1, 1000, 2.0)
     assert cost.draft_s(2, 4000) == 2.0 and context_class(1000) == 10
     assert "verify n=1 rows=8 ctx<=2^10" in cost.table()
+
+
+def test_a_requests_first_tree_is_not_a_steady_draft_and_a_new_draft_time_is_read():
+    """The drafter takes in the prompt's context (fed during the prefill) with a request's
+    first tree: that step's drafting is not booked; the steady drafts after it are, and a
+    policy caching its step times sees the entry move."""
+    seqs = [_seq("a", budget=15), _seq("b", budget=7, start=61)]
+    drafter, cost = RandomDDTreeDrafter(50, depth=4, seed=7), CostModel()
+    policy = Adaptive(cost, lambda rows: rows)
+    firsts, drafts = [], []
+    for draft_s in (6.0e-3, 1.5e-3, 1.7e-3):  # the first call takes in the prompts
+        plans, _ = speculative.plan(seqs, drafter, 4096, 50)
+        firsts.append([p.first for p in plans])
+        observe_step(cost, plans, 16, 1e-3, draft_s, draft_rows=2)
+        drafts.append(policy._step_times(2, 61, 15)[1])
+    assert firsts == [[True, True], [False, False], [False, False]]
+    assert drafts == [0.0, 1.5e-3, 1.5e-3]  # none booked, then the steady ones
+    cost.observe_draft(2, 61, 1.1e-3)  # cheaper now: the lower quartile moves
+    assert policy._step_times(2, 61, 15)[1] == 1.1e-3
+    empty = speculative.plan([_seq("c", budget=0)], drafter, 4096, 50)[0]
+    assert not empty[0].first and empty[0].seq.drafts == 0  # no tree: not a first one
 
 
 def _seq(rid: str, budget: int, start: int = 40) -> Sequence:
