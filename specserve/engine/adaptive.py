@@ -76,8 +76,10 @@ class Adaptive:
         self._decision = 0  # decisions made (State.decision: the last one a request took part in)
         self._fast = False  # this step keeps the held shapes
         self._prior: dict[str | None, State] = {}  # by drafter kind: the last request drafted
-        self._drafted = 0  # steps with a draft so far: what a forecast reads moves only with one
-        self._plain_at: tuple | None = None  # (batch, context class, costs, drafted) last skipped
+        # bumped by each step with drafts and each booking: what a forecast reads (curves,
+        # calibrations, recent lengths) moves only then
+        self._moved = 0
+        self._plain_at: tuple | None = None  # (batch, context class, costs, moved) last skipped
 
     def release(self, request_id: str) -> None:
         self.state.pop(request_id, None)
@@ -117,7 +119,7 @@ class Adaptive:
         """Which of `seqs` (each with a curve) skip the drafter this step. The forecast is read
         again only when its inputs moved: a draft, the cost model, the batch, its context class."""
         at = (tuple(s.request_id for s in seqs),
-              context_class(max(s.num_computed for s in seqs)), self.cost.epoch, self._drafted)
+              context_class(max(s.num_computed for s in seqs)), self.cost.epoch, self._moved)
         if at != self._plain_at and self._best(seqs, states, drafted=False, margin=SKIP_MARGIN,
                                                gain=State.forecast_gain)[0] > 1:
             for st in states:
@@ -170,7 +172,7 @@ class Adaptive:
     def shape(self, plans: list[Planned]) -> None:
         """Cut the drafted trees of `plans` to this step's choice (the drafting is spent)."""
         scored = [p for p in plans if p.tree.n and p.tree.scores is not None and p.choice is None]
-        self._drafted += bool(scored)
+        self._moved += bool(scored)
         if self._fast:  # a held step
             for p in scored:
                 st = self.state.setdefault(p.seq.request_id, State(self.shared))
@@ -294,5 +296,5 @@ class Adaptive:
         if st is None or p.choice is None or p.choice.shape == shapes.OFF:
             return None
         held = st.book_verified(p.choice.shape, size_classes(p.budget), accepted_rows)
-        self._drafted += 1  # the calibrations moved
+        self._moved += 1  # the calibrations moved
         return p.tree.n < p.budget and len(accepted_rows) >= p.tree.max_depth if held else None
