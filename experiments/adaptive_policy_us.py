@@ -3,12 +3,18 @@
 tokens, predictable and novel text at batch 1 and 8 (two warm generations, three timed).
 
     PYTHONPATH=.:bench python experiments/adaptive_policy_us.py
+    PYTHONPATH=.:bench:experiments python experiments/adaptive_policy_us.py \
+        --random-pair /tmp/pairtiny --texts novel --plain   # every step plainly decoded
+
+`--random-pair DIR`: the tiny random pair (bench_adaptive writes it if missing); `--plain`: the
+cost model frozen to a 100-ms drafter (experiments/adaptive_sim.py), so plain decoding wins.
 
 On a GPU a demo-pair step is 2–3 ms, so these µs are the policy's share of it there.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import time
 
@@ -37,6 +43,12 @@ def _timed(cls, name: str) -> None:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--random-pair", default=None, metavar="DIR")
+    ap.add_argument("--texts", nargs="+", default=["predictable", "novel"])
+    ap.add_argument("--plain", action="store_true", help="a drafter too dear to ever pay")
+    args = ap.parse_args()
+    pair = ["--random-pair", args.random_pair, "--tiny"] if args.random_pair else []
     for name in CALLS:
         if hasattr(adaptive.Adaptive, name):  # older commits lack some
             _timed(adaptive.Adaptive, name)
@@ -44,9 +56,13 @@ def main() -> None:
     _timed(engine.Engine, "_observe_cost")
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     for batch in (1, 8):
-        engines, tok = bench_adaptive.build(bench_adaptive.parse(["--batch", str(batch)]))
+        engines, tok = bench_adaptive.build(bench_adaptive.parse(pair + ["--batch", str(batch)]))
         eng = engines["adaptive"]
-        for text in ("predictable", "novel"):
+        if args.plain:
+            from adaptive_sim import FrozenCost  # experiments/
+
+            eng.cost = eng.adaptive.cost = FrozenCost((0.45, 0.12, 0.007, 100.0, 0.0))
+        for text in args.texts:
             prompts = bench_adaptive.prompts(tok, text, batch, 1024)
             for _ in range(2):
                 eng.generate(prompts, params, budget=63)
