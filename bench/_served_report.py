@@ -1,7 +1,10 @@
-"""bench/bench_served.py's printed tables: the rows (in process and each served variant) and
-the interleaved pairs (`--paired`). Benchmark-only code."""
+"""bench/bench_served.py's printed tables: the rows (in process and each served variant), the
+interleaved pairs (`--paired`) and two variants interleaved (`--paired-variants`).
+Benchmark-only code."""
 
 from __future__ import annotations
+
+import statistics
 
 
 def table(rows: list[dict]) -> str:
@@ -53,4 +56,17 @@ def paired_table(rows: list[dict]) -> str:
         lines.append(f"{r['case']:<8} {r['rounds']:>6} {r['in_process_pooled_p50_ms']:18.2f} "
                      f"{r['served_pooled_p50_ms']:14.2f} {r['ratio_median']:8.3f} "
                      f"[{r['ratio_min']:.3f}, {r['ratio_max']:.3f}] {r['ratio_pooled']:7.3f}")
+    return "\n".join(lines)
+
+
+def variants_table(rows: list[dict]) -> str:
+    head = (f"{'case':<8} {'rounds':>6} {'first tok/s':>12} {'last tok/s':>11} "
+            f"{'tok/s ratio median [min, max]':>30} {'steady p50 ms':>14}")
+    lines = [f"two variants interleaved (--paired-variants): last ({rows[0]['last']}) over "
+             f"first ({rows[0]['first']})", head, "-" * len(head)]
+    for r in rows:
+        a, b = statistics.median(r["first_tok_s"]), statistics.median(r["last_tok_s"])
+        lines.append(f"{r['case']:<8} {r['rounds']:>6} {a:12.1f} {b:11.1f} "
+                     f"{r['ratio_median']:14.3f} [{r['ratio_min']:.3f}, {r['ratio_max']:.3f}] "
+                     f"{r['first_pooled_p50_ms']:6.2f} / {r['last_pooled_p50_ms']:.2f}")
     return "\n".join(lines)

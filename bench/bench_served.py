@@ -23,6 +23,7 @@ bytes / copy bandwidth); writes JSON after every row.
     python3 bench/bench_served.py --device cpu --model checkpoints/demo-target \
         --draft-model checkpoints/demo-drafter --kv-memory-gb 1 --chunk 2048   # CPU, demo pair
     python3 bench/bench_served.py --variants auto --batch8-contexts= --paired 6  # drift-free ratio
+    python3 bench/bench_served.py --variants auto,auto:--adaptive=on --paired-variants 6  # A/B
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from pathlib import Path
 
 from _served_models import BODY_8B, TAPS_8B, TINY, write_pair
 from _served_paired import paired
-from _served_report import paired_table, table
+from _served_report import paired_table, table, variants_table
 from _served_run import (
     Services,
     build_engine,
@@ -51,6 +52,7 @@ from _served_run import (
     summary,
     verifier_stats,
 )
+from _served_variants import paired_variants, start_gateway, start_services
 
 T0 = time.time()
 TEXT = "The cat sat on the mat. "
@@ -82,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--mps", action="store_true", help="run everything under a CUDA MPS daemon")
     add("--paired", type=int, default=0, metavar="N", help="also N rounds of each batch-1 "
         "case in process and served, interleaved (the steady-step ratio without drift)")
+    add("--paired-variants", type=int, default=0, metavar="N", help="also N rounds of every "
+        "case through the first and the last --variants' services, interleaved")
     return ap.parse_args(argv)
 
 
@@ -166,26 +170,6 @@ def save(results: dict, out: str) -> None:
     Path(out).write_text(json.dumps(data, indent=1, default=str))
 
 
-def variant_parts(args, variant: str) -> tuple[list[str], dict]:
-    """A variant's extra verifier flags (after the transport) and its services' environment
-    (`SPECSERVE_*=value` tokens)."""
-    transport, _, extra = variant.partition(":")
-    env = dict(t.split("=", 1) for t in extra.split() if t.startswith("SPECSERVE_"))
-    flags = [t for t in extra.split() if not t.startswith("SPECSERVE_")]
-    return ["--drafter-transport", transport, *flags], env
-
-
-def start_services(args, svc: Services, variant: str) -> None:
-    flags, env = variant_parts(args, variant)
-    svc.start("drafter", ["--model", args.model, "--draft-model", args.draft_model, "--device",
-                          args.device, "--drafter-pages", str(args.drafter_pages)], env)
-    svc.wait()
-    svc.start("verifier", ["--model", args.model, "--draft-model", args.draft_model,
-                           "--drafter", svc.addr("drafter"), "--device", args.device,
-                           "--kv-memory-gb", str(args.kv_memory_gb), "--max-num-batched-tokens",
-                           str(args.chunk), "--default-budget", str(args.budget), *flags], env)
-
-
 def run(args, results: dict, tmp: Path) -> None:
     """`measure` with services that stop with it, whether it ends, fails or is killed."""
     svc = Services(tmp)
@@ -228,13 +212,8 @@ def measure(args, results: dict, svc: Services) -> None:
             start_services(args, svc, variant)
             svc.wait()
         run_served(args, results, svc, variant, cases)
-
-
-def start_gateway(args, svc: Services) -> None:
-    """A gateway on the running verifier, gRPC only (nothing on :8000); waits until it serves."""
-    svc.start("gateway", ["--model", args.model, "--verifier", svc.addr("verifier"),
-                          "--http-port", "off"])
-    svc.wait()
+    if args.paired_variants:
+        results["paired_variants"] = paired_variants(args, svc, variants, cases, log)
 
 
 def run_in_process(args, results: dict, engine, cases) -> None:
@@ -294,6 +273,8 @@ def main(argv=None) -> int:
     print(table(results["rows"]))
     if results.get("paired"):
         print("\n" + paired_table(results["paired"]))
+    if results.get("paired_variants"):
+        print("\n" + variants_table(results["paired_variants"]))
     return 0
 
 

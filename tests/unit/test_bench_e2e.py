@@ -190,6 +190,31 @@ def test_bench_served_tiny(tmp_path):
     assert {"draft_wait", "drafter_work", "engine_step"} <= set(served[-1]["profile_ms"])
 
 
+def test_bench_served_runs_two_variants_interleaved(tmp_path):
+    """`--paired-variants 2`: the first and the last variant's services alive together, every
+    case run in alternating rounds through each; each round's ratio is its own tok/s, last over
+    first, and the adaptive side's steps say why (its services really carry the flag)."""
+    out = tmp_path / "served.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_served.py"), "--tiny",
+                           "--ckpt-dir", str(tmp_path / "pair"), "--contexts", "40",
+                           "--batch8-contexts", "", "--new-tokens", "7", "--variants",
+                           "auto,auto:--adaptive=on", "--paired-variants", "2", "--out",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    (p,) = data["paired_variants"]
+    assert (p["case"], p["first"], p["last"], p["rounds"]) == ("40 x1", "auto",
+                                                             "auto:--adaptive=on", 2)
+    for r, a, b in zip(p["ratios"], p["first_tok_s"], p["last_tok_s"], strict=True):
+        assert a > 0 and b > 0 and abs(r - b / a) < 1e-3 * r
+    assert p["ratio_min"] <= p["ratio_median"] <= p["ratio_max"]
+    assert len(p["first_p50_ms"]) == len(p["last_p50_ms"]) == 2
+    assert p["first_pooled_p50_ms"] > 0 and p["last_pooled_p50_ms"] > 0
+    assert "two variants interleaved" in proc.stdout
+    adaptive = [r for r in data["rows"] if r["path"] == "served auto:--adaptive=on"]
+    assert adaptive and adaptive[0]["choices"]  # the adaptive services gave each step's why
+
+
 def test_trace_breakdown_splits_each_step(tmp_path):
     from services.verifier.drafter_client import DRAFT_EVENTS
 
