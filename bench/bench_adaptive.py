@@ -10,7 +10,9 @@ Builds one target and one DFlash drafter and, over them, three warmed engines: f
 the largest budget as its bound). For each text (predictable: the seed's repeated sentence;
 novel: held-out stdlib sources; mix: half of each) and batch size it runs the same greedy
 requests through every variant, the variants interleaved and repeated (`--warm-rounds`
-untimed, then `--repeats`; the table gives the median, and adaptive / best fixed also round
+untimed, then `--repeats`; each round starts one variant further along, so no variant always
+runs last; a full garbage collection before each run, the objects alive after the build
+frozen as the services do; the table gives the median, and adaptive / best fixed also round
 by round, where drift common to a round cancels), and checks every variant's tokens equal
 plain decoding's. Prints a table of tokens/s with adaptive / best fixed, adaptive / AR and
 best tree / chain; writes JSON.
@@ -21,6 +23,7 @@ best tree / chain; writes JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -111,7 +114,8 @@ def measure(engines, tok, args) -> list[dict]:
                 runs = {name: Run() for name, _, _ in variants(args)}
                 reference = None
                 for i in range(args.warm_rounds + args.repeats):
-                    for name, eng, budget in variants(args):
+                    for name, eng, budget in _rotated(variants(args), i):
+                        gc.collect()  # not inside the next variant's timing
                         out, tok_s, steps = generate(engines[eng], batch, args.new_tokens, budget)
                         reference = reference if reference is not None else out
                         r = runs[name]
@@ -124,6 +128,12 @@ def measure(engines, tok, args) -> list[dict]:
                 rows.append(summarise(ctx, text, n, runs))
                 print(line(rows[-1]), flush=True)
     return rows
+
+
+def _rotated(items: list, i: int) -> list:
+    """Round `i`'s order: the list started at its (i mod len)-th item."""
+    k = i % len(items)
+    return items[k:] + items[:k]
 
 
 def summarise(ctx, text, n, runs: dict[str, Run]) -> dict:
@@ -222,6 +232,8 @@ def main(argv=None) -> int:
         args.model, args.draft_model = random_pair(args.random_pair, args.tiny, args.device)
     t0 = time.perf_counter()
     engines, tok = build(args)
+    gc.collect()
+    gc.freeze()  # as the services do once started: collections skip the models and graphs
     print(f"built and warmed 3 engines in {time.perf_counter() - t0:.1f} s "
           f"({engines['fixed'].runner.device_name})", flush=True)
     rows = measure(engines, tok, args)

@@ -34,3 +34,16 @@ def test_bench_adaptive_rows_and_paired_ratio(tmp_path):
         assert r["adaptive_vs_best_paired_range"] == [min(paired), max(paired)]
         assert r["tok_s"][r["best_fixed"]] == max(r["tok_s"][k] for k in ("B=3", "B=7"))
     assert rows[0]["mean_commit"]["B=7"] > rows[1]["mean_commit"]["B=7"]  # predictable pays
+
+
+def test_every_variant_runs_last_in_one_round_of_each_cycle():
+    """Rounds start one variant further along, so no variant always runs last (after all the
+    others' garbage and warmth); round 0 starts with plain decoding, the losslessness reference."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_adaptive
+
+    names = ["AR", "chain 7", "B=3", "B=7", "adaptive ≤7"]
+    orders = [bench_adaptive._rotated(names, i) for i in range(7)]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert orders[0] == names and orders[5] == names and orders[6][0] == "chain 7"
+    assert sorted(o[-1] for o in orders[:5]) == sorted(names)
