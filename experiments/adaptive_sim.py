@@ -60,9 +60,8 @@ class Believed(CostModel):
             for _ in range(1 if cls.bit_length() == warm_class else 8):
                 if key.startswith("verify"):
                     super().observe_verify(int(kv["n"]), int(kv["rows"]), cls, ms / 1e3)
-                else:  # by size class since 2026-12-06 ("nodes<=63"), before: one for all
-                    nodes = int(kv.get("nodes<", 1))
-                    super().observe_draft(int(kv["n"]), cls, ms / 1e3, nodes)
+                else:
+                    super().observe_draft(int(kv["n"]), cls, ms / 1e3)
 
     def observe_verify(self, *a) -> None:
         pass
@@ -87,7 +86,7 @@ class FrozenCost(CostModel):
     def verify_s(self, n, rows, ctx):
         return verify_ms(self.t, n, rows) / 1e3
 
-    def draft_s(self, n, ctx, nodes=None):  # the table's drafting: one cost for every size
+    def draft_s(self, n, ctx):
         return draft_ms(self.t, n) / 1e3
 
 

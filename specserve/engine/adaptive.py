@@ -255,7 +255,7 @@ class Adaptive:
 
     def _rated(self, seqs, states, gain=State.gain) -> tuple | None:
         """([(rows, expected tokens of the step, verify seconds)] for plain decoding and each
-        size class, {rows: drafting seconds}), or None while a shape is unmeasured."""
+        size class, drafting seconds), or None while a shape is unmeasured."""
         times = self._step_times(len(seqs), max(s.num_computed for s in seqs),
                                  max(s.budget for s in seqs))
         if times is None:
@@ -266,16 +266,16 @@ class Adaptive:
                 for rows, t in verify], draft
 
     def _step_times(self, n: int, ctx: int, top: int) -> tuple | None:
-        """([(rows, verify seconds)] of plain decoding and each size class, {rows: drafting
-        seconds} of the trees) or None while a shape is unmeasured; cached per cost epoch."""
+        """([(rows, verify seconds)] for plain decoding and each size class, drafting
+        seconds), or None while a shape is unmeasured; cached until the cost model moves."""
         key = (batch_bucket(n), context_class(ctx), top, self.cost.epoch)
         if key not in self._times:
             if len(self._times) > 256:
                 self._times.clear()
             verify = [(rows, self.cost.verify_s(n, self.pad_rows(rows), ctx))
                       for rows in [1] + [k + 1 for k in size_classes(top)]]
-            self._times[key] = None if any(t is None for _, t in verify) else (verify, {
-                rows: self.cost.draft_s(n, ctx, rows - 1) or 0.0 for rows, _ in verify[1:]})
+            self._times[key] = None if any(t is None for _, t in verify) else \
+                (verify, self.cost.draft_s(n, ctx) or 0.0)
         return self._times[key]
 
     def observe_step(self, verified: list[tuple[Planned, list[int], int]], logits) -> None:

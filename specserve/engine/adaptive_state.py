@@ -173,16 +173,14 @@ def choose(rated: tuple | None, n: int, drafted: bool, margin: float,
     """The pick among the rated rows of a step (engine/adaptive.py `_rated`): (rows, why)."""
     if rated is None:
         return top + 1, "unmeasured: the client's budget"
-    verify, drafts = rated  # drafts: {rows: seconds} of the trees; plain's once drafted: spent
-    spent = max(drafts.values(), default=0.0) if drafted else 0.0
-    rates = [(tokens / (t + drafts.get(rows, spent)), rows, tokens, t)
+    verify, draft = rated
+    rates = [(tokens / (t + (draft if rows > 1 or drafted else 0.0)), rows, tokens, t)
              for rows, tokens, t in verify]
     ar = rates[0]
     rates[0] = (ar[0] / margin, *ar[1:])
     rate, rows, tokens, t = max(rates)
     return rows, (f"step rows {rows}: {tokens / n:.2f} tok/step in {t * 1e3:.2f} ms "
-                  f"(+{drafts.get(rows, spent) * 1e3:.2f} draft) = {rate:.0f} tok/s; plain "
-                  f"{ar[0]:.0f} tok/s")
+                  f"(+{draft * 1e3:.2f} draft) = {rate:.0f} tok/s; plain {ar[0]:.0f} tok/s")
 
 
 def outside(p: Planned) -> Choice:

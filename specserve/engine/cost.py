@@ -1,24 +1,22 @@
 """The verifier's step cost model: measured seconds by shape, kept current while serving.
 
 Owns two tables of recent samples, filled from the engine's own steps (the warm-up's steps
-first: one tree per rows bucket, for one request and for each batch bucket): the verify part
-of a decode step (batched forward + accept + commit, the time a step costs without drafting)
-keyed by (batch bucket, rows per request, context class), and the drafter call (its forward,
-trees and, for the drafter service, the round trip) keyed by (batch bucket, context class,
-size class of the nodes asked: the tree build's top-k and heap grow with them). A context
-class is the context's bit length (…, 1k, 2k, 4k, …), a size class the nodes' (3 → 2, 7 → 3,
-…, 63 → 6). An entry's value is the lower quartile of its last WINDOW samples: step times are
-floored by the work and spiked by what else runs (a first launch's compile or graph capture,
-the host, a neighbour on the GPU), so a low quantile follows the cost and ignores the spikes.
-No shape costs more than a measured one with at least as many rows per request at a context
-class at least as long (the envelope) until it has TRUSTED samples of its own: one spiked
-entry never rules a shape out for good, and a shape measured often is not priced by another
-measured elsewhere (the warm-up's steps run without a request's host work). A shape never
-measured is estimated from the nearest ones measured: at a context class already seen, the
-rows count measured there scaled by how another class grew between the two rows counts; else
-linear in rows, flat when nothing larger is known (optimistic: the policy then tries it and
-measures it); a drafter call of a size class never measured costs what the nearest one
-measured costs. No policy here (engine/adaptive.py).
+first: one tree per rows bucket, for one request and for each batch bucket): the verify part of a
+decode step (batched forward + accept + commit, the time a step costs without drafting) keyed by
+(batch bucket, rows per request, context class), and the drafter call (its forward, trees and,
+for the drafter service, the round trip) keyed by (batch bucket, context class). A context class
+is the context's bit length (…, 1k, 2k, 4k, …). An entry's value is the lower quartile of its
+last WINDOW samples: step times are floored by the work and spiked by what else runs (a first
+launch's compile or graph capture, the host, a neighbour on the GPU), so a low quantile follows
+the cost and ignores the spikes. No shape costs more than a measured one with at least as many
+rows per request at a context class at least as long (the envelope) until it has TRUSTED samples
+of its own: one spiked entry never rules a shape out for good, and a shape measured often is
+not priced by another measured elsewhere (the warm-up's steps run without a request's host
+work). A shape never measured is estimated from the
+nearest ones measured: at a context class already seen, the rows count measured there scaled
+by how another class grew between the two rows counts; else linear in rows, flat when nothing
+larger is known (optimistic: the policy then tries it and measures it). No policy here
+(engine/adaptive.py).
 """
 
 from __future__ import annotations
@@ -36,10 +34,6 @@ STEADY_ROWS = 32  # context rows per drafted request past which a draft is not a
 
 def context_class(ctx: int) -> int:
     return max(int(ctx), 1).bit_length()
-
-
-def size_class(nodes: int) -> int:
-    return max(int(nodes), 1).bit_length()
 
 
 def batch_bucket(n: int) -> int:
@@ -64,7 +58,7 @@ class Samples:
 @dataclass
 class CostModel:
     verify: dict[tuple[int, int, int], Samples] = field(default_factory=dict)  # (n, rows, cls)
-    draft: dict[tuple[int, int, int], Samples] = field(default_factory=dict)  # (n, cls, size)
+    draft: dict[tuple[int, int], Samples] = field(default_factory=dict)  # (n, cls)
     # envelopes of measured shapes, capped estimates of the others; recomputed after a new
     # shape or REFRESH observations
     _memo: dict[tuple[int, int, int], float | None] = field(default_factory=dict)
@@ -88,10 +82,9 @@ class CostModel:
         self._memo.clear()
         self.epoch += 1
 
-    def observe_draft(self, n: int, ctx: int, seconds: float, nodes: int = 1) -> None:
-        """Book a drafter call (trees of at most `nodes` asked); callers caching on `epoch` see
-        it move with the entry's value."""
-        key = (batch_bucket(n), context_class(ctx), size_class(nodes))
+    def observe_draft(self, n: int, ctx: int, seconds: float) -> None:
+        """Book a drafter call; callers caching on `epoch` see it move with the entry's value."""
+        key = (batch_bucket(n), context_class(ctx))
         before = self.draft[key].value if key in self.draft else None
         _add(self.draft, key, seconds)
         if key in self.draft and self.draft[key].value != before:
@@ -123,25 +116,21 @@ class CostModel:
                 return est
         return None
 
-    def draft_s(self, n: int, ctx: int, nodes: int | None = None) -> float | None:
-        """Seconds of one drafter call for `n` requests at longest context `ctx`, asked for
-        trees of at most `nodes` (None: the largest measured)."""
+    def draft_s(self, n: int, ctx: int) -> float | None:
+        """Seconds of one drafter call for `n` requests at longest context `ctx`."""
         nb, cls = batch_bucket(n), context_class(ctx)
         for key_n in _nearest(nb, {k[0] for k in self.draft}):
-            at = {(c, a): e.value for (m, c, a), e in self.draft.items() if m == key_n}
-            c = min({c for c, _ in at}, key=lambda c: (abs(c - cls), -c))
-            sizes = {a: v for (cc, a), v in at.items() if cc == c}
-            want = max(sizes) if nodes is None else size_class(nodes)
-            return sizes[min(sizes, key=lambda a: (abs(a - want), -a))]
+            classes = {c: e.value for (m, c), e in self.draft.items() if m == key_n}
+            c = min(classes, key=lambda c: (abs(c - cls), -c))
+            return classes[c]
         return None
 
     def table(self) -> dict[str, float]:
-        """Every measured entry in ms, for Stats / benchmarks: "verify n=1 rows=16 ctx<=2^11",
-        "draft n=8 ctx<=2^11 nodes<=63"."""
+        """Every measured entry in ms, for Stats / benchmarks: "verify n=1 rows=16 ctx<=2^11"."""
         out = {f"verify n={n} rows={r} ctx<=2^{c}": e.value * 1e3
                for (n, r, c), e in sorted(self.verify.items())}
-        out.update({f"draft n={n} ctx<=2^{c} nodes<={2 ** a - 1}": e.value * 1e3
-                    for (n, c, a), e in sorted(self.draft.items())})
+        out.update({f"draft n={n} ctx<=2^{c}": e.value * 1e3
+                    for (n, c), e in sorted(self.draft.items())})
         return out
 
 
@@ -164,8 +153,7 @@ def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: fl
     drafted = sum(1 for p in plans if p.budget and p.drafted)
     if drafted and draft_s is not None and draft_rows <= STEADY_ROWS * drafted \
             and not any(p.first for p in plans):
-        cost.observe_draft(drafted, ctx, draft_s,
-                           max(p.budget for p in plans if p.budget and p.drafted))
+        cost.observe_draft(drafted, ctx, draft_s)
 
 
 def _add(table: dict, key, seconds: float) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from specserve.engine import adaptive, speculative
 from specserve.engine.adaptive import Adaptive
-from specserve.engine.adaptive_state import State, choose
+from specserve.engine.adaptive_state import State
 from specserve.engine.cost import CostModel, context_class, observe_step
 from specserve.engine.sequence import Sequence
 from specserve.engine.speculative import Planned
@@ -175,38 +175,13 @@ def test_a_requests_first_tree_is_not_a_steady_draft_and_a_new_draft_time_is_rea
         plans, _ = speculative.plan(seqs, drafter, 4096, 50)
         firsts.append([p.first for p in plans])
         observe_step(cost, plans, 16, 1e-3, draft_s, draft_rows=2)
-        drafts.append(policy._step_times(2, 61, 15)[1][16])
+        drafts.append(policy._step_times(2, 61, 15)[1])
     assert firsts == [[True, True], [False, False], [False, False]]
     assert drafts == [0.0, 1.5e-3, 1.5e-3]  # none booked, then the steady ones
-    cost.observe_draft(2, 61, 1.1e-3, nodes=15)  # cheaper now: the lower quartile moves
-    assert policy._step_times(2, 61, 15)[1][16] == 1.1e-3
+    cost.observe_draft(2, 61, 1.1e-3)  # cheaper now: the lower quartile moves
+    assert policy._step_times(2, 61, 15)[1] == 1.1e-3
     empty = speculative.plan([_seq("c", budget=0)], drafter, 4096, 50)[0]
     assert not empty[0].first and empty[0].seq.drafts == 0  # no tree: not a first one
-
-
-def test_a_bigger_trees_drafting_is_priced_by_its_size():
-    """The drafter call is booked by the size class of the nodes asked (a bigger tree's top-k
-    and heap cost more), read back for each candidate tree; so a tree whose extra tokens do
-    not pay for its dearer drafting loses to a smaller one (one price for every size picked
-    the bigger tree here)."""
-    seqs = [_seq("a", budget=63), _seq("b", budget=9, start=77)]
-    plans, _ = speculative.plan(seqs, RandomDDTreeDrafter(50, depth=4, seed=3), 4096, 50)
-    cost = CostModel()
-    for p in plans:
-        p.first = False  # steady drafts
-    observe_step(cost, plans, 64, 1e-3, 2.4e-3, draft_rows=2)
-    cost.observe_draft(2, 77, 2.0e-3, nodes=31)
-    assert cost.draft_s(2, 77, 63) == 2.4e-3 and cost.draft_s(2, 77, 31) == 2.0e-3
-    assert cost.draft_s(2, 77, 17) == 2.0e-3 == cost.draft_s(2, 77, 7)  # nearest measured
-    assert cost.draft_s(2, 77, 200) == 2.4e-3 == cost.draft_s(2, 77)  # None: the largest
-    assert {"draft n=2 ctx<=2^7 nodes<=63", "draft n=2 ctx<=2^7 nodes<=31"} <= set(cost.table())
-    verify = [(1, 8.0, 1.4e-3), (32, 8 * 5.8, 1.9e-3), (64, 8 * 6.3, 2.0e-3)]
-    rows, why = choose((verify, {32: 2.0e-3, 64: 2.4e-3}), 8, False, 1.0, 63)
-    assert rows == 32 and "(+2.00 draft)" in why
-    assert choose((verify, {32: 2.4e-3, 64: 2.4e-3}), 8, False, 1.0, 63)[0] == 64
-    plain = [(1, 8.0, 1.0e-3), (32, 8 * 1.5, 1.9e-3)]  # drafted: plain pays the drafting spent
-    assert choose((plain, {32: 2.0e-3}), 8, True, 1.0, 63)[0] == 32
-    assert choose((plain, {32: 2.0e-3}), 8, False, 1.0, 63)[0] == 1
 
 
 def _seq(rid: str, budget: int, start: int = 40) -> Sequence:
