@@ -86,7 +86,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "case in process and served, interleaved (the steady-step ratio without drift)")
     add("--paired-variants", type=int, default=0, metavar="N", help="also N rounds of every "
         "case through the first and the last --variants' services, interleaved")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    if args.paired_variants and (len(variants) < 2 or variants[0] == variants[-1]):
+        ap.error(f"--paired-variants needs two different --variants, got {args.variants!r}")
+    return args
 
 
 def start_mps(tmp: Path) -> dict:

@@ -213,6 +213,10 @@ def test_bench_served_runs_two_variants_interleaved(tmp_path):
     assert "two variants interleaved" in proc.stdout
     adaptive = [r for r in data["rows"] if r["path"] == "served auto:--adaptive=on"]
     assert adaptive and adaptive[0]["choices"]  # the adaptive services gave each step's why
+    one = subprocess.run([sys.executable, str(BENCH / "bench_served.py"), "--tiny", "--variants",
+                          "auto", "--paired-variants", "2"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)  # refused before anything starts
+    assert one.returncode == 2 and "needs two different --variants" in one.stderr
 
 
 def test_trace_breakdown_splits_each_step(tmp_path):
