@@ -26,8 +26,7 @@ def paired(engine, svc: Services, cases, new_tokens: int, budget: int, rounds: i
             continue
         got = {"in-process": [], "served": []}
         for i in range(rounds):
-            order = ("in-process", "served") if i % 4 in (0, 3) else ("served", "in-process")
-            for path in order:
+            for path in abba(("in-process", "served"), i):
                 got[path].append(_one(path, engine, svc, prompts, new_tokens, budget))
         row = _row(case, ctx, got, rounds)
         log(f"paired {case}: ratio median {row['ratio_median']:.3f} "
@@ -45,13 +44,27 @@ def _one(path: str, engine, svc: Services, prompts, new_tokens: int, budget: int
 def _row(case: str, ctx: int, got: dict, rounds: int) -> dict:
     p50 = {path: [summary(t)["steady_p50_ms"] for t in runs] for path, runs in got.items()}
     ratios = [s / i for s, i in zip(p50["served"], p50["in-process"], strict=True)]
-    pooled = {path: statistics.median(ms for t in runs for ms in steady_steps(t))
-              for path, runs in got.items()}
+    pooled = pooled_p50(got)
     return dict(case=case, ctx=ctx, rounds=rounds,
                 in_process_p50_ms=[round(x, 3) for x in p50["in-process"]],
-                served_p50_ms=[round(x, 3) for x in p50["served"]],
-                ratios=[round(r, 6) for r in ratios],  # a ratio of 0.02 keeps 4 digits
-                ratio_median=statistics.median(ratios), ratio_min=min(ratios),
-                ratio_max=max(ratios), ratio_pooled=pooled["served"] / pooled["in-process"],
+                served_p50_ms=[round(x, 3) for x in p50["served"]], **spread(ratios),
+                ratio_pooled=pooled["served"] / pooled["in-process"],
                 in_process_pooled_p50_ms=pooled["in-process"],
                 served_pooled_p50_ms=pooled["served"])
+
+
+def abba(pair: tuple, i: int) -> tuple:
+    """Round `i`'s order of the two sides: A B, B A, B A, A B, … (drift cancels in pairs)."""
+    return pair if i % 4 in (0, 3) else pair[::-1]
+
+
+def spread(ratios: list[float]) -> dict:
+    """Each round's ratio (a ratio of 0.02 keeps 4 digits), their median and range."""
+    return dict(ratios=[round(r, 6) for r in ratios], ratio_median=statistics.median(ratios),
+                ratio_min=min(ratios), ratio_max=max(ratios))
+
+
+def pooled_p50(got: dict) -> dict:
+    """By side: the median of every steady step of its rounds' requests, pooled."""
+    return {side: statistics.median(ms for t in runs for ms in steady_steps(t))
+            for side, runs in got.items()}

@@ -12,9 +12,8 @@ tok/s (last over first) and its range. Benchmark-only code.
 
 from __future__ import annotations
 
-import statistics
-
-from _served_run import Services, served, steady_steps, summary
+from _served_paired import abba, pooled_p50, spread
+from _served_run import Services, served, summary
 
 
 def variant_parts(variant: str) -> tuple[list[str], dict]:
@@ -58,8 +57,7 @@ def paired_variants(args, last: Services, variants: list[str], cases, log=print)
         for case, _ctx, prompts, late in cases:
             got: dict[str, list] = {v: [] for v in sides}
             for i in range(args.paired_variants + 1):  # round 0 warms both sides
-                order = list(sides) if i % 4 in (0, 3) else list(sides)[::-1]
-                for v in order:
+                for v in abba(tuple(sides), i):
                     t = served(sides[v], prompts, args.new_tokens, args.budget, late)
                     if i:
                         got[v].append(t)
@@ -72,16 +70,14 @@ def paired_variants(args, last: Services, variants: list[str], cases, log=print)
 
 
 def _row(case: str, a: str, b: str, got: dict) -> dict:
-    tok_s = {v: [summary(t)["tok_s"] for t in runs] for v, runs in got.items()}
-    p50 = {v: [summary(t)["steady_p50_ms"] for t in runs] for v, runs in got.items()}
+    sums = {v: [summary(t) for t in runs] for v, runs in got.items()}
+    tok_s = {v: [s["tok_s"] for s in ss] for v, ss in sums.items()}
+    p50 = {v: [s["steady_p50_ms"] for s in ss] for v, ss in sums.items()}
     ratios = [y / x for x, y in zip(tok_s[a], tok_s[b], strict=True)]
-    pooled = {v: statistics.median(ms for t in runs for ms in steady_steps(t))
-              for v, runs in got.items()}
+    pooled = pooled_p50(got)
     return dict(case=case, first=a, last=b, rounds=len(ratios),
                 first_tok_s=[round(x, 2) for x in tok_s[a]],
                 last_tok_s=[round(x, 2) for x in tok_s[b]],
                 first_p50_ms=[round(x, 3) for x in p50[a]],
-                last_p50_ms=[round(x, 3) for x in p50[b]],
-                ratios=[round(r, 6) for r in ratios], ratio_median=statistics.median(ratios),
-                ratio_min=min(ratios), ratio_max=max(ratios),
+                last_p50_ms=[round(x, 3) for x in p50[b]], **spread(ratios),
                 first_pooled_p50_ms=pooled[a], last_pooled_p50_ms=pooled[b])
