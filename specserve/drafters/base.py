@@ -36,10 +36,6 @@ class DraftRequest:
     # computed by the sender: what crosses hosts instead of the taps)
     context_fused: bool = False
     kind: str | None = None  # which drafter (registry name); None: the drafter's default
-    # the argmax chain of `budget` nodes with its path scores instead of a tree (adaptive
-    # speculation holding a chain: no top-k past the first, no heap); a drafter without
-    # probabilities may ignore it
-    chain: bool = False
 
 
 class Drafter(ABC):

@@ -22,7 +22,7 @@ from specserve.drafters.dflash_cache import DFlashContextCache
 from specserve.drafters.dflash_graphs import DraftGraphs
 from specserve.drafters.dflash_step import CacheStep, StepItem
 from specserve.models.dflash import DFlashDraftModel
-from specserve.spec.ddtree import build_chain, build_ddtree, topk_logprobs
+from specserve.spec.ddtree import build_ddtree, topk_logprobs
 from specserve.spec.tree import DraftTree, chain_tree, check_budget
 
 
@@ -207,8 +207,7 @@ class DFlashDrafter(Drafter):
 
     def _trees(self, requests: Sequence[DraftRequest], logits: list[torch.Tensor]
                ) -> list[DraftTree]:
-        """Each request's tree from its `[n_i − 1, V]` logits: one top-k (a chain: one argmax;
-        a request asking for its chain, `DraftRequest.chain`: the top-1 column with scores)
+        """Each request's tree from its `[n_i − 1, V]` logits: one top-k (a chain: one argmax)
         over the rows of every request and one host copy for the call, then a heap per request
         (a top-k and a copy per request made the tree build most of a batch-8 draft step:
         BENCHMARKS.md, "The DFlash drafter at batch 8: one replay a call, one top-k a call"). A
@@ -226,15 +225,10 @@ class DFlashDrafter(Drafter):
             for i, path in zip(live, paths, strict=True):
                 trees[i] = chain_tree(path[: requests[i].budget])
             return trees
-        k = min(max(1 if requests[i].chain else requests[i].budget for i in live),
-                rows.shape[1])
+        k = min(max(requests[i].budget for i in live), rows.shape[1])
         logprobs, token_ids = topk_logprobs(rows, k)  # [ΣL, K] each, on the host
         for i, lp, ids in zip(live, np.split(logprobs, ends), np.split(token_ids, ends),
                               strict=True):
-            r = requests[i]
-            if r.chain:  # asked for its chain: the top-1 column, no heap
-                trees[i] = build_chain(lp, ids, r.budget)
-                continue
-            k_i = min(r.budget, k)
-            trees[i] = build_ddtree(lp[:, :k_i], ids[:, :k_i], r.budget, lp.shape[0])
+            k_i = min(requests[i].budget, k)
+            trees[i] = build_ddtree(lp[:, :k_i], ids[:, :k_i], requests[i].budget, lp.shape[0])
         return trees

@@ -21,12 +21,10 @@ CONFIDENCE_EVERY of them, twice says a chain as sure would pay). After drafting,
 made again with the fresh curves (the drafting, spent, now counts for plain decoding too) and
 the trees are cut to it. The client's budget bounds every choice; the drafter is asked for one
 size class above the last choice. A decision to draft (one that pays with the drafting still
-to pay; each R priced twice there: as above, and as chains alone at the drafter's chain-call
-cost) holds for REDECIDE steps: each request keeps its shape (the drafter is asked for just
-that tree, or a held chain alone: `DraftRequest.chain`, no top-k past the first, no heap) and
-only that shape's outcome is booked. The hold outlives requests that finish; a
+to pay) holds for REDECIDE steps: each request keeps its shape (the drafter is asked for just
+that tree) and only that shape's outcome is booked. The hold outlives requests that finish; a
 new request joins it with the held size's DDTree prefix; a batch grown past the bucket it was
-priced for, a request the decision skipped, or a step where most held trees were accepted to
+priced for, a request the decision skipped, or a step where most held shapes were accepted to
 their deepest node ends it. Trees without probabilities (the n-gram drafter) are kept as
 drafted. Lossless: only which draft tokens are verified changes; the acceptance walk is the same.
 """
@@ -44,7 +42,7 @@ from specserve.engine.adaptive_state import (
     read_confidence,
 )
 from specserve.engine.cost import CostModel, batch_bucket, context_class
-from specserve.engine.speculative import Ask, Planned
+from specserve.engine.speculative import Planned
 from specserve.engine.warmup import size_classes
 from specserve.spec import shapes
 from specserve.spec.shapes import Choice
@@ -70,9 +68,11 @@ class Adaptive:
             raise ValueError(f"redecide must be >= 1, got {redecide}")
         self.cost, self.pad_rows = cost, pad_rows  # pad_rows(rows) → rows a tree occupies
         self.state: dict[str, State] = {}
-        self.shared, self.redecide = Ratios(SHARED_DECAY), redecide
+        self.shared = Ratios(SHARED_DECAY)
+        self._times: dict[tuple, tuple | None] = {}  # _step_times by shape, this cost epoch
+        self.redecide = redecide
         self._hold = 0  # steps the last decision to draft still holds
-        self._held: tuple[int, int, str, str] | None = None  # (batch bucket, nodes, why, kind)
+        self._held: tuple[int, int, str] | None = None  # its (batch bucket, nodes, why)
         self._decision = 0  # decisions made (State.decision: the last one a request took part in)
         self._fast = False  # this step keeps the held shapes
         self._prior: dict[str | None, State] = {}  # by drafter kind: the last request drafted
@@ -139,7 +139,7 @@ class Adaptive:
             st.probing, st.fresh = st.probing or d, False
         return [s for s, d in zip(seqs, due, strict=True) if not d]
 
-    def ahead(self, seqs) -> dict[str, Ask] | None:
+    def ahead(self, seqs) -> dict[str, int] | None:
         """The drafter budgets of `seqs` for the next step if the decision to draft holds for
         it (its drafts can be asked for before this step's bookings), else None."""
         states = [self.state.get(s.request_id) for s in seqs]
@@ -147,22 +147,18 @@ class Adaptive:
             return None
         return self.draft_budgets(seqs, held=True)
 
-    def draft_budgets(self, seqs, held: bool | None = None) -> dict[str, Ask]:
-        """What to ask the drafter for: a tree one size class above the last choice (trees grow
-        a class a step; the heap and top-k of a budget never chosen are not paid for); in a held
-        step the tree holding the held shape, or a held chain alone (a request joining it: the
-        held size and kind)."""
+    def draft_budgets(self, seqs, held: bool | None = None) -> dict[str, int]:
+        """What to ask the drafter for: one size class above the last choice (trees grow a
+        class a step; the heap and top-k of a budget never chosen are not paid for); in a held
+        step the tree holding the held shape (a request joining it: the held size)."""
         out, fast = {}, self._fast if held is None else held
         for s in seqs:
             st = self.state.get(s.request_id)  # None: a request new to the policy
             if not s.budget or not (fast or (st is not None and st.nodes is not None)):
                 continue
-            if not fast:
-                out[s.request_id] = Ask(min(s.budget, 2 * st.nodes + 1))
-                continue
-            kept = st is not None and st.decision == self._decision and st.ask
-            ask, kind = (st.ask, st.kind) if kept else (self._held[1], self._held[3])
-            out[s.request_id] = Ask(min(s.budget, ask), kind == shapes.CHAIN)
+            kept = st.ask if st is not None and st.decision == self._decision else None
+            ask = (kept or self._held[1]) if fast else 2 * st.nodes + 1
+            out[s.request_id] = min(s.budget, ask)
         return out
 
     def skipped(self, seq) -> Planned:
@@ -181,8 +177,8 @@ class Adaptive:
             for p in scored:
                 st = self.state.setdefault(p.seq.request_id, State(self.shared))
                 if st.decision != self._decision:  # new: it joins with the held size's prefix
-                    _, nodes, why, kind = self._held
-                    st.kind, st.nodes, st.ask, st.why = kind, nodes, nodes, f"joined: {why}"
+                    _, nodes, why = self._held
+                    st.kind, st.nodes, st.ask, st.why = shapes.TREE, nodes, nodes, f"joined: {why}"
                     st.decision = self._decision
                 self._keep(p, st)
             scored = [p for p in scored if p.choice is None]
@@ -200,17 +196,13 @@ class Adaptive:
             self._prior[p.seq.drafter_kind] = st
         seqs, states = [p.seq for p in scored], [self.state[p.seq.request_id] for p in scored]
         rated, top = self._rated(seqs, states), max(s.budget for s in seqs)
-        best, _, why = choose(rated, len(seqs), True, 1.0, top)
-        # hold only if drafting pays with its cost to come; chains alone if they pay most then
-        rows, chains, ahead = choose(rated, len(seqs), False, SKIP_MARGIN, top)
-        hold = best > 1 and rows > 1
-        if hold and chains:
-            best, why = rows, ahead
-        for p, st in zip(scored, states, strict=True):  # gains read before the cuts
-            self._cut(p, st, best - 1, why, hold and chains)
+        best, why = choose(rated, len(seqs), True, 1.0, top)
+        for p, st in zip(scored, states, strict=True):
+            self._cut(p, st, best - 1, why)
+        # hold only if drafting pays with its cost to come (the gains were read before the cuts)
+        hold = best > 1 and choose(rated, len(seqs), False, SKIP_MARGIN, top)[0] > 1
         self._hold, self._decision = self.redecide - 1 if hold else 0, self._decision + 1
-        kind = shapes.CHAIN if chains else shapes.TREE
-        self._held = (batch_bucket(len(scored)), best - 1, why, kind) if hold else None
+        self._held = (batch_bucket(len(scored)), best - 1, why) if hold else None
         for st in states:
             st.decision = self._decision
 
@@ -219,7 +211,7 @@ class Adaptive:
         `observe` to book (the calibration of the shape in use keeps learning). On the hold's
         last step the drafted tree also gives the request its curve: the next decision reads
         this step's drafter, not the one that made the last decision."""
-        if self._hold == 0 and not p.chain:  # (a chain alone holds no tree's curve)
+        if self._hold == 0:
             st.take_curve(p.tree)
         st.skipped, st.cut, k = 0, None, min(st.nodes, p.budget)
         shape = shapes.prefix(p.tree, k) if st.kind == shapes.TREE else shapes.chain(p.tree, k)
@@ -230,9 +222,9 @@ class Adaptive:
         p.choice = Choice(st.kind, p.tree.n, f"held: {st.why}")
         st.kept = ((st.kind, st.nodes), shape.expected)  # booked by `observe`
 
-    def _cut(self, p: Planned, st: State, k: int, why: str, chain: bool) -> None:
+    def _cut(self, p: Planned, st: State, k: int, why: str) -> None:
         st.skipped = 0
-        kind = shapes.CHAIN if chain else st.gain(k, p.budget)[1]
+        _, kind = st.gain(k, p.budget)
         st.cut = None
         if k <= 0 or kind == shapes.OFF:  # the next draft asks as much as the last choice did
             p.tree, p.choice = _EMPTY, Choice(shapes.OFF, 0, why)
@@ -244,8 +236,8 @@ class Adaptive:
                      else st.curve.chain_nodes[:k])
             cut = shapes.Shape(kind, nodes, st.curve.expected(kind, k))
             p.tree, p.choice = shapes.subtree(p.tree, cut), Choice(kind, len(nodes), why)
-            st.cut = nodes  # asked next: a chain alone, or a DDTree holding the tree (k ≥ 1)
-            st.ask = len(nodes) if kind == shapes.CHAIN else int(nodes.max()) + 1
+            st.cut = nodes
+            st.ask = int(nodes.max()) + 1 if len(nodes) else None  # a DDTree holding the shape
         st.kind, st.why = p.choice.shape, why  # held until the next decision
         if p.choice.shape == shapes.TREE:  # a prefix's rows are the layout's first rows
             p.layout = shapes.prefix_layout(p.layout, p.tree.n)
@@ -253,28 +245,38 @@ class Adaptive:
             p.layout = verify_layout(p.tree, p.seq.last_token, p.start)
 
     def _best(self, seqs, states, drafted: bool, margin: float = 1.0,
-              gain=State.gain) -> tuple[int, bool, str]:
-        """The step's rows per request maximising expected tokens per second, whether as
-        chains alone, and why. Once `drafted`, plain decoding's step carries the drafting time
-        too (it is spent); `gain`: the State method giving a request's expected accepted length
-        (before drafting `forecast_gain`, for probes `confident_gain`); plain decoding wins
-        only by `margin`."""
+              gain=State.gain) -> tuple[int, str]:
+        """The step's rows per request maximising expected tokens per second, and why. Once
+        `drafted`, plain decoding's step carries the drafting time too (it is spent); `gain`:
+        the State method giving a request's expected accepted length (before drafting
+        `forecast_gain`, for probes `confident_gain`); plain decoding wins only by `margin`."""
         return choose(self._rated(seqs, states, gain), len(seqs), drafted, margin,
-                      max(s.budget for s in seqs))
+                            max(s.budget for s in seqs))
 
     def _rated(self, seqs, states, gain=State.gain) -> tuple | None:
-        """([(rows, expected tokens of the step: trees, chains alone; verify seconds)] for
-        plain decoding and each size class, tree and chain drafting seconds), or None while a
-        shape is unmeasured."""
-        rows = [1] + [k + 1 for k in size_classes(max(s.budget for s in seqs))]
-        times = self.cost.step_times(len(seqs), max(s.num_computed for s in seqs),
-                                     [(r, self.pad_rows(r)) for r in rows])
+        """([(rows, expected tokens of the step, verify seconds)] for plain decoding and each
+        size class, drafting seconds), or None while a shape is unmeasured."""
+        times = self._step_times(len(seqs), max(s.num_computed for s in seqs),
+                                 max(s.budget for s in seqs))
         if times is None:
             return None
-        verify, draft, chain = times
+        verify, draft = times
         pairs = list(zip(states, (s.budget for s in seqs), strict=True))
-        return [(rows, *(sum(1 + gain(st, rows - 1, b, c)[0] for st, b in pairs)
-                         for c in (False, True)), t) for rows, t in verify], draft, chain
+        return [(rows, sum(1 + gain(st, rows - 1, budget)[0] for st, budget in pairs), t)
+                for rows, t in verify], draft
+
+    def _step_times(self, n: int, ctx: int, top: int) -> tuple | None:
+        """([(rows, verify seconds)] for plain decoding and each size class, drafting
+        seconds), or None while a shape is unmeasured; cached until the cost model moves."""
+        key = (batch_bucket(n), context_class(ctx), top, self.cost.epoch)
+        if key not in self._times:
+            if len(self._times) > 256:
+                self._times.clear()
+            verify = [(rows, self.cost.verify_s(n, self.pad_rows(rows), ctx))
+                      for rows in [1] + [k + 1 for k in size_classes(top)]]
+            self._times[key] = None if any(t is None for _, t in verify) else \
+                (verify, self.cost.draft_s(n, ctx) or 0.0)
+        return self._times[key]
 
     def observe_step(self, verified: list[tuple[Planned, list[int], int]], logits) -> None:
         """Book a step's verified trees: (plan, accepted verify rows, its root row in `logits`
@@ -289,12 +291,10 @@ class Adaptive:
 
     def observe(self, p: Planned, accepted_rows: list[int]) -> bool | None:
         """Book what each candidate shape inside the verified tree would have accepted; a held
-        tree: whether it was accepted to its deepest node with room to grow (else None: a held
-        chain accepted whole keeps the hold, its next size priced at the next decision)."""
+        shape: whether it was accepted to its deepest node with room to grow (else None)."""
         st = self.state.get(p.seq.request_id)
         if st is None or p.choice is None or p.choice.shape == shapes.OFF:
             return None
         held = st.book_verified(p.choice.shape, size_classes(p.budget), accepted_rows)
         self._moved += 1  # the calibrations moved
-        return p.tree.n < p.budget and len(accepted_rows) >= p.tree.max_depth \
-            if held and p.choice.shape == shapes.TREE else None
+        return p.tree.n < p.budget and len(accepted_rows) >= p.tree.max_depth if held else None

@@ -70,9 +70,9 @@ class State:
     confidence: float | None = None  # moving mean of the target's top-1 probability, plain steps
     fresh: bool = False  # confidence read since the last probe decision
     recent: float | None = None  # moving mean of the accepted length on its drafted steps
-    # gain() by (k, budget, chain) until this request books or draws a new curve (the shared
-    # part moves slowly: it is read again at the request's next booking)
-    gains: dict[tuple[int, int, bool], tuple[float, str]] = field(default_factory=dict)
+    # gain() by (k, budget) until this request books or draws a new curve (the shared part
+    # moves slowly: it is read again at the request's next booking)
+    gains: dict[tuple[int, int], tuple[float, str]] = field(default_factory=dict)
 
     def take_curve(self, tree) -> None:
         """The curves of the request's newly drafted `tree` (DraftTree with scores)."""
@@ -83,39 +83,35 @@ class State:
     def calibration(self, key: tuple) -> float:
         return self.own.ratio(key, self.shared.nearest(key))
 
-    def gain(self, k: int, budget: int, chain: bool = False) -> tuple[float, str]:
-        """Calibrated expected accepted length at `k` nodes (≤ budget) and its shape (`chain`:
-        of the chain only, the drafter asked for just that)."""
+    def gain(self, k: int, budget: int) -> tuple[float, str]:
+        """Calibrated expected accepted length at `k` nodes (≤ budget) and its shape."""
         if self.curve is None or k <= 0:
             return 0.0, shapes.OFF
-        got = self.gains.get((k, budget, chain))
+        got = self.gains.get((k, budget))
         if got is None:
-            got = self.gains[(k, budget, chain)] = self._gain(min(k, budget), chain)
+            got = self.gains[(k, budget)] = self._gain(min(k, budget))
         return got
 
-    def _gain(self, k: int, only_chain: bool) -> tuple[float, str]:
+    def _gain(self, k: int) -> tuple[float, str]:
         cv = self.curve
-        chain = min(self.calibration((shapes.CHAIN, k)) * cv.expected(shapes.CHAIN, k),
-                    cv.depth(shapes.CHAIN, k))
-        if only_chain:
-            return chain, shapes.CHAIN
         tree = min(self.calibration((shapes.TREE, k)) * cv.expected(shapes.TREE, k),
                    cv.depth(shapes.TREE, k))  # never past its depth
+        chain = min(self.calibration((shapes.CHAIN, k)) * cv.expected(shapes.CHAIN, k),
+                    cv.depth(shapes.CHAIN, k))
         if cv.chain_inside(k):  # the prefix holds the chain: it accepts at least as much
             return max(tree, chain), shapes.TREE
         return (chain, shapes.CHAIN) if chain > tree else (tree, shapes.TREE)
 
-    def forecast_gain(self, k: int, budget: int, chain: bool = False) -> tuple[float, str]:
+    def forecast_gain(self, k: int, budget: int) -> tuple[float, str]:
         """`gain` before drafting: the last curve, but at least what the request has been
         accepting at the size it holds (one shallow tree does not turn a request that has been
-        accepting long paths over to plain decoding; a chain: only if it holds a chain)."""
-        gain, kind = self.gain(k, budget, chain)
-        if self.recent is not None and self.nodes is not None and min(k, budget) >= self.nodes \
-                and (not chain or self.kind == shapes.CHAIN):
+        accepting long paths over to plain decoding)."""
+        gain, kind = self.gain(k, budget)
+        if self.recent is not None and self.nodes is not None and min(k, budget) >= self.nodes:
             gain = max(gain, min(self.recent, k))
         return gain, kind
 
-    def confident_gain(self, k: int, budget: int, chain: bool = False) -> tuple[float, str]:
+    def confident_gain(self, k: int, budget: int) -> tuple[float, str]:
         """What a chain would accept if the drafter were as sure as the target has been on
         the plain steps since the last draft: Σ c^d over its depths (0 without those steps),
         as deep as the longest chain the drafter has drafted (not the last one: the text may
@@ -173,25 +169,18 @@ def read_confidence(plain: list[tuple[State, int]], logits: torch.Tensor) -> Non
 
 
 def choose(rated: tuple | None, n: int, drafted: bool, margin: float,
-           top: int) -> tuple[int, bool, str]:
-    """The pick among the rated rows of a step (engine/adaptive.py `_rated`): (rows, whether
-    the drafter is to be asked for chains, why). Before drafting (not `drafted`) each rows
-    count is priced twice: trees (or the chains inside them) at the tree call's seconds, and
-    chains alone at the chain call's; once a tree is drafted, its call is spent."""
+            top: int) -> tuple[int, str]:
+    """The pick among the rated rows of a step (engine/adaptive.py `_rated`): (rows, why)."""
     if rated is None:
-        return top + 1, False, "unmeasured: the client's budget"
-    verify, draft, chain_draft = rated
-    _, ar_tokens, _, ar_t = verify[0]
-    plain = ar_tokens / (ar_t + (draft if drafted else 0.0))
-    rates = [(plain / margin, 1, False, ar_tokens, ar_t, 0.0)]
-    for rows, tokens, chained, t in verify[1:]:
-        rates.append((tokens / (t + draft), rows, False, tokens, t, draft))
-        if not drafted:
-            rates.append((chained / (t + chain_draft), rows, True, chained, t, chain_draft))
-    rate, rows, chain, tokens, t, d = max(rates)
-    return rows, chain, (f"step rows {rows}{' chains' if chain else ''}: {tokens / n:.2f} "
-                         f"tok/step in {t * 1e3:.2f} ms (+{d * 1e3:.2f} draft) = {rate:.0f} "
-                         f"tok/s; plain {plain:.0f} tok/s")
+        return top + 1, "unmeasured: the client's budget"
+    verify, draft = rated
+    rates = [(tokens / (t + (draft if rows > 1 or drafted else 0.0)), rows, tokens, t)
+             for rows, tokens, t in verify]
+    ar = rates[0]
+    rates[0] = (ar[0] / margin, *ar[1:])
+    rate, rows, tokens, t = max(rates)
+    return rows, (f"step rows {rows}: {tokens / n:.2f} tok/step in {t * 1e3:.2f} ms "
+                  f"(+{draft * 1e3:.2f} draft) = {rate:.0f} tok/s; plain {ar[0]:.0f} tok/s")
 
 
 def outside(p: Planned) -> Choice:

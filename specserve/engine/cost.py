@@ -4,10 +4,7 @@ Owns two tables of recent samples, filled from the engine's own steps (the warm-
 first: one tree per rows bucket, for one request and for each batch bucket): the verify part of a
 decode step (batched forward + accept + commit, the time a step costs without drafting) keyed by
 (batch bucket, rows per request, context class), and the drafter call (its forward, trees and,
-for the drafter service, the round trip) keyed by (batch bucket, context class, chain: every
-request of the call asked for its chain, which skips the trees' top-k and heap). A chain call
-not measured yet is priced at CHAIN_GUESS of the tree call (optimistic: the policy then tries
-it and measures it). A context class
+for the drafter service, the round trip) keyed by (batch bucket, context class). A context class
 is the context's bit length (…, 1k, 2k, 4k, …). An entry's value is the lower quartile of its
 last WINDOW samples: step times are floored by the work and spiked by what else runs (a first
 launch's compile or graph capture, the host, a neighbour on the GPU), so a low quantile follows
@@ -33,7 +30,6 @@ WINDOW = 8  # recent samples an entry keeps
 TRUSTED = 4  # samples past which an entry is its own lower quartile, not capped by others
 REFRESH = 16  # verify observations between re-estimates (envelope and shapes not measured)
 STEADY_ROWS = 32  # context rows per drafted request past which a draft is not a steady one
-CHAIN_GUESS = 0.5  # a chain call not measured yet, as a share of the tree call's seconds
 
 
 def context_class(ctx: int) -> int:
@@ -62,13 +58,12 @@ class Samples:
 @dataclass
 class CostModel:
     verify: dict[tuple[int, int, int], Samples] = field(default_factory=dict)  # (n, rows, cls)
-    draft: dict[tuple[int, int, bool], Samples] = field(default_factory=dict)  # (n, cls, chain)
+    draft: dict[tuple[int, int], Samples] = field(default_factory=dict)  # (n, cls)
     # envelopes of measured shapes, capped estimates of the others; recomputed after a new
     # shape or REFRESH observations
     _memo: dict[tuple[int, int, int], float | None] = field(default_factory=dict)
     _seen: int = 0
     epoch: int = 0  # bumped whenever the memo is dropped: callers may cache on it
-    _times: dict[tuple, tuple | None] = field(default_factory=dict)  # step_times, by epoch
     graph_builds: int = 0  # the runner's CUDA graph builds when a step was last observed
 
     def observe_verify(self, n: int, rows: int, ctx: int, seconds: float) -> None:
@@ -87,10 +82,9 @@ class CostModel:
         self._memo.clear()
         self.epoch += 1
 
-    def observe_draft(self, n: int, ctx: int, seconds: float, chain: bool = False) -> None:
-        """Book a drafter call (`chain`: every request asked for its chain); callers caching
-        on `epoch` see it move with the entry's value."""
-        key = (batch_bucket(n), context_class(ctx), chain)
+    def observe_draft(self, n: int, ctx: int, seconds: float) -> None:
+        """Book a drafter call; callers caching on `epoch` see it move with the entry's value."""
+        key = (batch_bucket(n), context_class(ctx))
         before = self.draft[key].value if key in self.draft else None
         _add(self.draft, key, seconds)
         if key in self.draft and self.draft[key].value != before:
@@ -122,39 +116,21 @@ class CostModel:
                 return est
         return None
 
-    def draft_s(self, n: int, ctx: int, chain: bool = False) -> float | None:
-        """Seconds of one drafter call for `n` requests at longest context `ctx` (`chain`:
-        each asking for its chain; none measured: CHAIN_GUESS of the tree call)."""
+    def draft_s(self, n: int, ctx: int) -> float | None:
+        """Seconds of one drafter call for `n` requests at longest context `ctx`."""
         nb, cls = batch_bucket(n), context_class(ctx)
-        if chain and not any(k[2] for k in self.draft):
-            tree = self.draft_s(n, ctx)
-            return None if tree is None else CHAIN_GUESS * tree
-        for key_n in _nearest(nb, {k[0] for k in self.draft if k[2] == chain}):
-            classes = {c: e.value for (m, c, ch), e in self.draft.items()
-                       if m == key_n and ch == chain}
+        for key_n in _nearest(nb, {k[0] for k in self.draft}):
+            classes = {c: e.value for (m, c), e in self.draft.items() if m == key_n}
             c = min(classes, key=lambda c: (abs(c - cls), -c))
             return classes[c]
         return None
-
-    def step_times(self, n: int, ctx: int, rows: list[tuple[int, int]]) -> tuple | None:
-        """([(rows, verify seconds)] for each (rows per request, rows it occupies) of `rows`,
-        tree and chain drafting seconds) for `n` requests at longest context `ctx`, or None
-        while a shape is unmeasured; cached until `epoch` moves."""
-        key = (batch_bucket(n), context_class(ctx), tuple(rows), self.epoch)
-        if key not in self._times:
-            if len(self._times) > 256:
-                self._times.clear()
-            verify = [(r, self.verify_s(n, padded, ctx)) for r, padded in rows]
-            self._times[key] = None if any(t is None for _, t in verify) else \
-                (verify, self.draft_s(n, ctx) or 0.0, self.draft_s(n, ctx, True) or 0.0)
-        return self._times[key]
 
     def table(self) -> dict[str, float]:
         """Every measured entry in ms, for Stats / benchmarks: "verify n=1 rows=16 ctx<=2^11"."""
         out = {f"verify n={n} rows={r} ctx<=2^{c}": e.value * 1e3
                for (n, r, c), e in sorted(self.verify.items())}
-        out.update({f"draft n={n} ctx<=2^{c}{' chain' if ch else ''}": e.value * 1e3
-                    for (n, c, ch), e in sorted(self.draft.items())})
+        out.update({f"draft n={n} ctx<=2^{c}": e.value * 1e3
+                    for (n, c), e in sorted(self.draft.items())})
         return out
 
 
@@ -174,10 +150,10 @@ def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: fl
         return
     ctx = max(p.start for p in plans)
     cost.observe_verify(len(plans), rows or max(p.layout.num_rows for p in plans), ctx, verify_s)
-    drafted = [p for p in plans if p.budget and p.drafted]
-    if drafted and draft_s is not None and draft_rows <= STEADY_ROWS * len(drafted) \
+    drafted = sum(1 for p in plans if p.budget and p.drafted)
+    if drafted and draft_s is not None and draft_rows <= STEADY_ROWS * drafted \
             and not any(p.first for p in plans):
-        cost.observe_draft(len(drafted), ctx, draft_s, all(p.chain for p in drafted))
+        cost.observe_draft(drafted, ctx, draft_s)
 
 
 def _add(table: dict, key, seconds: float) -> None:

@@ -35,11 +35,7 @@ def topk_logprobs(draft_logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.nd
     vocab = draft_logits.shape[1]
     if not 1 <= k <= vocab:
         raise ValueError(f"k must be in [1, {vocab}], got {k}")
-    if k == 1:  # the argmax alone (chains asked of the drafter): one max, no top-k
-        top_lp, top_ids = torch.log_softmax(draft_logits.float(), dim=-1).max(dim=-1,
-                                                                             keepdim=True)
-    else:
-        top_lp, top_ids = topk_logprobs_device(draft_logits.float(), k)  # [L, K] each
+    top_lp, top_ids = topk_logprobs_device(draft_logits.float(), k)  # [L, K] float32, int64
     # One device->host copy: bit-cast the float32 log-probs to int32 and pack them beside the ids
     # (vocab ids < 2**31), so the round trip costs a single sync instead of two.
     packed = torch.cat([top_lp.view(torch.int32), top_ids.to(torch.int32)], dim=1)  # [L, 2K]
@@ -93,22 +89,6 @@ def build_ddtree(
         parents=np.asarray(parents, dtype=np.int32),  # [n] int32
         depths=np.asarray(depths, dtype=np.int32),  # [n] int32
         scores=np.minimum(np.asarray(scores, dtype=np.float32), 0),  # [n] float32 path lp
-    )
-
-
-def build_chain(logprobs: np.ndarray, token_ids: np.ndarray, budget: int) -> DraftTree:
-    """The DDTree of K = 1 without its heap: the argmax chain of per-depth top-1 tables
-    (`logprobs` / `token_ids` [L, ≥ 1], sorted descending), its first min(budget, L) depths, with
-    each node's path log-prob (what adaptive speculation prices and calibrates a chain by)."""
-    check_budget(budget)
-    _check_tables(logprobs, token_ids)
-    n = min(budget, logprobs.shape[0]) if logprobs.shape[1] else 0
-    lp = np.cumsum(logprobs[:n, 0].astype(np.float64))  # [n] float64 path log-probs
-    return DraftTree.unchecked(
-        token_ids=np.ascontiguousarray(token_ids[:n, 0], dtype=np.int64),  # [n] int64
-        parents=np.arange(n, dtype=np.int32),  # [n] int32 node i's parent row is i
-        depths=np.arange(1, n + 1, dtype=np.int32),  # [n] int32
-        scores=np.minimum(lp.astype(np.float32), 0),  # [n] float32
     )
 
 

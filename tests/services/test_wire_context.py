@@ -42,20 +42,6 @@ def test_context_rows_in_place_round_trip_exactly():
         got[0, 0] = 0  # the host copy is the caller's own (writable)
 
 
-def test_a_chain_ask_crosses_the_wire():
-    """`DraftRequest.chain` (adaptive speculation holding a chain) reaches the drafter service's
-    request; a tree ask stays a tree ask."""
-    from services.drafter.convert import entry_from_pb
-
-    batch = convert.draft_batch(2)
-    for rid, chain in (("a", True), ("b", False)):
-        convert.add_draft_entry(batch, DraftRequest(rid, 3, 9, 7, 5, chain=chain), "dflash",
-                                None, [3])
-    wire = drafter_pb2.DraftBatch.FromString(batch.SerializeToString())
-    got = [entry_from_pb(e, torch.device("cpu"), torch.float32).request for e in wire.entries]
-    assert [(r.request_id, r.budget, r.chain) for r in got] == [("a", 7, True), ("b", 7, False)]
-
-
 def _random_tensor_msg(rng: random.Random) -> common_pb2.Tensor:
     """A Tensor message that is sometimes well formed: a dtype known or not, a rank up to twice
     the bound, dimensions small, negative or huge, data of the right length or not."""

@@ -165,20 +165,21 @@ def test_cost_model_estimates_from_its_nearest_measurements():
 
 def test_a_requests_first_tree_is_not_a_steady_draft_and_a_new_draft_time_is_read():
     """The drafter takes in the prompt's context (fed during the prefill) with a request's
-    first tree: that step's drafting is not booked; the steady drafts after it are, and the
-    step times cached for the policy see the entry move."""
+    first tree: that step's drafting is not booked; the steady drafts after it are, and a
+    policy caching its step times sees the entry move."""
     seqs = [_seq("a", budget=15), _seq("b", budget=7, start=61)]
     drafter, cost = RandomDDTreeDrafter(50, depth=4, seed=7), CostModel()
+    policy = Adaptive(cost, lambda rows: rows)
     firsts, drafts = [], []
     for draft_s in (6.0e-3, 1.5e-3, 1.7e-3):  # the first call takes in the prompts
         plans, _ = speculative.plan(seqs, drafter, 4096, 50)
         firsts.append([p.first for p in plans])
         observe_step(cost, plans, 16, 1e-3, draft_s, draft_rows=2)
-        drafts.append(cost.step_times(2, 61, [(1, 1), (16, 16)])[1])
+        drafts.append(policy._step_times(2, 61, 15)[1])
     assert firsts == [[True, True], [False, False], [False, False]]
     assert drafts == [0.0, 1.5e-3, 1.5e-3]  # none booked, then the steady ones
     cost.observe_draft(2, 61, 1.1e-3)  # cheaper now: the lower quartile moves
-    assert cost.step_times(2, 61, [(1, 1), (16, 16)])[1] == 1.1e-3
+    assert policy._step_times(2, 61, 15)[1] == 1.1e-3
     empty = speculative.plan([_seq("c", budget=0)], drafter, 4096, 50)[0]
     assert not empty[0].first and empty[0].seq.drafts == 0  # no tree: not a first one
 
@@ -253,10 +254,9 @@ def test_a_decision_to_draft_holds_its_shapes_until_redecide():
         plan = _plan(seq, 10 + step, confident=True)
         policy.shape([plan])
         if step < 2:  # held: the asked tree holds the shape, which is kept
-            assert asked == (st.ask, st.kind == shapes.CHAIN)
-            assert plan.choice.shape == chosen.shape
+            assert asked == st.ask and plan.choice.shape == chosen.shape
             assert plan.choice.why == f"held: {chosen.why}" and st.cut is None
-            assert plan.tree.n == min(chosen.nodes, asked.nodes) == plan.layout.num_rows - 1
+            assert plan.tree.n == min(chosen.nodes, asked) == plan.layout.num_rows - 1
             key = (chosen.shape, st.nodes)  # its own shape is booked, nothing else
             before = dict(st.own.real), dict(st.own.pred)
             policy.observe(plan, [1])  # one node accepted
@@ -267,7 +267,7 @@ def test_a_decision_to_draft_holds_its_shapes_until_redecide():
             # the hold's last step gives the next decision a curve of its own drafter
             assert (st.curve is curve) == (step == 0)
         else:  # the third step decides afresh, on a tree one class above
-            assert asked == (min(63, 2 * nodes + 1), False)  # a tree
+            assert asked == min(63, 2 * nodes + 1)
             assert "held" not in plan.choice.why and st.cut is not None
     fresh = [_seq(f"b{i}", budget=63) for i in range(3)]  # a bigger bucket ends the hold
     policy.shape([_plan(seq, 20, confident=True)])
@@ -288,8 +288,7 @@ def test_a_held_decision_outlives_finished_requests_and_takes_in_new_ones():
     policy = Adaptive(_cost(draft_ms=0.3), lambda rows: rows, redecide=8)
     policy.shape([_plan(a, 1, confident=True), _plan(b, 2, confident=True)])
     st = policy.state["a"]
-    k, kind = st.nodes, st.kind
-    ask = (st.ask, kind == shapes.CHAIN)  # a held chain is asked of the drafter alone
+    k, ask, kind = st.nodes, st.ask, st.kind
     assert 1 <= k < 63 and policy.state["b"].nodes == k
     policy.release("b")  # b finished
     assert policy.to_draft([a]) == ([a], []) and policy.draft_budgets([a]) == {"a": ask}
@@ -297,22 +296,22 @@ def test_a_held_decision_outlives_finished_requests_and_takes_in_new_ones():
     policy.shape([plan])
     assert plan.choice.why.startswith("held:") and plan.choice.shape == kind
     d = _seq("d", budget=63)  # its prompt just done: the drafts sent ahead ask the held size
-    assert policy.ahead([a, d]) == {"a": ask, "d": (k, ask[1])}
+    assert policy.ahead([a, d]) == {"a": ask, "d": k}
     assert policy.ahead([a, c, d]) is None  # a bigger bucket than the decision priced
     assert policy.to_draft([a, c]) == ([a, c], [])  # c is new: it joins
-    assert policy.draft_budgets([a, c]) == {"a": ask, "c": (k, ask[1])}
+    assert policy.draft_budgets([a, c]) == {"a": ask, "c": k}
     joined = _plan(c, 4, confident=True)
     policy.shape([_plan(a, 5, confident=True), joined])
-    assert joined.choice.shape == kind and joined.tree.n == k == joined.layout.num_rows - 1
+    assert joined.choice.shape == "tree" and joined.tree.n == k == joined.layout.num_rows - 1
     assert joined.choice.why.startswith("held: joined:")
     assert np.array_equal(joined.tree.token_ids, _plan(c, 4, confident=True).tree.token_ids[:k])
     policy.observe(joined, [1, 2])  # its shape is booked like any held one
-    assert policy.state["c"].own.real[(kind, k)] == 2
+    assert policy.state["c"].own.real[("tree", k)] == 2
     apart = Adaptive(_cost(draft_ms=0.3), lambda rows: rows, redecide=8)
     apart.shape([_plan(a, 1, confident=True)])
     apart.shape([_plan(b, 2, confident=True)])  # a second decision, without a
     assert apart.to_draft([a, b]) == ([a, b], []) and not apart._fast
-    assert apart.draft_budgets([a])["a"] == (min(63, 2 * apart.state["a"].nodes + 1), False)
+    assert apart.draft_budgets([a])["a"] == min(63, 2 * apart.state["a"].nodes + 1)
 
 
 def test_a_skipping_request_is_probed_once_the_target_is_sure_of_its_plain_steps():
@@ -395,7 +394,7 @@ def test_a_held_shape_accepted_to_its_deepest_node_ends_the_hold():
     assert full.choice.why.startswith("held:")
     policy.observe_step([(full, _deepest_path(full.tree), 0)], None)
     assert policy.to_draft([seq]) == ([seq], []) and not policy._fast
-    assert policy.draft_budgets([seq]) == {"a": (min(63, 2 * st.nodes + 1), False)}
+    assert policy.draft_budgets([seq]) == {"a": min(63, 2 * st.nodes + 1)}
     decided = _plan(seq, 4, confident=True)
     policy.shape([decided])
     assert "held" not in decided.choice.why
@@ -666,72 +665,3 @@ def test_a_step_that_builds_a_cuda_graph_is_not_booked(tiny_target, make_engine)
             booked.append((graphs.builds > before[0], engine.cost.table() != before[1]))
     assert (True, False) in booked and (False, True) in booked  # both kinds of step happened
     assert (True, True) not in booked  # a step that built a graph booked nothing
-
-
-def test_a_drafter_call_of_chains_is_priced_apart_from_one_of_trees():
-    """Chains asked alone (no top-k past the first, no heap) are their own entry; before one is
-    measured it is priced at CHAIN_GUESS of the tree call; a call mixing chains and trees is a
-    tree call."""
-    from specserve.engine import cost as cost_mod
-
-    cost = CostModel()
-    assert cost.draft_s(1, 40, chain=True) is None
-    cost.observe_draft(1, 40, 2.0e-3)
-    assert cost.draft_s(1, 40, chain=True) == pytest.approx(cost_mod.CHAIN_GUESS * 2.0e-3)
-    a, b = _seq("a", budget=15), _seq("b", budget=15, start=52)
-    drafter = RandomDDTreeDrafter(50, depth=4, seed=3)
-    speculative.plan([a, b], drafter, 4096, 50)  # first trees: not steady drafts
-    asks = {"a": speculative.Ask(7, True), "b": speculative.Ask(7, True)}
-    plans, _ = speculative.plan([a, b], drafter, 4096, 50, asks)
-    assert [p.chain for p in plans] == [True, True]
-    observe_step(cost, plans, 8, 1e-3, 0.7e-3, draft_rows=2)
-    assert cost.draft_s(2, 52, chain=True) == 0.7e-3 and cost.draft_s(1, 40) == 2.0e-3
-    plans, _ = speculative.plan([a, b], drafter, 4096, 50, {"a": speculative.Ask(7, True)})
-    observe_step(cost, plans, 8, 1e-3, 1.9e-3, draft_rows=2)  # b asked a tree
-    assert cost.draft_s(2, 52) == 1.9e-3 and cost.draft_s(2, 52, chain=True) == 0.7e-3
-    assert "draft n=2 ctx<=2^6 chain" in cost.table() and "draft n=2 ctx<=2^6" in cost.table()
-
-
-def _sure_plan(seq: Sequence, seed: int, chain: bool = False) -> Planned:
-    """A drafter sure of its argmax path: its DDTree, or (`chain`) what it answers a chain ask
-    with — that path alone, scored."""
-    from specserve.spec.ddtree import build_chain
-
-    _, lp, ids = _table(seed, depth=15, vocab=50, k=min(seq.budget, 50), scale=40.0)
-    tree = build_chain(lp, ids, seq.budget) if chain else build_ddtree(lp, ids, seq.budget)
-    return Planned(seq, tree, verify_layout(tree, seq.last_token, seq.num_computed),
-                   seq.budget, chain=chain)
-
-
-@pytest.mark.parametrize("chain_ms", [0.05, 0.5])
-def test_chains_are_held_and_asked_alone_when_their_cheaper_call_pays_most(chain_ms):
-    """A decision prices each rows count as trees at the tree call and as chains alone at the
-    chain call: with chains much cheaper to draft (and a sure drafter, whose chain accepts
-    nearly what its tree does) it holds chains, asks the drafter for them alone and books the
-    chain shape (a held chain accepted whole keeps the hold); measured dearer than trees, it
-    holds the tree."""
-    seq = _seq("a", budget=63)  # room to grow: a tree accepted whole would end the hold
-    cost = _cost(draft_ms=0.3)
-    cost.observe_draft(1, 40, chain_ms / 1e3, chain=True)
-    policy = Adaptive(cost, lambda rows: rows, redecide=4)
-    first = _sure_plan(seq, 1)
-    policy.shape([first])
-    st, cheap = policy.state["a"], chain_ms < 0.3
-    assert (st.kind == shapes.CHAIN) == cheap and ("chains" in first.choice.why) == cheap
-    curve = st.curve
-    for step in range(3):
-        assert policy.to_draft([seq]) == ([seq], [])
-        ask = policy.draft_budgets([seq])["a"]
-        assert ask == (st.ask, cheap) and ask.nodes == st.nodes
-        plan = _sure_plan(seq, 10 + step, chain=cheap)
-        before = dict(st.own.real)
-        policy.shape([plan])
-        assert plan.choice.why.startswith("held:") and plan.choice.shape == st.kind
-        assert plan.tree.n == st.nodes == plan.layout.num_rows - 1
-        whole = list(range(1, plan.tree.n + 1)) if cheap else [1, 2]
-        policy.observe_step([(plan, whole, 0)], None)  # a chain accepted whole: still held
-        assert {k for k in st.own.real if st.own.real[k] != before.get(k)} == {(st.kind,
-                                                                                st.nodes)}
-    assert (st.curve is curve) == cheap  # a chain alone holds no tree's curve to read
-    assert policy.to_draft([seq]) == ([seq], []) and not policy._fast
-    assert policy.draft_budgets([seq])["a"] == (min(63, 2 * st.nodes + 1), False)

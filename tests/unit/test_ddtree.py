@@ -135,15 +135,14 @@ def test_budget_out_of_range_raises(budget):
         build_ddtree_timed(torch.randn(3, 9), budget)
 
 
-@pytest.mark.parametrize("k", [37, 1])  # 1: the argmax path of chains asked alone
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_topk_logprobs_matches_log_softmax_topk(dtype, k):
+def test_topk_logprobs_matches_log_softmax_topk(dtype):
     gen = torch.Generator().manual_seed(19)
     logits = (3.0 * torch.randn(15, 1237, generator=gen)).to(dtype)  # [15, 1237]
-    lp, ids = topk_logprobs(logits, k)
+    lp, ids = topk_logprobs(logits, 37)
     assert isinstance(lp, np.ndarray) and isinstance(ids, np.ndarray)
-    assert lp.dtype == np.float32 and ids.dtype == np.int64 and lp.shape == ids.shape == (15, k)
-    ref_lp, ref_ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    assert lp.dtype == np.float32 and ids.dtype == np.int64 and lp.shape == ids.shape == (15, 37)
+    ref_lp, ref_ids = torch.log_softmax(logits.float(), dim=-1).topk(37, dim=-1)
     np.testing.assert_allclose(lp, ref_lp.numpy(), atol=1e-6, rtol=1e-6)
     np.testing.assert_array_equal(ids, ref_ids.numpy())
     assert np.all(np.diff(lp, axis=1) <= 0)
@@ -171,21 +170,3 @@ def test_timed_build_equals_untimed():
     small_vocab, _ = build_ddtree_timed(logits[:, :5], budget=300)  # K = min(budget, V) = 5
     assert small_vocab.n == 300
     assert build_ddtree_timed(logits, budget=0)[0].n == 0
-
-
-@pytest.mark.parametrize("budget,depths", [(5, 9), (13, 7), (1, 4)])
-def test_build_chain_is_the_ddtree_of_k_one(budget, depths):
-    """A chain asked of the drafter (`DraftRequest.chain`): the DDTree of K = 1 (its heap),
-    and the argmax path of the logits scored with the cumulative top-1 log-probs."""
-    from specserve.spec.ddtree import build_chain
-
-    logits = torch.randn(depths, 23, generator=torch.Generator().manual_seed(budget)) * 2.5
-    lp, ids = topk_logprobs(logits, 3)
-    chain, heap = build_chain(lp, ids, budget), build_ddtree(lp[:, :1], ids[:, :1], budget)
-    for field in ("token_ids", "parents", "depths", "scores"):
-        assert np.array_equal(getattr(chain, field), getattr(heap, field)), field
-    n = min(budget, depths)
-    assert chain.token_ids.tolist() == logits.argmax(-1)[:n].tolist()
-    top1 = torch.log_softmax(logits, -1).max(-1).values[:n].double().cumsum(0)
-    assert np.allclose(chain.scores, top1.numpy(), atol=1e-5)
-    DraftTree(chain.token_ids, chain.parents, chain.depths, chain.scores)  # checked: valid

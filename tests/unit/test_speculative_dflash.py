@@ -6,7 +6,6 @@ mode (DDTree budgets 1 … 64) must give exactly the target's greedy tokens.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -186,38 +185,3 @@ def test_warm_up_runs_every_tree_size_class_and_leaves_no_state(dflash_pair, mak
     engine.on_step = None
     assert engine.generate([prompt], params, budget=16) == fresh.generate([prompt], params,
                                                                           budget=16)
-
-
-def test_a_request_asking_for_its_chain_gets_the_argmax_chain_with_scores(dflash_pair):
-    """`DraftRequest.chain` (adaptive speculation holding a chain): in one call beside trees,
-    such a request gets the chain drafter's tokens, each node scored with its path log-prob
-    as the same drafter's DDTree scores that chain (as deep as a 63-node tree holds it; the
-    rest: spec/ddtree.py's test against the DDTree of K = 1); the trees beside it are the
-    ones drafted alone."""
-    from specserve.drafters.base import DraftRequest
-    from specserve.spec import shapes
-
-    tdir, _, ddir, _ = dflash_pair
-    mixed, chains, trees = (_drafter(tdir, ddir, tree=t) for t in (True, False, True))
-    cfg = mixed.model.config
-    gen = torch.Generator().manual_seed(5)
-    ctx = [torch.randn(n, cfg.num_taps * cfg.hidden_size, generator=gen) for n in (37, 12, 23)]
-    asks = [(15, True), (9, False), (11, True)]  # (budget, chain)
-    reqs = [DraftRequest(f"r{i}", 7 + i, c.shape[0], b, 15, c, chain=ch)
-            for i, (c, (b, ch)) in enumerate(zip(ctx, asks, strict=True))]
-    got = mixed.draft(reqs)
-    argmax = chains.draft(reqs)
-    alone = [trees.draft([DraftRequest(r.request_id, r.bonus_token, r.start, 63 if r.chain
-                                       else r.budget, 15, r.context)])[0] for r in reqs]
-    for r, tree, path, full in zip(reqs, got, argmax, alone, strict=True):
-        if not r.chain:
-            assert tree.token_ids.tolist() == full.token_ids.tolist()
-            assert tree.parents.tolist() == full.parents.tolist()
-            continue
-        assert tree.token_ids.tolist() == path.token_ids.tolist() and tree.n == r.budget
-        assert tree.parents.tolist() == list(range(r.budget))
-        inside = shapes.chain(full, r.budget).nodes  # as deep as the DDTree holds it
-        assert len(inside) >= 1 and full.token_ids[inside].tolist() == \
-            tree.token_ids[: len(inside)].tolist()
-        assert np.allclose(tree.scores[: len(inside)], full.scores[inside], atol=1e-5)
-        assert np.all(np.diff(tree.scores) <= 0) and tree.scores[-1] < tree.scores[0]
