@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -47,3 +49,69 @@ def test_every_variant_runs_last_in_one_round_of_each_cycle():
     assert all(sorted(o) == sorted(names) for o in orders)
     assert orders[0] == names and orders[5] == names and orders[6][0] == "chain 7"
     assert sorted(o[-1] for o in orders[:5]) == sorted(names)
+
+
+def test_the_ab_section_alternates_a_baseline_and_this_tree(tmp_path):
+    """bench/adaptive_h200.sh ab (on the CPU here): the demo pass four times, old new new old,
+    the old rounds importing the baseline's package, and the report pairing the rounds."""
+    import os
+    import shutil
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    base = work / ".baseline"
+    base.mkdir(parents=True)
+    for name in ("specserve", "bench", "checkpoints"):
+        (work / name).symlink_to(ROOT / name)
+        if name == "checkpoints":
+            (base / name).symlink_to(ROOT / name)
+        else:  # a copy: the old side's modules live elsewhere
+            shutil.copytree(ROOT / name, base / name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+    (base / "COMMIT").write_text("test-base\n")
+    env = {**os.environ, "OUT": str(out), "GPU": "--device cpu", "CONTEXTS": "97",
+           "DEMO_ARGS": "--texts predictable --batch 1 --budgets 3 --chain-budget 3 "
+                        "--new-tokens 5 --repeats 2 --warm-rounds 0",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "bench/adaptive_h200.sh", "ab"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "failed" not in proc.stdout, proc.stdout + proc.stderr
+    sides = ["old", "new", "new", "old"]
+    for i, side in enumerate(sides, 1):
+        first = (out / f"adaptive_ab_{i}_{side}.log").read_text().splitlines()[0]
+        where = base / "specserve" if side == "old" else work / "specserve"
+        assert first == f"{side}: {where / 'engine' / 'adaptive.py'}"
+    report = json.loads((out / "adaptive_ab.json").read_text())["cells"]
+    ratios = [json.loads((out / f"adaptive_ab_{i}_{s}.json").read_text())["rows"][0]
+              ["adaptive_vs_best_paired"] for i, s in enumerate(sides, 1)]
+    assert len(report) == 1 and [r["ratio"] for r in report[0]["rounds"]] == ratios
+    assert report[0]["old"] == statistics.mean([ratios[0], ratios[3]])
+    assert report[0]["new"] == statistics.mean(ratios[1:3])
+    assert "| 97 | predictable | 1 |" in (out / "adaptive_ab.md").read_text()
+
+
+def test_the_ab_report_refuses_other_files_and_marks_missing_cells(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import adaptive_ab_report as report
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def rows(*cells):
+        return {"rows": [{"context": c, "text": t, "batch": b, "adaptive_vs_best_paired": x}
+                         for c, t, b, x in cells]}
+
+    files = {"adaptive_ab_1_old.json": rows((211, "novel", 3, 0.913), (211, "mix", 1, 0.871)),
+             "adaptive_ab_2_new.json": rows((211, "novel", 3, 0.958)),
+             "adaptive_ab_3_new.json": rows((211, "novel", 3, 0.944), (211, "mix", 1, 0.902)),
+             "adaptive_ab_4_old.json": rows((211, "mix", 1, 0.887), (211, "novel", 3, 0.931))}
+    for name, data in files.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    got = report.cells(report.load(sorted(str(p) for p in tmp_path.iterdir())))
+    assert [(c["text"], c["old"], c["new"]) for c in got] == [
+        ("novel", statistics.mean([0.913, 0.931]), statistics.mean([0.958, 0.944])),
+        ("mix", statistics.mean([0.871, 0.887]), 0.902)]
+    assert [r["ratio"] for r in got[1]["rounds"]] == [0.871, None, 0.902, 0.887]
+    assert "| 211 | mix | 1 | 0.871 | — | 0.902 | 0.887 | 0.879 | 0.902 |" in report.table(got)
+    (tmp_path / "adaptive_demo.json").write_text(json.dumps(rows()))
+    with pytest.raises(ValueError, match="not named"):
+        report.load([str(tmp_path / "adaptive_demo.json")])
