@@ -33,13 +33,14 @@ for section in ${1:-demo random}; do
       base=${BASELINE:-.baseline}
       [ -d "$base" ] || { echo "no $base/: bash bench/served_ab_h200.sh prepare <commit>" >&2; exit 1; }
       echo "old: $(cat "$base/COMMIT" 2>/dev/null || echo "$base")"
-      i=0
+      i=0; pair=$PWD/checkpoints  # both sides: this tree's demo pair (the same weights)
       for side in old new new old; do
         i=$((i + 1)); f="$OUT/adaptive_ab_${i}_$side"
         dir=$PWD; [ "$side" = old ] && dir=$(cd "$base" && pwd)  # its bench and package first
         (cd "$dir" && export PYTHONPATH=$dir:$dir/bench:$PYTHONPATH \
           && python3 -c "import specserve.engine.adaptive as a; print('$side:', a.__file__)" \
           && timeout "${DEMO_S:-300}" python3 bench/bench_adaptive.py $GPU \
+            --model "$pair/demo-target" --draft-model "$pair/demo-drafter" \
             --contexts ${CONTEXTS:-1024} --out "$f.json" ${DEMO_ARGS:-}) > "$f.log" 2>&1 \
           || echo "round $i ($side) failed: $f.log"
         head -1 "$f.log"

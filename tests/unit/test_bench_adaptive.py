@@ -62,11 +62,9 @@ def test_the_ab_section_alternates_a_baseline_and_this_tree(tmp_path):
     base.mkdir(parents=True)
     for name in ("specserve", "bench", "checkpoints"):
         (work / name).symlink_to(ROOT / name)
-        if name == "checkpoints":
-            (base / name).symlink_to(ROOT / name)
-        else:  # a copy: the old side's modules live elsewhere
-            shutil.copytree(ROOT / name, base / name,
-                            ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("specserve", "bench"):  # a copy: the old side's modules live elsewhere (and,
+        shutil.copytree(ROOT / name, base / name,  # as after `prepare`, no demo drafter there)
+                        ignore=shutil.ignore_patterns("__pycache__"))
     (base / "COMMIT").write_text("test-base\n")
     env = {**os.environ, "OUT": str(out), "GPU": "--device cpu", "CONTEXTS": "97",
            "DEMO_ARGS": "--texts predictable --batch 1 --budgets 3 --chain-budget 3 "
