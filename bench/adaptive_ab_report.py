@@ -32,17 +32,13 @@ def load(paths: list[str]) -> list[tuple[int, str, dict]]:
 def cells(runs: list[tuple[int, str, dict]]) -> list[dict]:
     """Per cell: its key, each round's paired ratio (None where that run lacks the cell) and
     each side's mean over the rounds that have it."""
-    keys = []
-    for _, _, data in runs:
-        keys += [k for k in ((r["context"], r["text"], r["batch"]) for r in data["rows"])
-                 if k not in keys]
+    ratios = [{(r["context"], r["text"], r["batch"]): r["adaptive_vs_best_paired"]
+               for r in data["rows"]} for _, _, data in runs]  # per run: cell → its ratio
+    keys = list(dict.fromkeys(k for run in ratios for k in run))  # first seen first
     out = []
     for key in keys:
-        by_round = []
-        for rnd, side, data in runs:
-            row = next((r for r in data["rows"]
-                        if (r["context"], r["text"], r["batch"]) == key), None)
-            by_round.append((rnd, side, None if row is None else row["adaptive_vs_best_paired"]))
+        by_round = [(rnd, side, run.get(key))
+                    for (rnd, side, _), run in zip(runs, ratios, strict=True)]
         means = {side: statistics.mean(v) if (v := [x for _, s, x in by_round
                                                     if s == side and x is not None]) else None
                  for side in ("old", "new")}
