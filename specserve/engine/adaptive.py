@@ -21,12 +21,14 @@ CONFIDENCE_EVERY of them, twice says a chain as sure would pay). After drafting,
 made again with the fresh curves (the drafting, spent, now counts for plain decoding too) and
 the trees are cut to it. The client's budget bounds every choice; the drafter is asked for one
 size class above the last choice. A decision to draft (one that pays with the drafting still
-to pay) holds for REDECIDE steps: each request keeps its shape (the drafter is asked for just
-that tree) and only that shape's outcome is booked. The hold outlives requests that finish; a
-new request joins it with the held size's DDTree prefix; a batch grown past the bucket it was
-priced for, a request the decision skipped, or a step where most held shapes were accepted to
-their deepest node ends it. Trees without probabilities (the n-gram drafter) are kept as
-drafted. Lossless: only which draft tokens are verified changes; the acceptance walk is the same.
+to pay) holds for REDECIDE steps (a repeat of the last: twice as long as that held, up to
+HOLD_GROWTH × REDECIDE): each request keeps its shape (the drafter asked for just that tree),
+only that shape's outcome booked. It outlives requests that finish; a new request joins with
+the held size's DDTree prefix; a batch grown past the bucket it was priced for, a request the
+decision skipped, or a step where most held shapes were accepted to their deepest node ends it.
+A step's bookings wait for the next step's verify forward (host work while the GPU runs; a
+decision books first). Trees without probabilities (the n-gram drafter) are kept as drafted.
+Lossless: only which draft tokens are verified changes; the acceptance walk is the same.
 """
 
 from __future__ import annotations
@@ -39,11 +41,12 @@ from specserve.engine.adaptive_state import (
     State,
     choose,
     outside,
+    plain_plan,
     read_confidence,
 )
-from specserve.engine.cost import CostModel, batch_bucket, context_class
+from specserve.engine.cost import CostModel, StepPrices, batch_bucket, context_class
 from specserve.engine.speculative import Planned
-from specserve.engine.warmup import size_classes
+from specserve.engine.warmup import candidates, size_classes
 from specserve.spec import shapes
 from specserve.spec.shapes import Choice
 from specserve.spec.tree import DraftTree, verify_layout
@@ -57,6 +60,7 @@ SKIP_MARGIN = 1.1
 # steps a decision holds (each request keeps its shape, asking the drafter for just that tree and
 # booking only that shape): the policy's host work is paid once every REDECIDE steps
 REDECIDE = 8
+HOLD_GROWTH = 4  # a decision repeating the last holds twice as long, up to this × redecide
 _EMPTY = DraftTree.empty()
 
 
@@ -66,12 +70,12 @@ class Adaptive:
     def __init__(self, cost: CostModel, pad_rows, redecide: int = REDECIDE) -> None:
         if redecide < 1:
             raise ValueError(f"redecide must be >= 1, got {redecide}")
-        self.cost, self.pad_rows = cost, pad_rows  # pad_rows(rows) → rows a tree occupies
+        self.cost, self.prices = cost, StepPrices(cost, pad_rows)
         self.state: dict[str, State] = {}
         self.shared = Ratios(SHARED_DECAY)
-        self._times: dict[tuple, tuple | None] = {}  # _step_times by shape, this cost epoch
         self.redecide = redecide
         self._hold = 0  # steps the last decision to draft still holds
+        self._span = redecide  # steps it held for from the start
         self._held: tuple[int, int, str] | None = None  # its (batch bucket, nodes, why)
         self._decision = 0  # decisions made (State.decision: the last one a request took part in)
         self._fast = False  # this step keeps the held shapes
@@ -80,6 +84,7 @@ class Adaptive:
         # calibrations, recent lengths) moves only then
         self._moved = 0
         self._plain_at: tuple | None = None  # (batch, context class, costs, moved) last skipped
+        self._pending: list[tuple[State, tuple]] = []  # deferred bookings (`book_pending`)
 
     def release(self, request_id: str) -> None:
         self.state.pop(request_id, None)
@@ -108,9 +113,8 @@ class Adaptive:
         return st
 
     def _holds(self, n: int, states: list[State]) -> bool:
-        """Whether this step keeps the last decision to draft: it still holds, for a batch
-        no bigger than the bucket it was priced for, and every request with a curve took part
-        in it or is new (it joins)."""
+        """Whether this step keeps the last decision to draft: it holds, for a batch no bigger
+        than it was priced for, and each request with a curve took part in it or is new."""
         if self._hold <= 0 or not states or batch_bucket(n) > self._held[0]:
             return False
         return all(st.decision == self._decision or st.kind is None for st in states)
@@ -118,6 +122,7 @@ class Adaptive:
     def _skipping(self, seqs, states) -> list:
         """Which of `seqs` (each with a curve) skip the drafter this step. The forecast is read
         again only when its inputs moved: a draft, the cost model, the batch, its context class."""
+        self.book_pending()
         at = (tuple(s.request_id for s in seqs),
               context_class(max(s.num_computed for s in seqs)), self.cost.epoch, self._moved)
         if at != self._plain_at and self._best(seqs, states, drafted=False, margin=SKIP_MARGIN,
@@ -163,11 +168,7 @@ class Adaptive:
 
     def skipped(self, seq) -> Planned:
         """A root-only plan for a request that skips drafting (its context rows stay)."""
-        st = self.state[seq.request_id]
-        st.skipped += 1
-        why = f"plain decoding expected faster; probe in {max(st.gap - st.skipped, 0)} steps"
-        return Planned(seq, _EMPTY, verify_layout(_EMPTY, seq.last_token, seq.num_computed),
-                       seq.budget, drafted=False, choice=Choice(shapes.OFF, 0, why))
+        return plain_plan(seq, self.state[seq.request_id])
 
     def shape(self, plans: list[Planned]) -> None:
         """Cut the drafted trees of `plans` to this step's choice (the drafting is spent)."""
@@ -175,7 +176,7 @@ class Adaptive:
         self._moved += bool(scored)
         if self._fast:  # a held step
             for p in scored:
-                st = self.state.setdefault(p.seq.request_id, State(self.shared))
+                st = self._state(p.seq)
                 if st.decision != self._decision:  # new: it joins with the held size's prefix
                     _, nodes, why = self._held
                     st.kind, st.nodes, st.ask, st.why = shapes.TREE, nodes, nodes, f"joined: {why}"
@@ -190,8 +191,9 @@ class Adaptive:
                 p.choice = outside(p)
 
     def _shape(self, scored: list[Planned]) -> None:
+        self.book_pending()
         for p in scored:
-            st = self.state.setdefault(p.seq.request_id, State(self.shared))
+            st = self._state(p.seq)
             st.take_curve(p.tree)
             self._prior[p.seq.drafter_kind] = st
         seqs, states = [p.seq for p in scored], [self.state[p.seq.request_id] for p in scored]
@@ -201,7 +203,9 @@ class Adaptive:
             self._cut(p, st, best - 1, why)
         # hold only if drafting pays with its cost to come (the gains were read before the cuts)
         hold = best > 1 and choose(rated, len(seqs), False, SKIP_MARGIN, top)[0] > 1
-        self._hold, self._decision = self.redecide - 1 if hold else 0, self._decision + 1
+        same = hold and self._held is not None and self._held[1] == best - 1
+        self._span = min(2 * self._span, HOLD_GROWTH * self.redecide) if same else self.redecide
+        self._hold, self._decision = self._span - 1 if hold else 0, self._decision + 1
         self._held = (batch_bucket(len(scored)), best - 1, why) if hold else None
         for st in states:
             st.decision = self._decision
@@ -246,18 +250,16 @@ class Adaptive:
 
     def _best(self, seqs, states, drafted: bool, margin: float = 1.0,
               gain=State.gain) -> tuple[int, str]:
-        """The step's rows per request maximising expected tokens per second, and why. Once
-        `drafted`, plain decoding's step carries the drafting time too (it is spent); `gain`:
-        the State method giving a request's expected accepted length (before drafting
-        `forecast_gain`, for probes `confident_gain`); plain decoding wins only by `margin`."""
+        """The step's rows per request maximising expected tokens per second, and why (`choose`);
+        `gain`: State.gain, before drafting `forecast_gain`, for probes `confident_gain`."""
         return choose(self._rated(seqs, states, gain), len(seqs), drafted, margin,
                             max(s.budget for s in seqs))
 
     def _rated(self, seqs, states, gain=State.gain) -> tuple | None:
         """([(rows, expected tokens of the step, verify seconds)] for plain decoding and each
         size class, drafting seconds), or None while a shape is unmeasured."""
-        times = self._step_times(len(seqs), max(s.num_computed for s in seqs),
-                                 max(s.budget for s in seqs))
+        times = self.prices(len(seqs), max(s.num_computed for s in seqs),
+                            candidates(max(s.budget for s in seqs)))
         if times is None:
             return None
         verify, draft = times
@@ -265,36 +267,35 @@ class Adaptive:
         return [(rows, sum(1 + gain(st, rows - 1, budget)[0] for st, budget in pairs), t)
                 for rows, t in verify], draft
 
-    def _step_times(self, n: int, ctx: int, top: int) -> tuple | None:
-        """([(rows, verify seconds)] for plain decoding and each size class, drafting
-        seconds), or None while a shape is unmeasured; cached until the cost model moves."""
-        key = (batch_bucket(n), context_class(ctx), top, self.cost.epoch)
-        if key not in self._times:
-            if len(self._times) > 256:
-                self._times.clear()
-            verify = [(rows, self.cost.verify_s(n, self.pad_rows(rows), ctx))
-                      for rows in [1] + [k + 1 for k in size_classes(top)]]
-            self._times[key] = None if any(t is None for _, t in verify) else \
-                (verify, self.cost.draft_s(n, ctx) or 0.0)
-        return self._times[key]
-
-    def observe_step(self, verified: list[tuple[Planned, list[int], int]], logits) -> None:
+    def observe_step(self, verified: list[tuple[Planned, list[int], int]], logits,
+                     defer: bool = False) -> None:
         """Book a step's verified trees: (plan, accepted verify rows, its root row in `logits`
-        [N, V]) each."""
+        [N, V]) each; `defer`: what they leave is taken now, booked by `book_pending`."""
         read_confidence([(st, row) for p, _, row in verified
                          if p.choice and p.choice.shape == shapes.OFF
                          and (st := self.state.get(p.seq.request_id)) is not None
                          and st.skipped % CONFIDENCE_EVERY == 1], logits)
-        held = [s for s in (self.observe(p, rows) for p, rows, _ in verified) if s is not None]
+        held = [s for s in (self.observe(p, rows, defer) for p, rows, _ in verified)
+                if s is not None]
         if self._hold and 2 * sum(held) > len(held):  # most held shapes were too small
             self._hold = 0  # decided afresh next step, each asking a size class up
 
-    def observe(self, p: Planned, accepted_rows: list[int]) -> bool | None:
+    def observe(self, p: Planned, accepted_rows: list[int], defer: bool = False) -> bool | None:
         """Book what each candidate shape inside the verified tree would have accepted; a held
         shape: whether it was accepted to its deepest node with room to grow (else None)."""
         st = self.state.get(p.seq.request_id)
         if st is None or p.choice is None or p.choice.shape == shapes.OFF:
             return None
-        held = st.book_verified(p.choice.shape, size_classes(p.budget), accepted_rows)
-        self._moved += 1  # the calibrations moved
+        args = (p.choice.shape, size_classes(p.budget), *st.take_verified(accepted_rows))
+        self._pending.append((st, args))
+        if not defer:
+            self.book_pending()
+        held = args[3] is not None  # a held step's own shape
         return p.tree.n < p.budget and len(accepted_rows) >= p.tree.max_depth if held else None
+
+    def book_pending(self) -> None:
+        """Book what verified trees left (`observe_step`): the calibrations move."""
+        for st, args in self._pending:
+            st.book_verified(*args)
+        self._moved += len(self._pending)
+        self._pending.clear()

@@ -15,6 +15,9 @@ import torch
 from specserve.engine.speculative import Planned
 from specserve.spec import shapes
 from specserve.spec.shapes import Choice
+from specserve.spec.tree import DraftTree, verify_layout
+
+_EMPTY = DraftTree.empty()
 
 PRIOR = 2.0  # pseudo-tokens pulling a shape's calibration towards 1 (trust the drafter)
 DECAY = 0.9
@@ -29,10 +32,12 @@ class Ratios:
     real: dict[tuple, float] = field(default_factory=dict)
     pred: dict[tuple, float] = field(default_factory=dict)
     deepest: int = 0  # the longest chain a drafted tree has held (the shared Ratios only)
+    near: dict[tuple, float] = field(default_factory=dict)  # `nearest` until the next booking
 
     def book(self, key: tuple, real: int, expected: float) -> None:
         self.real[key] = self.decay * self.real.get(key, 0.0) + real
         self.pred[key] = self.decay * self.pred.get(key, 0.0) + expected
+        self.near.clear()
 
     def ratio(self, key: tuple, prior: float = 1.0) -> float:
         return (self.real.get(key, 0.0) + PRIOR * prior) / (self.pred.get(key, 0.0) + PRIOR)
@@ -43,6 +48,12 @@ class Ratios:
         never verified is taken to be as calibrated as its nearest one: the drafter's over- or
         under-confidence carries over, where 1 would keep a larger tree looking as bad as the
         drafter alone says."""
+        got = self.near.get(key)
+        if got is None:
+            got = self.near[key] = self._nearest(key)
+        return got
+
+    def _nearest(self, key: tuple) -> float:
         if key in self.pred:
             return self.ratio(key)
         booked = [b for b in self.pred if b[0] == key[0]] or list(self.pred)
@@ -128,21 +139,30 @@ class State:
         self.shared.book(key, real, expected)
         self.gains.clear()
 
-    def book_verified(self, shape: str, classes, accepted_rows: list[int]) -> bool:
-        """Book a verified tree of `shape` (accepted: its verify rows `accepted_rows`): a held
-        step its own shape only (True); a decided one what each candidate shape of the size
-        `classes` inside it would have accepted (False)."""
+    def take_verified(self, accepted_rows: list[int]) -> tuple:
+        """What a verified tree of this request leaves to book, taken at once (the next
+        step's shaping overwrites `kept` and `cut`): the arguments of `book_verified` after
+        `shape` and `classes`. Its recent accepted length moves now."""
         n = len(accepted_rows)
         self.recent = n if self.recent is None else 0.5 * self.recent + 0.5 * n
+        kept = None
         if self.cut is None and self.kept is not None:  # a held step
-            key, expected = self.kept
-            self.kept = None
-            self.book(key, n, expected)
+            kept, self.kept = self.kept, None
+        return accepted_rows, kept, self.cut, self.curve
+
+    def book_verified(self, shape: str, classes, accepted_rows: list[int], kept, cut,
+                      curve) -> bool:
+        """Book a verified tree of `shape` (accepted: its verify rows `accepted_rows`; the
+        rest as `take_verified` took them): a held step its own shape only (True); a decided one
+        what each candidate shape of the size `classes` inside it would have accepted (False)."""
+        if kept is not None:
+            key, expected = kept
+            self.book(key, len(accepted_rows), expected)
             return True
-        if self.cut is None or self.curve is None:
+        if cut is None or curve is None:
             return False
-        accepted = self.cut[np.asarray(accepted_rows, dtype=np.int64) - 1].tolist()
-        path, n, cv = self.curve.chain_nodes, len(self.cut), self.curve
+        accepted = cut[np.asarray(accepted_rows, dtype=np.int64) - 1].tolist()
+        path, n, cv = curve.chain_nodes, len(cut), curve
         for k in classes:
             if shape == shapes.TREE and k <= n:
                 self.book((shapes.TREE, k), shapes.realized_prefix(accepted, k),
@@ -170,7 +190,9 @@ def read_confidence(plain: list[tuple[State, int]], logits: torch.Tensor) -> Non
 
 def choose(rated: tuple | None, n: int, drafted: bool, margin: float,
             top: int) -> tuple[int, str]:
-    """The pick among the rated rows of a step (engine/adaptive.py `_rated`): (rows, why)."""
+    """The pick among the rated rows of a step (engine/adaptive.py `_rated`): (rows, why).
+    Once `drafted`, plain decoding's step carries the drafting time too (it is spent); plain
+    decoding wins only by `margin`."""
     if rated is None:
         return top + 1, "unmeasured: the client's budget"
     verify, draft = rated
@@ -181,6 +203,14 @@ def choose(rated: tuple | None, n: int, drafted: bool, margin: float,
     rate, rows, tokens, t = max(rates)
     return rows, (f"step rows {rows}: {tokens / n:.2f} tok/step in {t * 1e3:.2f} ms "
                   f"(+{draft * 1e3:.2f} draft) = {rate:.0f} tok/s; plain {ar[0]:.0f} tok/s")
+
+
+def plain_plan(seq, st: State) -> Planned:
+    """A root-only plan for `seq` (state `st`) skipping the drafter (its context rows stay)."""
+    st.skipped += 1
+    why = f"plain decoding expected faster; probe in {max(st.gap - st.skipped, 0)} steps"
+    return Planned(seq, _EMPTY, verify_layout(_EMPTY, seq.last_token, seq.num_computed),
+                   seq.budget, drafted=False, choice=Choice(shapes.OFF, 0, why))
 
 
 def outside(p: Planned) -> Choice:

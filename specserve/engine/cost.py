@@ -134,6 +134,28 @@ class CostModel:
         return out
 
 
+class StepPrices:
+    """A decode step's price by the model: verify seconds by rows per request (padded as the
+    runner pads a tree) and the drafting seconds, cached until the model moves (the adaptive
+    policy reads them at each of its decisions)."""
+
+    def __init__(self, cost: CostModel, pad_rows) -> None:
+        self.cost, self.pad_rows = cost, pad_rows  # pad_rows(rows) → rows a tree occupies
+        self._memo: dict[tuple, tuple | None] = {}
+
+    def __call__(self, n: int, ctx: int, rows: tuple[int, ...]) -> tuple | None:
+        """([(rows, verify seconds)] for each of `rows`, drafting seconds) for `n` requests at
+        longest context `ctx`, or None while one of `rows` is unmeasured."""
+        key = (batch_bucket(n), context_class(ctx), rows, self.cost.epoch)
+        if key not in self._memo:
+            if len(self._memo) > 256:
+                self._memo.clear()
+            verify = [(r, self.cost.verify_s(n, self.pad_rows(r), ctx)) for r in rows]
+            self._memo[key] = None if any(t is None for _, t in verify) else \
+                (verify, self.cost.draft_s(n, ctx) or 0.0)
+        return self._memo[key]
+
+
 def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: float | None,
                  draft_rows: int, graph_builds: int = 0) -> None:
     """Book one decode-only engine step: its `plans` (engine.speculative.Planned), the rows

@@ -207,7 +207,8 @@ class Engine:
     def _run(self, plans, chunks) -> tuple[isolation.StepBatch, list[RequestOutput], float]:
         """The forward (with failure isolation): the batch, failed requests' outputs, seconds."""
         t0 = time.perf_counter()
-        batch, failed = isolation.forward(self, plans, chunks, self._needs_context)
+        batch, failed = isolation.forward(self, plans, chunks, self._needs_context,
+                                          self.adaptive and self.adaptive.book_pending)
         return batch, failed, time.perf_counter() - t0
 
     def _plan(self, decoding: list[Sequence]) -> tuple[list[speculative.Planned], float]:

@@ -56,9 +56,9 @@ def chunk_input(w: Scheduled, pages: Pages) -> ForwardInput:
 
 
 def run(runner: ModelRunner, pages: Pages, plans: list[Planned], chunks: list[Scheduled],
-        taps: bool) -> StepBatch:
+        taps: bool, meanwhile=None) -> StepBatch:
     """One batched forward over `plans` and `chunks` (none: an empty batch, no forward);
-    `pages(request_id)` is a request's page table."""
+    `pages(request_id)` is a request's page table; `meanwhile()` runs while the GPU works."""
     if not plans and not chunks:
         return StepBatch([], [], None, None, [], [])
     inputs = [p.forward_input(pages(p.seq.request_id)) for p in plans]
@@ -70,6 +70,8 @@ def run(runner: ModelRunner, pages: Pages, plans: list[Planned], chunks: list[Sc
     rows += [ends[len(plans) + i] - 1 for i in done]
     prompt_rows = _prompt_rows(chunks, ends[len(plans):], rows)
     logits, feats = runner.forward(inputs, rows, taps=taps)
+    if meanwhile is not None:
+        meanwhile()
     if logits.is_cuda:  # the accept walk syncs anyway; syncing here makes verify_s true
         torch.cuda.synchronize(logits.device)
     return StepBatch(plans, chunks, logits, feats, ends, done, prompt_rows)
@@ -90,18 +92,19 @@ def _prompt_rows(chunks: list[Scheduled], ends: list[int], rows: list[int]) -> l
 
 
 def forward(engine: Engine, plans: list[Planned], chunks: list[Scheduled],
-            taps: bool) -> tuple[StepBatch, list[RequestOutput]]:
+            taps: bool, meanwhile=None) -> tuple[StepBatch, list[RequestOutput]]:
     """The step's forward; if it raises, again without the requests whose input fails alone.
-    Returns the batch and the (error) outputs of the requests that were ended."""
+    Returns the batch and the (error) outputs of the requests that were ended. `meanwhile()`:
+    host work run once the forward is launched, before its wait."""
     pages = engine.scheduler.blocks.page_array
     try:
-        return run(engine.runner, pages, plans, chunks, taps), []
+        return run(engine.runner, pages, plans, chunks, taps, meanwhile), []
     except Exception as error:
         bad = offenders(engine.runner, pages, plans, chunks, taps, error)
     plans = [p for p in plans if p.seq.request_id not in bad]
     chunks = [w for w in chunks if w.seq.request_id not in bad]
     failed = [fail(engine, seq, e) for seq, e in bad.values()]
-    return run(engine.runner, pages, plans, chunks, taps), failed
+    return run(engine.runner, pages, plans, chunks, taps, meanwhile), failed
 
 
 def offenders(runner: ModelRunner, pages: Pages, plans: Seq[Planned], chunks: Seq[Scheduled],

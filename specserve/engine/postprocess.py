@@ -66,7 +66,7 @@ def settle_trees(engine: Engine, batch: StepBatch, c: Committed, draft_s: float,
     tokens, the step records."""
     if engine.adaptive is not None:
         engine.adaptive.observe_step([(p, acc.rows, row) for p, acc, *_, row in c.done],
-                                     batch.logits)
+                                     batch.logits, defer=True)  # booked in the next forward
     for p, acc, out, cut, _row in c.done:
         engine.scheduler.settle(p.seq)
         step = speculative.record(p, acc, out, cut, (draft_s, verify_s, c.seconds))

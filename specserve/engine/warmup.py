@@ -51,6 +51,11 @@ def size_classes(largest: int) -> list[int]:
     return sizes + [largest] if largest > 0 else []
 
 
+def candidates(top: int) -> tuple[int, ...]:
+    """A step's candidate rows per request under budget `top`: plain decoding, each size class."""
+    return (1, *(k + 1 for k in size_classes(top)))
+
+
 class _ChainDrafter(Drafter):
     """Proposes a chain of the next planned size per step (then none: AR steps). It asks for the
     same tap layers as the drafter it stands in for, so the forwards (and their CUDA graphs)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.engine import adaptive, speculative
+from specserve.engine import adaptive, speculative, warmup
 from specserve.engine.adaptive import Adaptive
 from specserve.engine.adaptive_state import State
 from specserve.engine.cost import CostModel, context_class, observe_step
@@ -175,11 +175,11 @@ def test_a_requests_first_tree_is_not_a_steady_draft_and_a_new_draft_time_is_rea
         plans, _ = speculative.plan(seqs, drafter, 4096, 50)
         firsts.append([p.first for p in plans])
         observe_step(cost, plans, 16, 1e-3, draft_s, draft_rows=2)
-        drafts.append(policy._step_times(2, 61, 15)[1])
+        drafts.append(policy.prices(2, 61, warmup.candidates(15))[1])
     assert firsts == [[True, True], [False, False], [False, False]]
     assert drafts == [0.0, 1.5e-3, 1.5e-3]  # none booked, then the steady ones
     cost.observe_draft(2, 61, 1.1e-3)  # cheaper now: the lower quartile moves
-    assert policy._step_times(2, 61, 15)[1] == 1.1e-3
+    assert policy.prices(2, 61, warmup.candidates(15))[1] == 1.1e-3
     empty = speculative.plan([_seq("c", budget=0)], drafter, 4096, 50)[0]
     assert not empty[0].first and empty[0].seq.drafts == 0  # no tree: not a first one
 
@@ -278,6 +278,58 @@ def test_a_decision_to_draft_holds_its_shapes_until_redecide():
     assert slow.to_draft([seq]) == ([], [seq])
     with pytest.raises(ValueError, match="redecide"):
         Adaptive(CostModel(), lambda rows: rows, redecide=0)
+
+
+def test_deferred_bookings_are_the_immediate_ones_taken_before_the_next_shaping():
+    """With `defer` a step's bookings wait for `book_pending` (the engine runs it while the next
+    forward is on the GPU) yet book what that step verified, though the next step's shaping has
+    already replaced the request's kept shape and curve; a decision books them first."""
+    seqs = [_seq(r, budget=63) for r in "ab"]
+    now, later = (Adaptive(_cost(draft_ms=0.3), lambda rows: rows, redecide=3) for _ in "12")
+    held = 0
+    for step, accepted in enumerate([[1, 2], [1], [1, 2, 3], [], [1, 2], [1], [1, 2, 3, 4]]):
+        plans = {}
+        for policy in (now, later):
+            policy.to_draft(seqs)
+            plans[policy] = [_plan(s, 7 * step + i, confident=step % 3 != 1)
+                             for i, s in enumerate(seqs)]
+            policy.shape(plans[policy])
+        held += plans[later][0].choice.why.startswith("held")
+        later.book_pending()  # as the engine does, during the forward
+        for policy in (now, later):
+            before = dict(policy.shared.real)
+            policy.observe_step([(p, [r for r in accepted if r <= p.tree.n], i)
+                                 for i, p in enumerate(plans[policy])], None,
+                                defer=policy is later)
+            assert (policy.shared.real == before) == (policy is later)
+        assert now.state["a"].recent == later.state["a"].recent  # taken at once
+    assert 0 < held < 7 and later._pending
+    later._skipping(seqs, [later.state[r] for r in "ab"])  # a decision: it books first
+    assert not later._pending
+    for a, b in ((now.state["a"].own, later.state["a"].own), (now.shared, later.shared)):
+        assert a.real == pytest.approx(b.real) and a.pred == pytest.approx(b.pred)
+
+
+def test_a_decision_repeating_the_last_holds_twice_as_long_up_to_a_cap():
+    """The same choice again doubles the hold (the policy's host work is paid rarely where the
+    choice is stable), up to HOLD_GROWTH × redecide; another choice starts over at redecide."""
+    seq = _seq("a", budget=63)
+    policy = Adaptive(_cost(draft_ms=0.3), lambda rows: rows, redecide=2)
+    decided = []  # (step, nodes chosen)
+    for step in range(40):
+        policy.to_draft([seq])
+        plan = _plan(seq, 1, confident=True)
+        policy.shape([plan])
+        if not plan.choice.why.startswith("held"):
+            decided.append((step, plan.choice.nodes))
+        policy.observe(plan, [1])  # one node: never the deepest, the hold is not cut short
+    span, last = None, None
+    for (at, nodes), (then, _) in zip(decided, decided[1:], strict=False):
+        span = min(2 * span, adaptive.HOLD_GROWTH * 2) if nodes == last else 2
+        assert then - at == span, decided
+        last = nodes
+    assert span == adaptive.HOLD_GROWTH * 2  # the cap was reached: the choice settled
+    assert len({nodes for _, nodes in decided}) > 1  # and a changed choice started over
 
 
 def test_a_held_decision_outlives_finished_requests_and_takes_in_new_ones():
