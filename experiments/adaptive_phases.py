@@ -32,7 +32,8 @@ PHASES = [(engine.Engine, "step"), (engine.Engine, "_schedule"), (engine.Engine,
           (DFlashDrafter, "_trees"), (adaptive.Adaptive, "shape"), (engine.Engine, "_run"),
           (postprocess, "commit_trees"), (adaptive.Adaptive, "observe_step"),
           (postprocess, "end_chunks"), (postprocess, "settle_trees"),
-          (engine.Engine, "_observe_cost")]
+          (engine.Engine, "_observe_cost"), (adaptive.Adaptive, "_shape"),
+          (adaptive.Adaptive, "_skipping"), (adaptive.Adaptive, "book_pending")]
 
 
 def run(eng, batch, budget: int, new: int, repeats: int) -> dict:

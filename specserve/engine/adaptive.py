@@ -25,10 +25,11 @@ to pay) holds for REDECIDE steps (a repeat of the last: twice as long as that he
 HOLD_GROWTH × REDECIDE): each request keeps its shape (the drafter asked for just that tree),
 only that shape's outcome booked. It outlives requests that finish; a new request joins with
 the held size's DDTree prefix; a batch grown past the bucket it was priced for, a request the
-decision skipped, or a step where most held shapes were accepted to their deepest node ends it.
-A step's bookings wait for the next step's verify forward (host work while the GPU runs; a
-decision books first). Trees without probabilities (the n-gram drafter) are kept as drafted.
-Lossless: only which draft tokens are verified changes; the acceptance walk is the same.
+decision skipped, or a step where most held shapes were accepted to their deepest node (where
+the decision priced no bigger tree) ends it. A step's bookings wait for the next step's verify
+forward (host work while the GPU runs; a decision books first). Trees without probabilities
+(the n-gram drafter) are kept as drafted. Lossless: only which draft tokens are verified
+changes; the acceptance walk is the same.
 """
 
 from __future__ import annotations
@@ -57,9 +58,7 @@ CONFIDENCE_EVERY = 4
 # skip the drafter only when plain decoding is expected this much faster: a wrong skip also
 # loses the next curve, a wrong draft costs at most the margin
 SKIP_MARGIN = 1.1
-# steps a decision holds (each request keeps its shape, asking the drafter for just that tree and
-# booking only that shape): the policy's host work is paid once every REDECIDE steps
-REDECIDE = 8
+REDECIDE = 8  # steps a decision holds (each request keeps its shape): its host work paid once
 HOLD_GROWTH = 4  # a decision repeating the last holds twice as long, up to this × redecide
 _EMPTY = DraftTree.empty()
 
@@ -76,13 +75,12 @@ class Adaptive:
         self.redecide = redecide
         self._hold = 0  # steps the last decision to draft still holds
         self._span = redecide  # steps it held for from the start
+        self._room = True  # it chose the largest tree it priced (a saturated hold ends)
         self._held: tuple[int, int, str] | None = None  # its (batch bucket, nodes, why)
         self._decision = 0  # decisions made (State.decision: the last one a request took part in)
         self._fast = False  # this step keeps the held shapes
         self._prior: dict[str | None, State] = {}  # by drafter kind: the last request drafted
-        # bumped by each step with drafts and each booking: what a forecast reads (curves,
-        # calibrations, recent lengths) moves only then
-        self._moved = 0
+        self._moved = 0  # bumped by each step with drafts and each booking: a forecast's inputs
         self._plain_at: tuple | None = None  # (batch, context class, costs, moved) last skipped
         self._pending: list[tuple[State, tuple]] = []  # deferred bookings (`book_pending`)
 
@@ -199,6 +197,7 @@ class Adaptive:
         seqs, states = [p.seq for p in scored], [self.state[p.seq.request_id] for p in scored]
         rated, top = self._rated(seqs, states), max(s.budget for s in seqs)
         best, why = choose(rated, len(seqs), True, 1.0, top)
+        self._room = best - 1 >= max(p.tree.n for p in scored)  # no bigger tree was priced
         for p, st in zip(scored, states, strict=True):
             self._cut(p, st, best - 1, why)
         # hold only if drafting pays with its cost to come (the gains were read before the cuts)
@@ -211,20 +210,21 @@ class Adaptive:
             st.decision = self._decision
 
     def _keep(self, p: Planned, st: State) -> None:
-        """Cut `p`'s tree to the shape its request holds; its expected length is kept for
-        `observe` to book (the calibration of the shape in use keeps learning). On the hold's
-        last step the drafted tree also gives the request its curve: the next decision reads
-        this step's drafter, not the one that made the last decision."""
+        """Cut `p`'s tree to the shape its request holds, kept for `observe` to book (the
+        calibration of the shape in use keeps learning). On the hold's last step the drafted
+        tree also gives the request its curve: the next decision reads this step's drafter,
+        not the one that made the last decision."""
         if self._hold == 0:
             st.take_curve(p.tree)
         st.skipped, st.cut, k = 0, None, min(st.nodes, p.budget)
-        shape = shapes.prefix(p.tree, k) if st.kind == shapes.TREE else shapes.chain(p.tree, k)
-        if len(shape.nodes) < p.tree.n:
-            p.tree = shapes.subtree(p.tree, shape)
-            p.layout = shapes.prefix_layout(p.layout, p.tree.n) if st.kind == shapes.TREE \
-                else verify_layout(p.tree, p.seq.last_token, p.start)
+        if st.kind == shapes.TREE and k < p.tree.n:  # else the tree as asked is the shape
+            p.tree = shapes.subtree(p.tree, shapes.prefix(p.tree, k))
+            p.layout = shapes.prefix_layout(p.layout, p.tree.n)
+        elif st.kind == shapes.CHAIN and len((chain := shapes.chain(p.tree, k)).nodes) < p.tree.n:
+            p.tree = shapes.subtree(p.tree, chain)
+            p.layout = verify_layout(p.tree, p.seq.last_token, p.start)
         p.choice = Choice(st.kind, p.tree.n, f"held: {st.why}")
-        st.kept = ((st.kind, st.nodes), shape.expected)  # booked by `observe`
+        st.kept = ((st.kind, st.nodes), p.tree)  # booked by `observe`
 
     def _cut(self, p: Planned, st: State, k: int, why: str) -> None:
         st.skipped = 0
@@ -277,7 +277,7 @@ class Adaptive:
                          and st.skipped % CONFIDENCE_EVERY == 1], logits)
         held = [s for s in (self.observe(p, rows, defer) for p, rows, _ in verified)
                 if s is not None]
-        if self._hold and 2 * sum(held) > len(held):  # most held shapes were too small
+        if self._hold and self._room and 2 * sum(held) > len(held):  # most were too small
             self._hold = 0  # decided afresh next step, each asking a size class up
 
     def observe(self, p: Planned, accepted_rows: list[int], defer: bool = False) -> bool | None:

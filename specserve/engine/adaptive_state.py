@@ -77,7 +77,7 @@ class State:
     decision: int | None = None  # the policy's last decision it took part in (or joined)
     ask: int | None = None  # the drafter budget that shape needs (a chain: the DDTree holding it)
     why: str = ""  # and why
-    kept: tuple | None = None  # this held step's ((kind, nodes), expected accepted), to book
+    kept: tuple | None = None  # this held step's ((kind, nodes), verified tree), to book
     confidence: float | None = None  # moving mean of the target's top-1 probability, plain steps
     fresh: bool = False  # confidence read since the last probe decision
     recent: float | None = None  # moving mean of the accepted length on its drafted steps
@@ -156,8 +156,8 @@ class State:
         rest as `take_verified` took them): a held step its own shape only (True); a decided one
         what each candidate shape of the size `classes` inside it would have accepted (False)."""
         if kept is not None:
-            key, expected = kept
-            self.book(key, len(accepted_rows), expected)
+            key, tree = kept
+            self.book(key, len(accepted_rows), shapes.expected(tree))
             return True
         if cut is None or curve is None:
             return False

@@ -64,6 +64,11 @@ def chain(tree: DraftTree, k: int) -> Shape:
     return Shape(CHAIN, nodes, _expected(tree, nodes))
 
 
+def expected(tree: DraftTree) -> float:
+    """The whole tree's expected accepted length under the drafter (0 without scores)."""
+    return _expected(tree, np.arange(tree.n))
+
+
 def _expected(tree: DraftTree, nodes: np.ndarray) -> float:
     if tree.scores is None or len(nodes) == 0:
         return 0.0

@@ -427,14 +427,27 @@ def _deepest_path(tree: DraftTree) -> list[int]:
 
 def test_a_held_shape_accepted_to_its_deepest_node_ends_the_hold():
     """When most held requests accept their held shape to its deepest node (a bigger one would
-    have accepted more), the next step decides afresh and asks the drafter a size class up;
-    a shape that stops short keeps the hold."""
+    have accepted more) and the decision priced no bigger tree, the next step decides afresh
+    and asks the drafter a size class up; a shape that stops short keeps the hold, and so does
+    one whose decision priced a bigger tree and chose against it."""
     seq = _seq("a", budget=63)
     steep = _cost(draft_ms=0.3, verify_ms=(1.0, 1.1, 1.2, 1.4, 4.0, 8.0, 16.0))
+    rejected = Adaptive(steep, lambda rows: rows, redecide=8)
+    rejected.shape([_plan(seq, 1, confident=True)])  # 63 nodes priced, fewer chosen
+    k = rejected.state["a"].nodes
+    assert 1 <= k < 15
+    rejected.to_draft([seq])
+    full = _plan(seq, 3, confident=True)
+    rejected.shape([full])
+    rejected.observe_step([(full, _deepest_path(full.tree), 0)], None)
+    assert rejected.to_draft([seq]) == ([seq], []) and rejected._fast  # saturated, held
     policy = Adaptive(steep, lambda rows: rows, redecide=8)
-    policy.shape([_plan(seq, 1, confident=True)])
+    first = _plan(seq, 1, confident=True)
+    first.tree = shapes.subtree(first.tree, shapes.prefix(first.tree, k))  # drafted at k
+    first.layout = shapes.prefix_layout(first.layout, k)
+    policy.shape([first])
     st = policy.state["a"]
-    assert 1 <= st.nodes < 15
+    assert st.nodes == k and policy._room
     policy.to_draft([seq])
     short = _plan(seq, 2, confident=True)
     policy.shape([short])
