@@ -76,6 +76,7 @@ class Adaptive:
         self._hold = 0  # steps the last decision to draft still holds
         self._span = redecide  # steps it held for from the start
         self._room = True  # it chose the largest tree it priced (a saturated hold ends)
+        self._rows: int | None = None  # the rows per request it chose (None: plain decoding)
         self._held: tuple[int, int, str] | None = None  # its (batch bucket, nodes, why)
         self._decision = 0  # decisions made (State.decision: the last one a request took part in)
         self._fast = False  # this step keeps the held shapes
@@ -196,7 +197,8 @@ class Adaptive:
             self._prior[p.seq.drafter_kind] = st
         seqs, states = [p.seq for p in scored], [self.state[p.seq.request_id] for p in scored]
         rated, top = self._rated(seqs, states), max(s.budget for s in seqs)
-        best, why = choose(rated, len(seqs), True, 1.0, top)
+        best, why = choose(rated, len(seqs), True, 1.0, top, self._rows)
+        self._rows = best if best > 1 else None
         self._room = best - 1 >= max(p.tree.n for p in scored)  # no bigger tree was priced
         for p, st in zip(scored, states, strict=True):
             self._cut(p, st, best - 1, why)

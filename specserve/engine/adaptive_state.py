@@ -22,6 +22,7 @@ _EMPTY = DraftTree.empty()
 PRIOR = 2.0  # pseudo-tokens pulling a shape's calibration towards 1 (trust the drafter)
 DECAY = 0.9
 SHARED_DECAY = 0.99  # the calibration every request shares: a property of the drafter
+STAY = 1.05  # a decision moves off the last one's rows only when expected this much faster
 
 
 @dataclass
@@ -188,21 +189,21 @@ def read_confidence(plain: list[tuple[State, int]], logits: torch.Tensor) -> Non
         st.fresh = True
 
 
-def choose(rated: tuple | None, n: int, drafted: bool, margin: float,
-            top: int) -> tuple[int, str]:
+def choose(rated: tuple | None, n: int, drafted: bool, margin: float, top: int,
+           held: int | None = None) -> tuple[int, str]:
     """The pick among the rated rows of a step (engine/adaptive.py `_rated`): (rows, why).
     Once `drafted`, plain decoding's step carries the drafting time too (it is spent); plain
-    decoding wins only by `margin`."""
+    decoding wins only by `margin`, and where rows `held` were chosen last, another rows count
+    only by STAY (step times measured a few per cent apart are noise, not a reason to move)."""
     if rated is None:
         return top + 1, "unmeasured: the client's budget"
     verify, draft = rated
     rates = [(tokens / (t + (draft if rows > 1 or drafted else 0.0)), rows, tokens, t)
              for rows, tokens, t in verify]
-    ar = rates[0]
-    rates[0] = (ar[0] / margin, *ar[1:])
-    rate, rows, tokens, t = max(rates)
+    weight = {1: 1.0 / margin} if held is None else {held: STAY, 1: 1.0 / margin}
+    rate, rows, tokens, t = max(rates, key=lambda r: (r[0] * weight.get(r[1], 1.0), r[1]))
     return rows, (f"step rows {rows}: {tokens / n:.2f} tok/step in {t * 1e3:.2f} ms "
-                  f"(+{draft * 1e3:.2f} draft) = {rate:.0f} tok/s; plain {ar[0]:.0f} tok/s")
+                  f"(+{draft * 1e3:.2f} draft) = {rate:.0f} tok/s; plain {rates[0][0]:.0f} tok/s")
 
 
 def plain_plan(seq, st: State) -> Planned:

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.engine import adaptive, speculative, warmup
+from specserve.engine import adaptive, adaptive_state, speculative, warmup
 from specserve.engine.adaptive import Adaptive
-from specserve.engine.adaptive_state import State
+from specserve.engine.adaptive_state import State, choose
 from specserve.engine.cost import CostModel, context_class, observe_step
 from specserve.engine.sequence import Sequence
 from specserve.engine.speculative import Planned
@@ -308,6 +308,20 @@ def test_deferred_bookings_are_the_immediate_ones_taken_before_the_next_shaping(
     assert not later._pending
     for a, b in ((now.state["a"].own, later.state["a"].own), (now.shared, later.shared)):
         assert a.real == pytest.approx(b.real) and a.pred == pytest.approx(b.pred)
+
+
+def test_a_decision_moves_off_the_last_ones_rows_only_for_a_clear_gain():
+    """Rows priced within STAY of the last decision's keep it (times a few per cent apart are
+    noise); a clearly faster count, or no last decision, takes the best as priced."""
+    def rated(gain):  # rows 16 and 64 at the same step time, 64 expecting `gain` × 16's tokens
+        return [(1, 2.0, 1e-3), (16, 8.0, 2e-3), (64, 8.0 * gain, 2e-3)], 0.5e-3
+
+    for gain in (1.01, 1.04):
+        assert choose(rated(gain), 2, True, 1.0, 63)[0] == 64
+        assert choose(rated(gain), 2, True, 1.0, 63, held=16)[0] == 16
+    assert choose(rated(1.02 * adaptive_state.STAY), 2, True, 1.0, 63, held=16)[0] == 64
+    assert choose(rated(0.97), 2, True, 1.0, 63, held=64)[0] == 64
+    assert choose(rated(0.9), 2, True, 1.0, 63, held=64)[0] == 16
 
 
 def test_a_decision_repeating_the_last_holds_twice_as_long_up_to_a_cap():
