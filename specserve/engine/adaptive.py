@@ -50,7 +50,7 @@ from specserve.engine.speculative import Planned
 from specserve.engine.warmup import candidates, size_classes
 from specserve.spec import shapes
 from specserve.spec.shapes import Choice
-from specserve.spec.tree import DraftTree, verify_layout
+from specserve.spec.tree import DraftTree
 
 MAX_PROBE_GAP = 32
 # plain steps between two readings of the target's confidence (a softmax and a transfer each)
@@ -224,7 +224,7 @@ class Adaptive:
             p.layout = shapes.prefix_layout(p.layout, p.tree.n)
         elif st.kind == shapes.CHAIN and len((chain := shapes.chain(p.tree, k)).nodes) < p.tree.n:
             p.tree = shapes.subtree(p.tree, chain)
-            p.layout = verify_layout(p.tree, p.seq.last_token, p.start)
+            p.layout = shapes.chain_layout(p.layout, chain.nodes)
         p.choice = Choice(st.kind, p.tree.n, f"held: {st.why}")
         st.kept = ((st.kind, st.nodes), p.tree)  # booked by `observe`
 
@@ -245,10 +245,8 @@ class Adaptive:
             st.cut = nodes
             st.ask = int(nodes.max()) + 1 if len(nodes) else None  # a DDTree holding the shape
         st.kind, st.why = p.choice.shape, why  # held until the next decision
-        if p.choice.shape == shapes.TREE:  # a prefix's rows are the layout's first rows
-            p.layout = shapes.prefix_layout(p.layout, p.tree.n)
-        else:
-            p.layout = verify_layout(p.tree, p.seq.last_token, p.start)
+        p.layout = shapes.chain_layout(p.layout, st.cut) if p.choice.shape == shapes.CHAIN \
+            else shapes.prefix_layout(p.layout, p.tree.n)  # a prefix's rows lead the layout
 
     def _best(self, seqs, states, drafted: bool, margin: float = 1.0,
               gain=State.gain) -> tuple[int, str]:

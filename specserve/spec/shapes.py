@@ -12,12 +12,13 @@ Pure numpy; no timing (engine/cost.py) and no policy (engine/adaptive.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from specserve.spec.tree import DraftTree, VerifyLayout, num_mask_words
+from specserve.spec.tree import DraftTree, VerifyLayout, ancestor_mask, num_mask_words
 
 TREE, CHAIN, OFF = "tree", "chain", "off"
 
@@ -100,6 +101,21 @@ def prefix_layout(layout: VerifyLayout, k: int) -> VerifyLayout:
     rows = k + 1
     return VerifyLayout(layout.token_ids[:rows], layout.positions[:rows],
                         np.ascontiguousarray(layout.mask[:rows, :num_mask_words(rows)]))
+
+
+def chain_layout(layout: VerifyLayout, nodes: np.ndarray) -> VerifyLayout:
+    """The verify layout of the chain `nodes` (a path from the root, by depth), cut from the
+    whole tree's: its rows' tokens and positions, and a path's mask (each row sees the ones
+    before it), built once per length."""
+    rows = np.concatenate([[0], nodes + 1])  # [k + 1] int64
+    return VerifyLayout(layout.token_ids[rows], layout.positions[rows], _path_mask(len(rows)))
+
+
+@functools.cache
+def _path_mask(rows: int) -> np.ndarray:
+    mask = ancestor_mask(np.arange(rows - 1, dtype=np.int32))  # [rows, W] uint32
+    mask.flags.writeable = False  # shared by every chain of this length
+    return mask
 
 
 def realized(accepted_rows: Sequence[int], shape: Shape) -> int:

@@ -68,6 +68,13 @@ def test_the_chain_inside_a_tree_is_the_argmax_path():
     sub = shapes.subtree(tree, ch)
     assert sub.token_ids.tolist() == logits.argmax(-1).tolist()
     assert sub.parents.tolist() == [0, 1, 2, 3]
+    for k in (1, 3, 4):  # the chain's layout cut from the tree's is the chain's own
+        part = shapes.chain(tree, k)
+        cut = shapes.chain_layout(verify_layout(tree, 9, 70), part.nodes)
+        whole = verify_layout(shapes.subtree(tree, part), 9, 70)
+        for a, b in [(cut.token_ids, whole.token_ids), (cut.positions, whole.positions),
+                     (cut.mask, whole.mask)]:
+            assert np.array_equal(a, b)
     expected = np.exp(np.cumsum(torch.log_softmax(logits, -1).max(-1).values.numpy())).sum()
     assert ch.expected == pytest.approx(float(expected), rel=1e-5)
     assert len(shapes.chain(tree, 2).nodes) == 2
