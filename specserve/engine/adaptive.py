@@ -286,11 +286,12 @@ class Adaptive:
         st = self.state.get(p.seq.request_id)
         if st is None or p.choice is None or p.choice.shape == shapes.OFF:
             return None
-        args = (p.choice.shape, size_classes(p.budget), *st.take_verified(accepted_rows))
-        self._pending.append((st, args))
+        kept, cut, curve = st.take_verified(accepted_rows)
+        self._pending.append((st, (p.choice.shape, size_classes(p.budget), accepted_rows,
+                                   kept, cut, curve)))
         if not defer:
             self.book_pending()
-        held = args[3] is not None  # a held step's own shape
+        held = kept is not None  # a held step's own shape
         return p.tree.n < p.budget and len(accepted_rows) >= p.tree.max_depth if held else None
 
     def book_pending(self) -> None:

@@ -142,26 +142,27 @@ class State:
 
     def take_verified(self, accepted_rows: list[int]) -> tuple:
         """What a verified tree of this request leaves to book, taken at once (the next
-        step's shaping overwrites `kept` and `cut`): the arguments of `book_verified` after
-        `shape` and `classes`. Its recent accepted length moves now."""
+        step's shaping overwrites `kept` and `cut`): (kept, cut, curve), the last arguments of
+        `book_verified`; `kept` is set only after a held step. Its recent accepted length moves
+        now."""
         n = len(accepted_rows)
         self.recent = n if self.recent is None else 0.5 * self.recent + 0.5 * n
         kept = None
         if self.cut is None and self.kept is not None:  # a held step
             kept, self.kept = self.kept, None
-        return accepted_rows, kept, self.cut, self.curve
+        return kept, self.cut, self.curve
 
     def book_verified(self, shape: str, classes, accepted_rows: list[int], kept, cut,
-                      curve) -> bool:
+                      curve) -> None:
         """Book a verified tree of `shape` (accepted: its verify rows `accepted_rows`; the
-        rest as `take_verified` took them): a held step its own shape only (True); a decided one
-        what each candidate shape of the size `classes` inside it would have accepted (False)."""
+        rest as `take_verified` took them): a held step its own shape only; a decided one what
+        each candidate shape of the size `classes` inside it would have accepted."""
         if kept is not None:
             key, tree = kept
             self.book(key, len(accepted_rows), shapes.expected(tree))
-            return True
+            return
         if cut is None or curve is None:
-            return False
+            return
         accepted = cut[np.asarray(accepted_rows, dtype=np.int64) - 1].tolist()
         path, n, cv = curve.chain_nodes, len(cut), curve
         for k in classes:
@@ -173,7 +174,6 @@ class State:
                     not len(on_chain) or int(on_chain.max()) < n):
                 self.book((shapes.CHAIN, k), shapes.realized_chain(accepted, path, k),
                           cv.expected(shapes.CHAIN, k))
-        return False
 
 
 def read_confidence(plain: list[tuple[State, int]], logits: torch.Tensor) -> None:
