@@ -45,9 +45,6 @@ class Drafter(ABC):
     needs_context = False  # True: requests carry the target's tap-layer features
     graphs = None  # the drafter's CUDA-graph runner (warm-up captures it), or None
     asynchronous = False  # True: `submit` drafts while the caller works on (engine/overlap.py)
-    # seconds of the last call's tree stage (top-k and trees: it grows with the nodes asked),
-    # None where not reported (the adaptive cost model prices it by size, engine/cost.py)
-    last_tree_s: float | None = None
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:

@@ -6,13 +6,12 @@ shares R): R = 1 is plain decoding (no tree), else each request takes the best o
 tree's first R − 1 nodes (the DDTree of that budget) and the chain inside it (the chain only
 where those nodes do not hold it: else they accept at least as much). For every R:
 
-    tokens/s(R) = Σ_requests (1 + ĉ · E[accepted]) / (verify(R) + draft(R))
+    tokens/s(R) = Σ_requests (1 + ĉ · E[accepted]) / (verify(R) + draft)
 
 with E from the drafter's own path probabilities (spec/shapes.py), ĉ the request's running
 ratio of accepted to expected for that shape (measured on every verified tree, counterfactuals
 included), pulled towards every request's ratio (a shape never verified takes the nearest
-verified one's), and times from the cost model (engine/cost.py; draft(R): a tree of R − 1
-nodes' drafting). Before drafting, with last
+verified one's), and times from the cost model (engine/cost.py). Before drafting, with last
 step's curves: if plain decoding wins by SKIP_MARGIN, nobody is drafted (B = 0, no drafter
 call; the context rows wait for the next draft; the forecast is read again only once a draft,
 the costs, the batch or its context class moved), except requests without a curve yet and
@@ -125,7 +124,7 @@ class Adaptive:
         self.book_pending()
         at = (tuple(s.request_id for s in seqs),
               context_class(max(s.num_computed for s in seqs)), self.cost.epoch, self._moved)
-        if at != self._plain_at and self._best(seqs, states, margin=SKIP_MARGIN,
+        if at != self._plain_at and self._best(seqs, states, drafted=False, margin=SKIP_MARGIN,
                                                gain=State.forecast_gain)[0] > 1:
             for st in states:
                 st.gap, st.probing = 2, False
@@ -135,7 +134,7 @@ class Adaptive:
             if st.skipped == 0:  # drafted last step, plain decoding wins again: back off
                 st.gap = min(2 * st.gap, MAX_PROBE_GAP) if st.probing else 2
         due = [st.skipped + 1 >= st.gap or (st.fresh and st.skipped > 1 and self._best(
-            [s], [st], gain=State.confident_gain)[0] > 1)  # probes
+            [s], [st], drafted=False, gain=State.confident_gain)[0] > 1)  # probes
             for s, st in zip(seqs, states, strict=True)]
         if any(due):  # those half-way to their probe ride along: one drafter call, not several
             due = [d or (st.skipped > 0 and 2 * (st.skipped + 1) >= st.gap)
@@ -198,15 +197,13 @@ class Adaptive:
             self._prior[p.seq.drafter_kind] = st
         seqs, states = [p.seq for p in scored], [self.state[p.seq.request_id] for p in scored]
         rated, top = self._rated(seqs, states), max(s.budget for s in seqs)
-        spent = self.cost.draft_s(len(seqs), max(s.num_computed for s in seqs),
-                                  max(p.budget for p in scored)) or 0.0
-        best, why = choose(rated, len(seqs), spent, 1.0, top, self._rows)
+        best, why = choose(rated, len(seqs), True, 1.0, top, self._rows)
         self._rows = best if best > 1 else None
         self._room = best - 1 >= max(p.tree.n for p in scored)  # no bigger tree was priced
         for p, st in zip(scored, states, strict=True):
             self._cut(p, st, best - 1, why)
         # hold only if drafting pays with its cost to come (the gains were read before the cuts)
-        hold = best > 1 and choose(rated, len(seqs), None, SKIP_MARGIN, top)[0] > 1
+        hold = best > 1 and choose(rated, len(seqs), False, SKIP_MARGIN, top)[0] > 1
         same = hold and self._held is not None and self._held[1] == best - 1
         self._span = min(2 * self._span, HOLD_GROWTH * self.redecide) if same else self.redecide
         self._hold, self._decision = self._span - 1 if hold else 0, self._decision + 1
@@ -251,24 +248,24 @@ class Adaptive:
         p.layout = shapes.chain_layout(p.layout, st.cut) if p.choice.shape == shapes.CHAIN \
             else shapes.prefix_layout(p.layout, p.tree.n)  # a prefix's rows lead the layout
 
-    def _best(self, seqs, states, margin: float = 1.0, gain=State.gain) -> tuple[int, str]:
-        """The step's rows per request maximising expected tokens per second before drafting,
-        and why (`choose`); `gain`: `forecast_gain`, for probes `confident_gain`."""
-        return choose(self._rated(seqs, states, gain), len(seqs), None, margin,
-                      max(s.budget for s in seqs))
+    def _best(self, seqs, states, drafted: bool, margin: float = 1.0,
+              gain=State.gain) -> tuple[int, str]:
+        """The step's rows per request maximising expected tokens per second, and why (`choose`);
+        `gain`: State.gain, before drafting `forecast_gain`, for probes `confident_gain`."""
+        return choose(self._rated(seqs, states, gain), len(seqs), drafted, margin,
+                            max(s.budget for s in seqs))
 
     def _rated(self, seqs, states, gain=State.gain) -> tuple | None:
         """([(rows, expected tokens of the step, verify seconds)] for plain decoding and each
-        size class, {rows: drafting seconds} of the trees), or None while a shape is
-        unmeasured."""
+        size class, drafting seconds), or None while a shape is unmeasured."""
         times = self.prices(len(seqs), max(s.num_computed for s in seqs),
                             candidates(max(s.budget for s in seqs)))
         if times is None:
             return None
-        verify, drafts = times
+        verify, draft = times
         pairs = list(zip(states, (s.budget for s in seqs), strict=True))
         return [(rows, sum(1 + gain(st, rows - 1, budget)[0] for st, budget in pairs), t)
-                for rows, t in verify], drafts
+                for rows, t in verify], draft
 
     def observe_step(self, verified: list[tuple[Planned, list[int], int]], logits,
                      defer: bool = False) -> None:

@@ -189,21 +189,19 @@ def read_confidence(plain: list[tuple[State, int]], logits: torch.Tensor) -> Non
         st.fresh = True
 
 
-def choose(rated: tuple | None, n: int, spent: float | None, margin: float, top: int,
+def choose(rated: tuple | None, n: int, drafted: bool, margin: float, top: int,
            held: int | None = None) -> tuple[int, str]:
     """The pick among the rated rows of a step (engine/adaptive.py `_rated`): (rows, why).
-    Each tree's step carries the drafting of a tree its size (what holding it costs); once
-    drafted, plain decoding's carries the drafting `spent` (None: not drafted yet). Plain
+    Once `drafted`, plain decoding's step carries the drafting time too (it is spent); plain
     decoding wins only by `margin`, and where rows `held` were chosen last, another rows count
     only by STAY (step times measured a few per cent apart are noise, not a reason to move)."""
     if rated is None:
         return top + 1, "unmeasured: the client's budget"
-    verify, drafts = rated  # drafts: {rows: seconds} of each tree (rows > 1)
-    rates = [(tokens / (t + drafts.get(rows, spent or 0.0)), rows, tokens, t)
+    verify, draft = rated
+    rates = [(tokens / (t + (draft if rows > 1 or drafted else 0.0)), rows, tokens, t)
              for rows, tokens, t in verify]
     weight = {1: 1.0 / margin} if held is None else {held: STAY, 1: 1.0 / margin}
     rate, rows, tokens, t = max(rates, key=lambda r: (r[0] * weight.get(r[1], 1.0), r[1]))
-    draft = drafts.get(rows, spent or 0.0)
     return rows, (f"step rows {rows}: {tokens / n:.2f} tok/step in {t * 1e3:.2f} ms "
                   f"(+{draft * 1e3:.2f} draft) = {rate:.0f} tok/s; plain {rates[0][0]:.0f} tok/s")
 

@@ -4,11 +4,7 @@ Owns two tables of recent samples, filled from the engine's own steps (the warm-
 first: one tree per rows bucket, for one request and for each batch bucket): the verify part of a
 decode step (batched forward + accept + commit, the time a step costs without drafting) keyed by
 (batch bucket, rows per request, context class), and the drafter call (its forward, trees and,
-for the drafter service, the round trip) keyed by (batch bucket, context class). Where the drafter
-reports its tree stage (top-k and heaps, which grow with the nodes asked), that part is booked
-apart, keyed by (batch bucket, size class of the largest ask), and a call is priced as the rest
-plus the tree stage of the tree it asks for (the rest, pooled over every size, keeps a noisy
-forward from pricing one size against another). A context class
+for the drafter service, the round trip) keyed by (batch bucket, context class). A context class
 is the context's bit length (…, 1k, 2k, 4k, …). An entry's value is the lower quartile of its
 last WINDOW samples: step times are floored by the work and spiked by what else runs (a first
 launch's compile or graph capture, the host, a neighbour on the GPU), so a low quantile follows
@@ -40,11 +36,6 @@ def context_class(ctx: int) -> int:
     return max(int(ctx), 1).bit_length()
 
 
-def size_class(nodes: int) -> int:
-    """A tree size's class: 1, 2–3, 4–7, 8–15, … nodes (the warm-up's size classes' bits)."""
-    return max(int(nodes), 1).bit_length()
-
-
 def batch_bucket(n: int) -> int:
     return bucket_of(n, BATCH_BUCKETS) or n
 
@@ -68,7 +59,6 @@ class Samples:
 class CostModel:
     verify: dict[tuple[int, int, int], Samples] = field(default_factory=dict)  # (n, rows, cls)
     draft: dict[tuple[int, int], Samples] = field(default_factory=dict)  # (n, cls)
-    tree: dict[tuple[int, int], Samples] = field(default_factory=dict)  # (n, size class)
     # envelopes of measured shapes, capped estimates of the others; recomputed after a new
     # shape or REFRESH observations
     _memo: dict[tuple[int, int, int], float | None] = field(default_factory=dict)
@@ -86,22 +76,18 @@ class CostModel:
 
     def clear(self, verify: bool = True, draft: bool = True) -> None:
         """Forget the measured times (callers caching on `epoch` see it move)."""
-        for table, chosen in ((self.verify, verify), (self.draft, draft), (self.tree, draft)):
+        for table, chosen in ((self.verify, verify), (self.draft, draft)):
             if chosen:
                 table.clear()
         self._memo.clear()
         self.epoch += 1
 
-    def observe_draft(self, n: int, ctx: int, seconds: float, tree_s: float | None = None,
-                      nodes: int = 0) -> None:
-        """Book a drafter call of `seconds`, `tree_s` of them its tree stage for at most `nodes`
-        nodes a request (None: not reported); callers caching on `epoch` see it move with an
-        entry's value."""
-        nb, rest = batch_bucket(n), seconds - (tree_s or 0.0)
-        moved = _add(self.draft, (nb, context_class(ctx)), rest)
-        if tree_s is not None and nodes > 0:
-            moved |= _add(self.tree, (nb, size_class(nodes)), tree_s)
-        if moved:
+    def observe_draft(self, n: int, ctx: int, seconds: float) -> None:
+        """Book a drafter call; callers caching on `epoch` see it move with the entry's value."""
+        key = (batch_bucket(n), context_class(ctx))
+        before = self.draft[key].value if key in self.draft else None
+        _add(self.draft, key, seconds)
+        if key in self.draft and self.draft[key].value != before:
             self.epoch += 1
 
     def verify_s(self, n: int, rows: int, ctx: int) -> float | None:
@@ -130,23 +116,14 @@ class CostModel:
                 return est
         return None
 
-    def draft_s(self, n: int, ctx: int, nodes: int | None = None) -> float | None:
-        """Seconds of one drafter call for `n` requests at longest context `ctx` asking for
-        trees of `nodes` nodes (None: its tree stage left out)."""
+    def draft_s(self, n: int, ctx: int) -> float | None:
+        """Seconds of one drafter call for `n` requests at longest context `ctx`."""
         nb, cls = batch_bucket(n), context_class(ctx)
         for key_n in _nearest(nb, {k[0] for k in self.draft}):
             classes = {c: e.value for (m, c), e in self.draft.items() if m == key_n}
             c = min(classes, key=lambda c: (abs(c - cls), -c))
-            return classes[c] + (self._tree_s(nb, nodes) if nodes else 0.0)
+            return classes[c]
         return None
-
-    def _tree_s(self, nb: int, nodes: int) -> float:
-        """The tree stage for `nodes` nodes: between the size classes measured at the nearest
-        batch bucket, flat past them (0: none measured)."""
-        for key_n in _nearest(nb, {k[0] for k in self.tree}):
-            return _interpolate({2 ** c - 1: e.value for (m, c), e in self.tree.items()
-                                 if m == key_n}, nodes)
-        return 0.0
 
     def table(self) -> dict[str, float]:
         """Every measured entry in ms, for Stats / benchmarks: "verify n=1 rows=16 ctx<=2^11"."""
@@ -154,67 +131,60 @@ class CostModel:
                for (n, r, c), e in sorted(self.verify.items())}
         out.update({f"draft n={n} ctx<=2^{c}": e.value * 1e3
                     for (n, c), e in sorted(self.draft.items())})
-        out.update({f"draft tree n={n} nodes<={2 ** c - 1}": e.value * 1e3
-                    for (n, c), e in sorted(self.tree.items())})
         return out
 
 
 class StepPrices:
     """A decode step's price by the model: verify seconds by rows per request (padded as the
-    runner pads a tree) and the drafting seconds of each tree, cached until the model moves
-    (the adaptive policy reads them at each of its decisions)."""
+    runner pads a tree) and the drafting seconds, cached until the model moves (the adaptive
+    policy reads them at each of its decisions)."""
 
     def __init__(self, cost: CostModel, pad_rows) -> None:
         self.cost, self.pad_rows = cost, pad_rows  # pad_rows(rows) → rows a tree occupies
         self._memo: dict[tuple, tuple | None] = {}
 
     def __call__(self, n: int, ctx: int, rows: tuple[int, ...]) -> tuple | None:
-        """([(rows, verify seconds)] for each of `rows`, {rows: drafting seconds} of the trees
-        (rows > 1)) for `n` requests at longest context `ctx`, or None while one of `rows` is
-        unmeasured."""
+        """([(rows, verify seconds)] for each of `rows`, drafting seconds) for `n` requests at
+        longest context `ctx`, or None while one of `rows` is unmeasured."""
         key = (batch_bucket(n), context_class(ctx), rows, self.cost.epoch)
         if key not in self._memo:
             if len(self._memo) > 256:
                 self._memo.clear()
             verify = [(r, self.cost.verify_s(n, self.pad_rows(r), ctx)) for r in rows]
             self._memo[key] = None if any(t is None for _, t in verify) else \
-                (verify, {r: self.cost.draft_s(n, ctx, r - 1) or 0.0 for r in rows if r > 1})
+                (verify, self.cost.draft_s(n, ctx) or 0.0)
         return self._memo[key]
 
 
 def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: float | None,
-                 draft_rows: int, graph_builds: int = 0, tree_s: float | None = None) -> None:
+                 draft_rows: int, graph_builds: int = 0) -> None:
     """Book one decode-only engine step: its `plans` (engine.speculative.Planned), the rows
     each tree occupied (0: each its own), the verify + commit seconds, and the drafting
-    seconds (None: not the step's own, as with overlap) with the context rows it carried and
-    the drafter's tree stage (`tree_s`; None: not reported). A draft that also took a
-    prompt's or a skipped stretch's rows costs more once, not every step: only steady drafts
-    are booked (none where a request had its first tree: its prompt's context, fed to the
-    drafter during the prefill, is taken in then). A step that built a CUDA graph (the
-    runner's count of builds, `graph_builds`, moved since the last step) timed the capture:
-    nothing is booked (a shape booked once at its capture's cost was never chosen again, so
-    never measured)."""
+    seconds (None: not the step's own, as with overlap) with the context rows it carried. A
+    draft that also took a prompt's or a skipped stretch's rows costs more once, not every
+    step: only steady drafts are booked (none where a request had its first tree: its prompt's
+    context, fed to the drafter during the prefill, is taken in then). A step that built a
+    CUDA graph (the runner's count of builds, `graph_builds`, moved since the last step) timed
+    the capture: nothing is booked (a shape booked once at its capture's cost was never chosen
+    again, so never measured)."""
     if graph_builds != cost.graph_builds:
         cost.graph_builds = graph_builds
         return
     ctx = max(p.start for p in plans)
     cost.observe_verify(len(plans), rows or max(p.layout.num_rows for p in plans), ctx, verify_s)
-    asked = [p.budget for p in plans if p.budget and p.drafted]
-    if asked and draft_s is not None and draft_rows <= STEADY_ROWS * len(asked) \
+    drafted = sum(1 for p in plans if p.budget and p.drafted)
+    if drafted and draft_s is not None and draft_rows <= STEADY_ROWS * drafted \
             and not any(p.first for p in plans):
-        cost.observe_draft(len(asked), ctx, draft_s, tree_s, max(asked))
+        cost.observe_draft(drafted, ctx, draft_s)
 
 
-def _add(table: dict, key, seconds: float) -> bool:
-    """Add a sample; whether the entry's value moved."""
+def _add(table: dict, key, seconds: float) -> None:
     if seconds <= 0:
-        return False
-    if key not in table:
+        return
+    if key in table:
+        table[key].add(seconds)
+    else:
         table[key] = Samples(seconds)
-        return True
-    before = table[key].value
-    table[key].add(seconds)
-    return table[key].value != before
 
 
 def _nearest(n: int, have: set[int]) -> list[int]:

@@ -51,8 +51,7 @@ class Engine:
         self.tokenizer = tokenizer if tokenizer is not None else _maybe_tokenizer(config)
         self.scheduler = Scheduler.of(config, self.runner.num_pages, self.model_config)
         self.requests: dict[str, Sequence] = {}
-        # the step's drafts (adaptive cost model): context rows carried, tree stage seconds
-        self._drafted: tuple[int, float | None] = (0, None)
+        self._draft_rows = 0  # context rows the step's drafts carried (adaptive cost model)
         self._arrivals = itertools.count()
 
     def set_drafter(self, drafter: Drafter | None) -> None:
@@ -223,11 +222,10 @@ class Engine:
             skip = [s for s in skip if s.request_id not in sent]  # asked for: it is verified
             out = {s.request_id for s in skip}
             now = [s for s in decoding if s.request_id not in out]
-            rows = sum(x.shape[0] for s in now for x in s.pending_context)
+            self._draft_rows = sum(x.shape[0] for s in now for x in s.pending_context)
             budgets = self.adaptive.draft_budgets(now)
             plans, draft_s = speculative.plan(now, *args, budgets) if self._ahead is None \
                 else self._ahead.plan(now, *args, budgets)
-            self._drafted = (rows, self.drafter.last_tree_s)
             plans += [self.adaptive.skipped(s) for s in skip]
         elif self._ahead is not None:
             return self._ahead.plan(decoding, *args)
@@ -249,8 +247,8 @@ class Engine:
             return
         t = self.last_step
         observe_step(self.cost, batch.plans, span, (t.end_ns - t.draft_end_ns) / 1e9,
-                     None if self.config.overlap else draft_s, self._drafted[0],
-                     getattr(self.runner.graphs, "builds", 0), self._drafted[1])
+                     None if self.config.overlap else draft_s, self._draft_rows,
+                     getattr(self.runner.graphs, "builds", 0))
 
     def commit_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append generated tokens (stopping at the first that ends the request); its output."""

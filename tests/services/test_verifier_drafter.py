@@ -42,7 +42,7 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
         self.history: dict[str, list[int]] = {}
         self.rows: dict[str, int] = {}
         self.fail_first, self.batches, self.inconsistent, self.fresh = fail_first, 0, [], 0
-        self.feeds, self.tree_build_s = 0, 0.0  # the tree stage each reply reports
+        self.feeds = 0
 
     async def Draft(self, request_iterator, context):
         async for batch in request_iterator:
@@ -54,8 +54,7 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
                 continue
             self.batches += 1
             trees = [self._tree(e, self.batches <= self.fail_first) for e in batch.entries]
-            yield drafter_pb2.TreeBatch(step_id=batch.step_id, trees=trees,
-                                        tree_build_s=self.tree_build_s)
+            yield drafter_pb2.TreeBatch(step_id=batch.step_id, trees=trees)
 
     def _tree(self, e, fail: bool) -> drafter_pb2.Tree:
         history = self.history.setdefault(e.request_id, [])

@@ -166,7 +166,7 @@ def test_cost_model_estimates_from_its_nearest_measurements():
     spiked.observe_verify(1, 16, 3000, 1.2)
     assert spiked.verify_s(1, 4, 3000) == 1.2  # nor than more rows at the same one
     cost.observe_draft(1, 1000, 2.0)
-    assert cost.draft_s(2, 4000) == 2.0 == cost.draft_s(2, 4000, 15) and context_class(1000) == 10
+    assert cost.draft_s(2, 4000) == 2.0 and context_class(1000) == 10
     assert "verify n=1 rows=8 ctx<=2^10" in cost.table()
 
 
@@ -182,42 +182,13 @@ def test_a_requests_first_tree_is_not_a_steady_draft_and_a_new_draft_time_is_rea
         plans, _ = speculative.plan(seqs, drafter, 4096, 50)
         firsts.append([p.first for p in plans])
         observe_step(cost, plans, 16, 1e-3, draft_s, draft_rows=2)
-        drafts.append(policy.prices(2, 61, warmup.candidates(15))[1][16])
+        drafts.append(policy.prices(2, 61, warmup.candidates(15))[1])
     assert firsts == [[True, True], [False, False], [False, False]]
     assert drafts == [0.0, 1.5e-3, 1.5e-3]  # none booked, then the steady ones
     cost.observe_draft(2, 61, 1.1e-3)  # cheaper now: the lower quartile moves
-    assert policy.prices(2, 61, warmup.candidates(15))[1][16] == 1.1e-3
+    assert policy.prices(2, 61, warmup.candidates(15))[1] == 1.1e-3
     empty = speculative.plan([_seq("c", budget=0)], drafter, 4096, 50)[0]
     assert not empty[0].first and empty[0].seq.drafts == 0  # no tree: not a first one
-
-
-def test_a_trees_drafting_is_priced_by_its_size_and_the_rest_pooled():
-    """The drafter's tree stage (top-k and heaps: it grows with the nodes asked) is booked by
-    the size class of the largest ask; the rest of the call, pooled over every size (a noisy
-    forward must not price one size against another); each candidate tree pays the rest plus
-    its own size's tree stage, so one whose extra tokens do not pay for its dearer drafting
-    loses to a smaller one (one price for every size picked the bigger tree here)."""
-    seqs = [_seq("a", budget=63), _seq("b", budget=9, start=77)]
-    plans, _ = speculative.plan(seqs, RandomDDTreeDrafter(50, depth=4, seed=3), 4096, 50)
-    cost = CostModel()
-    for p in plans:
-        p.first = False  # steady drafts
-    observe_step(cost, plans, 64, 1e-3, 2.3e-3, draft_rows=2, tree_s=0.8e-3)  # asked 63, 9
-    cost.observe_draft(2, 77, 1.9e-3, tree_s=0.5e-3, nodes=31)
-    rest = cost.draft[(2, context_class(77))].value
-    assert rest == pytest.approx(1.4e-3)  # the lower quartile of 1.5 and 1.4 ms
-    assert cost.draft_s(2, 77, 63) == pytest.approx(1.4e-3 + 0.8e-3)
-    assert cost.draft_s(2, 77, 47) == pytest.approx(1.4e-3 + 0.65e-3)  # between classes
-    assert cost.draft_s(2, 77, 7) == pytest.approx(1.9e-3)  # flat below the smallest
-    assert cost.draft_s(2, 77) == pytest.approx(1.4e-3)  # no tree: its stage left out
-    assert {"draft tree n=2 nodes<=63", "draft tree n=2 nodes<=31"} <= set(cost.table())
-    verify = [(1, 8.0, 1.4e-3), (32, 8 * 5.8, 1.9e-3), (64, 8 * 6.3, 2.0e-3)]
-    rows, why = choose((verify, {32: 2.0e-3, 64: 2.4e-3}), 8, None, 1.0, 63)
-    assert rows == 32 and "(+2.00 draft)" in why
-    assert choose((verify, {32: 2.4e-3, 64: 2.4e-3}), 8, None, 1.0, 63)[0] == 64
-    plain = [(1, 8.0, 1.0e-3), (32, 8 * 1.5, 1.9e-3)]  # drafted: plain pays the drafting spent
-    assert choose((plain, {32: 2.0e-3}), 8, 2.0e-3, 1.0, 63)[0] == 32
-    assert choose((plain, {32: 2.0e-3}), 8, None, 1.0, 63)[0] == 1
 
 
 def _seq(rid: str, budget: int, start: int = 40) -> Sequence:
@@ -350,14 +321,14 @@ def test_a_decision_moves_off_the_last_ones_rows_only_for_a_clear_gain():
     """Rows priced within STAY of the last decision's keep it (times a few per cent apart are
     noise); a clearly faster count, or no last decision, takes the best as priced."""
     def rated(gain):  # rows 16 and 64 at the same step time, 64 expecting `gain` × 16's tokens
-        return [(1, 2.0, 1e-3), (16, 8.0, 2e-3), (64, 8.0 * gain, 2e-3)], {16: 5e-4, 64: 5e-4}
+        return [(1, 2.0, 1e-3), (16, 8.0, 2e-3), (64, 8.0 * gain, 2e-3)], 0.5e-3
 
     for gain in (1.01, 1.04):
-        assert choose(rated(gain), 2, 5e-4, 1.0, 63)[0] == 64
-        assert choose(rated(gain), 2, 5e-4, 1.0, 63, held=16)[0] == 16
-    assert choose(rated(1.02 * adaptive_state.STAY), 2, 5e-4, 1.0, 63, held=16)[0] == 64
-    assert choose(rated(0.97), 2, 5e-4, 1.0, 63, held=64)[0] == 64
-    assert choose(rated(0.9), 2, 5e-4, 1.0, 63, held=64)[0] == 16
+        assert choose(rated(gain), 2, True, 1.0, 63)[0] == 64
+        assert choose(rated(gain), 2, True, 1.0, 63, held=16)[0] == 16
+    assert choose(rated(1.02 * adaptive_state.STAY), 2, True, 1.0, 63, held=16)[0] == 64
+    assert choose(rated(0.97), 2, True, 1.0, 63, held=64)[0] == 64
+    assert choose(rated(0.9), 2, True, 1.0, 63, held=64)[0] == 16
 
 
 def test_a_decision_repeating_the_last_holds_twice_as_long_up_to_a_cap():

@@ -100,7 +100,6 @@ def test_tree_and_chain_follow_the_logits():
     stats = ddtree.last_stats
     assert (stats.num_requests, stats.context_rows, stats.block_rows) == (1, 17, BLOCK)
     assert stats.forward_s > 0 and stats.tree_s > 0
-    assert ddtree.last_tree_s == stats.tree_s  # what the adaptive cost model prices by size
     (path,) = chain.draft([request("r", 17, ctx, budget=3)])
     assert path.token_ids.tolist() == logits.argmax(-1)[:3].tolist()  # the budget caps the chain
     assert path.parents.tolist() == [0, 1, 2]
