@@ -71,8 +71,7 @@ class Adaptive:
             raise ValueError(f"redecide must be >= 1, got {redecide}")
         self.cost, self.prices = cost, StepPrices(cost, pad_rows)
         self.state: dict[str, State] = {}
-        self.shared = Ratios(SHARED_DECAY)
-        self.redecide = redecide
+        self.shared, self.redecide = Ratios(SHARED_DECAY), redecide
         self._hold = 0  # steps the last decision to draft still holds
         self._span = redecide  # steps it held for from the start
         self._room = True  # it chose the largest tree it priced (a saturated hold ends)
@@ -124,7 +123,7 @@ class Adaptive:
         self.book_pending()
         at = (tuple(s.request_id for s in seqs),
               context_class(max(s.num_computed for s in seqs)), self.cost.epoch, self._moved)
-        if at != self._plain_at and self._best(seqs, states, drafted=False, margin=SKIP_MARGIN,
+        if at != self._plain_at and self._best(seqs, states, margin=SKIP_MARGIN,
                                                gain=State.forecast_gain)[0] > 1:
             for st in states:
                 st.gap, st.probing = 2, False
@@ -134,7 +133,7 @@ class Adaptive:
             if st.skipped == 0:  # drafted last step, plain decoding wins again: back off
                 st.gap = min(2 * st.gap, MAX_PROBE_GAP) if st.probing else 2
         due = [st.skipped + 1 >= st.gap or (st.fresh and st.skipped > 1 and self._best(
-            [s], [st], drafted=False, gain=State.confident_gain)[0] > 1)  # probes
+            [s], [st], gain=State.confident_gain)[0] > 1)  # probes
             for s, st in zip(seqs, states, strict=True)]
         if any(due):  # those half-way to their probe ride along: one drafter call, not several
             due = [d or (st.skipped > 0 and 2 * (st.skipped + 1) >= st.gap)
@@ -248,12 +247,11 @@ class Adaptive:
         p.layout = shapes.chain_layout(p.layout, st.cut) if p.choice.shape == shapes.CHAIN \
             else shapes.prefix_layout(p.layout, p.tree.n)  # a prefix's rows lead the layout
 
-    def _best(self, seqs, states, drafted: bool, margin: float = 1.0,
-              gain=State.gain) -> tuple[int, str]:
-        """The step's rows per request maximising expected tokens per second, and why (`choose`);
-        `gain`: State.gain, before drafting `forecast_gain`, for probes `confident_gain`."""
-        return choose(self._rated(seqs, states, gain), len(seqs), drafted, margin,
-                            max(s.budget for s in seqs))
+    def _best(self, seqs, states, margin: float = 1.0, gain=State.gain) -> tuple[int, str]:
+        """The step's rows per request maximising expected tokens per second before drafting,
+        and why (`choose`); `gain`: `forecast_gain`, for probes `confident_gain`."""
+        return choose(self._rated(seqs, states, gain), len(seqs), False, margin,
+                      max(s.budget for s in seqs))
 
     def _rated(self, seqs, states, gain=State.gain) -> tuple | None:
         """([(rows, expected tokens of the step, verify seconds)] for plain decoding and each
