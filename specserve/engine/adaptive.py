@@ -37,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from specserve.engine.adaptive_state import (
+    EMPTY,
     SHARED_DECAY,
     Ratios,
     State,
@@ -50,7 +51,6 @@ from specserve.engine.speculative import Planned
 from specserve.engine.warmup import candidates, size_classes
 from specserve.spec import shapes
 from specserve.spec.shapes import Choice
-from specserve.spec.tree import DraftTree
 
 MAX_PROBE_GAP = 32
 # plain steps between two readings of the target's confidence (a softmax and a transfer each)
@@ -60,7 +60,6 @@ CONFIDENCE_EVERY = 4
 SKIP_MARGIN = 1.1
 REDECIDE = 8  # steps a decision holds (each request keeps its shape): its host work paid once
 HOLD_GROWTH = 4  # a decision repeating the last holds twice as long, up to this × redecide
-_EMPTY = DraftTree.empty()
 
 
 class Adaptive:
@@ -232,7 +231,7 @@ class Adaptive:
         _, kind = st.gain(k, p.budget)
         st.cut = None
         if k <= 0 or kind == shapes.OFF:  # the next draft asks as much as the last choice did
-            p.tree, p.choice = _EMPTY, Choice(shapes.OFF, 0, why)
+            p.tree, p.choice = EMPTY, Choice(shapes.OFF, 0, why)
         else:
             if k > p.budget:
                 why = f"{why}; this request: its budget, {p.budget} nodes"
@@ -285,8 +284,8 @@ class Adaptive:
         if st is None or p.choice is None or p.choice.shape == shapes.OFF:
             return None
         kept, cut, curve = st.take_verified(accepted_rows)
-        self._pending.append((st, (p.choice.shape, size_classes(p.budget), accepted_rows,
-                                   kept, cut, curve)))
+        classes = size_classes(p.budget) if kept is None else ()  # a held shape books itself
+        self._pending.append((st, (p.choice.shape, classes, accepted_rows, kept, cut, curve)))
         if not defer:
             self.book_pending()
         held = kept is not None  # a held step's own shape

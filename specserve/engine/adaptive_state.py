@@ -17,7 +17,7 @@ from specserve.spec import shapes
 from specserve.spec.shapes import Choice
 from specserve.spec.tree import DraftTree, verify_layout
 
-_EMPTY = DraftTree.empty()
+EMPTY = DraftTree.empty()  # the root-only tree of a step without a draft
 
 PRIOR = 2.0  # pseudo-tokens pulling a shape's calibration towards 1 (trust the drafter)
 DECAY = 0.9
@@ -210,7 +210,7 @@ def plain_plan(seq, st: State) -> Planned:
     """A root-only plan for `seq` (state `st`) skipping the drafter (its context rows stay)."""
     st.skipped += 1
     why = f"plain decoding expected faster; probe in {max(st.gap - st.skipped, 0)} steps"
-    return Planned(seq, _EMPTY, verify_layout(_EMPTY, seq.last_token, seq.num_computed),
+    return Planned(seq, EMPTY, verify_layout(EMPTY, seq.last_token, seq.num_computed),
                    seq.budget, drafted=False, choice=Choice(shapes.OFF, 0, why))
 
 
