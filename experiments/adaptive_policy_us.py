@@ -23,7 +23,8 @@ import bench_adaptive  # bench/: it builds the engines and the prompts
 from specserve.engine import adaptive, engine
 from specserve.types import SamplingParams
 
-CALLS = ("to_draft", "draft_budgets", "shape", "observe_step", "skipped", "_shape", "_keep")
+CALLS = ("to_draft", "draft_budgets", "shape", "observe_step", "book_pending", "skipped", "_shape",
+         "_keep")
 SECONDS: dict[str, float] = collections.defaultdict(float)
 COUNT: collections.Counter = collections.Counter()
 

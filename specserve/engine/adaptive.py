@@ -11,10 +11,11 @@ where those nodes do not hold it: else they accept at least as much). For every 
 with E from the drafter's own path probabilities (spec/shapes.py), ĉ the request's running
 ratio of accepted to expected for that shape (measured on every verified tree, counterfactuals
 included), pulled towards every request's ratio (a shape never verified takes the nearest
-verified one's), and times from the cost model (engine/cost.py). Before drafting, with last
-step's curves: if plain decoding wins by SKIP_MARGIN, nobody is drafted (B = 0, no drafter
-call; the context rows wait for the next draft; the forecast is read again only once a draft,
-the costs, the batch or its context class moved), except requests without a curve yet and
+verified one's), and times from the cost model (engine/cost.py). Before drafting (unless the
+last decision found drafting WIDE × faster), with last step's curves: if plain decoding wins by
+SKIP_MARGIN, nobody is drafted (B = 0, no drafter call; the context rows wait for the next
+draft; the forecast is read again only once a draft, the costs, the batch or its context class
+moved), except requests without a curve yet and
 probes (a skipping request is drafted again after 2, 4, … 32 steps — with it those past half
 their gap — or at once when the target's confidence on its plain steps, read every
 CONFIDENCE_EVERY of them, twice says a chain as sure would pay). After drafting, the choice is
@@ -41,6 +42,7 @@ from specserve.engine.adaptive_state import (
     SHARED_DECAY,
     Ratios,
     State,
+    advantage,
     choose,
     outside,
     plain_plan,
@@ -58,6 +60,9 @@ CONFIDENCE_EVERY = 4
 # skip the drafter only when plain decoding is expected this much faster: a wrong skip also
 # loses the next curve, a wrong draft costs at most the margin
 SKIP_MARGIN = 1.1
+# a decision that found drafting this much faster than plain decoding (its drafting to pay)
+# spares the steps after it the forecast before drafting: the next decision reads it again
+WIDE = 1.25
 REDECIDE = 8  # steps a decision holds (each request keeps its shape): its host work paid once
 HOLD_GROWTH = 4  # a decision repeating the last holds twice as long, up to this × redecide
 
@@ -74,6 +79,7 @@ class Adaptive:
         self._hold = 0  # steps the last decision to draft still holds
         self._span = redecide  # steps it held for from the start
         self._room = True  # it chose the largest tree it priced (a saturated hold ends)
+        self._wide = False  # it found drafting WIDE × faster than plain decoding
         self._rows: int | None = None  # the rows per request it chose (None: plain decoding)
         self._held: tuple[int, int, str] | None = None  # its (batch bucket, nodes, why)
         self._decision = 0  # decisions made (State.decision: the last one a request took part in)
@@ -119,14 +125,14 @@ class Adaptive:
     def _skipping(self, seqs, states) -> list:
         """Which of `seqs` (each with a curve) skip the drafter this step. The forecast is read
         again only when its inputs moved: a draft, the cost model, the batch, its context class."""
+        if self._wide and all(st.decision == self._decision for st in states):
+            return self._drafting(states)
         self.book_pending()
         at = (tuple(s.request_id for s in seqs),
               context_class(max(s.num_computed for s in seqs)), self.cost.epoch, self._moved)
         if at != self._plain_at and self._best(seqs, states, margin=SKIP_MARGIN,
                                                gain=State.forecast_gain)[0] > 1:
-            for st in states:
-                st.gap, st.probing = 2, False
-            return []
+            return self._drafting(states)
         self._plain_at = at
         for st in states:
             if st.skipped == 0:  # drafted last step, plain decoding wins again: back off
@@ -140,6 +146,12 @@ class Adaptive:
         for st, d in zip(states, due, strict=True):
             st.probing, st.fresh = st.probing or d, False
         return [s for s, d in zip(seqs, due, strict=True) if not d]
+
+    @staticmethod
+    def _drafting(states) -> list:
+        for st in states:
+            st.gap, st.probing = 2, False
+        return []
 
     def ahead(self, seqs) -> dict[str, int] | None:
         """The drafter budgets of `seqs` for the next step if the decision to draft holds for
@@ -196,6 +208,7 @@ class Adaptive:
         seqs, states = [p.seq for p in scored], [self.state[p.seq.request_id] for p in scored]
         rated, top = self._rated(seqs, states), max(s.budget for s in seqs)
         best, why = choose(rated, len(seqs), True, 1.0, top, self._rows)
+        self._wide = advantage(rated) >= WIDE
         self._rows = best if best > 1 else None
         self._room = best - 1 >= max(p.tree.n for p in scored)  # no bigger tree was priced
         for p, st in zip(scored, states, strict=True):

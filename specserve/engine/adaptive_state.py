@@ -206,6 +206,17 @@ def choose(rated: tuple | None, n: int, drafted: bool, margin: float, top: int,
                   f"(+{draft * 1e3:.2f} draft) = {rate:.0f} tok/s; plain {rates[0][0]:.0f} tok/s")
 
 
+def advantage(rated: tuple | None) -> float:
+    """The best drafted rows' tokens/s over plain decoding's, the drafting still to pay (`choose`'s
+    rates; 0 while a shape is unmeasured)."""
+    if rated is None:
+        return 0.0
+    verify, draft = rated
+    plain = next(tokens / t for rows, tokens, t in verify if rows == 1)
+    drafted = (tokens / (t + draft) for rows, tokens, t in verify if rows > 1)
+    return max(drafted, default=0.0) / plain
+
+
 def plain_plan(seq, st: State) -> Planned:
     """A root-only plan for `seq` (state `st`) skipping the drafter (its context rows stay)."""
     st.skipped += 1

@@ -311,6 +311,7 @@ def test_deferred_bookings_are_the_immediate_ones_taken_before_the_next_shaping(
             assert (policy.shared.real == before) == (policy is later)
         assert now.state["a"].recent == later.state["a"].recent  # taken at once
     assert 0 < held < 7 and later._pending
+    later._wide = False  # the forecast is read (not spared by a wide decision)
     later._skipping(seqs, [later.state[r] for r in "ab"])  # a decision: it books first
     assert not later._pending
     for a, b in ((now.state["a"].own, later.state["a"].own), (now.shared, later.shared)):
@@ -552,6 +553,30 @@ def test_before_drafting_a_request_is_forecast_at_least_what_it_has_been_accepti
         return policy.to_draft([seq]) == ([], [seq])
 
     assert skipped(None) and skipped(0.5) and not skipped(6.0)
+
+
+def test_a_decision_that_drafting_wins_widely_spares_the_next_forecast(monkeypatch):
+    """After a decision that found drafting WIDE × faster than plain decoding, the next steps
+    that are not held draft every request that took part without reading the forecast (or
+    booking); a new request in the batch, or a decision short of WIDE, reads it again."""
+    seqs = [_seq(r, budget=63) for r in "ab"]
+    for wide in (True, False):
+        if not wide:
+            monkeypatch.setattr(adaptive, "WIDE", 1e9)  # the same decision, short of WIDE
+        policy = Adaptive(_cost(draft_ms=0.3), lambda rows: rows, redecide=1)
+        plans = [_plan(s, 3 + i, confident=True) for i, s in enumerate(seqs)]
+        policy.shape(plans)
+        rated = policy._rated(seqs, [policy.state[s.request_id] for s in seqs])
+        assert policy._wide == wide == (adaptive_state.advantage(rated) >= adaptive.WIDE)
+        policy.observe_step([(p, [1], i) for i, p in enumerate(plans)], None, defer=True)
+        reads = []
+        policy._best = lambda *a, _best=policy._best, _reads=reads, **k: (
+            _reads.append(1) or _best(*a, **k))
+        assert policy.to_draft(seqs) == (seqs, [])  # not held (redecide 1): drafting wins
+        assert len(reads) == (not wide) and bool(policy._pending) == wide
+        if wide:
+            policy.shape([_plan(_seq("c", budget=63), 9, confident=True)])  # c alone decides
+            assert policy.to_draft(seqs)[0] == seqs and len(reads) == 1
 
 
 def test_requests_half_way_to_their_probe_ride_along_with_one_that_is_due():
