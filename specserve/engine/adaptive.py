@@ -12,25 +12,25 @@ with E from the drafter's own path probabilities (spec/shapes.py), ĉ the reques
 ratio of accepted to expected for that shape (measured on every verified tree, counterfactuals
 included), pulled towards every request's ratio (a shape never verified takes the nearest
 verified one's), and times from the cost model (engine/cost.py). Before drafting (unless the
-last decision found drafting WIDE × faster), with last step's curves: if plain decoding wins by
-SKIP_MARGIN, nobody is drafted (B = 0, no drafter call; the context rows wait for the next
-draft; the forecast is read again only once a draft, the costs, the batch or its context class
-moved), except requests without a curve yet and
-probes (a skipping request is drafted again after 2, 4, … 32 steps — with it those past half
-their gap — or at once when the target's confidence on its plain steps, read every
-CONFIDENCE_EVERY of them, twice says a chain as sure would pay). After drafting, the choice is
-made again with the fresh curves (the drafting, spent, now counts for plain decoding too) and
-the trees are cut to it. The client's budget bounds every choice; the drafter is asked for one
-size class above the last choice. A decision to draft (one that pays with the drafting still
-to pay) holds for REDECIDE steps (a repeat of the last: twice as long as that held, up to
-HOLD_GROWTH × REDECIDE): each request keeps its shape (the drafter asked for just that tree),
-only that shape's outcome booked. It outlives requests that finish; a new request joins with
-the held size's DDTree prefix; a batch grown past the bucket it was priced for, a request the
-decision skipped, or a step where most held shapes were accepted to their deepest node (where
-the decision priced no bigger tree) ends it. A step's bookings wait for the next step's verify
-forward (host work while the GPU runs; a decision books first). Trees without probabilities
-(the n-gram drafter) are kept as drafted. Lossless: only which draft tokens are verified
-changes; the acceptance walk is the same.
+last decision found drafting WIDE × faster for all but new requests), with last step's curves:
+if plain decoding wins by SKIP_MARGIN, nobody is drafted (B = 0, no drafter call; the context
+rows wait for the next draft; the forecast is read again only once a draft, the costs, the
+batch or its context class moved), except requests without a curve yet and probes (a skipping
+request is drafted again after 2, 4, … 32 steps — with it those past half their gap — or at
+once when the target's confidence on its plain steps, read every CONFIDENCE_EVERY of them,
+twice says a chain as sure would pay). After drafting, the choice is made again with the fresh
+curves (the drafting, spent, now counts for plain decoding too) and the trees are cut to it.
+The client's budget bounds every choice; the drafter is asked for one size class above the last
+choice. A decision to draft (one that pays with the drafting still to pay) holds for REDECIDE
+steps (a repeat of the last: twice as long as that held, up to HOLD_GROWTH × REDECIDE): each
+request keeps its shape (the drafter asked for just that tree), only that shape's outcome
+booked. It outlives requests that finish; a new request joins with the held size's DDTree
+prefix; a batch grown past the bucket it was priced for, a request the decision skipped, or a
+step where most held shapes were accepted to their deepest node (where the decision priced no
+bigger tree) ends it. A step's bookings wait for the next step's verify forward (host work
+while the GPU runs; a decision books first). Trees without probabilities (the n-gram drafter)
+are kept as drafted. Lossless: only which draft tokens are verified changes; the acceptance
+walk is the same.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from specserve.engine.adaptive_state import (
     State,
     advantage,
     choose,
+    drafting,
     outside,
     plain_plan,
     read_confidence,
@@ -55,14 +56,11 @@ from specserve.spec import shapes
 from specserve.spec.shapes import Choice
 
 MAX_PROBE_GAP = 32
-# plain steps between two readings of the target's confidence (a softmax and a transfer each)
-CONFIDENCE_EVERY = 4
-# skip the drafter only when plain decoding is expected this much faster: a wrong skip also
-# loses the next curve, a wrong draft costs at most the margin
+CONFIDENCE_EVERY = 4  # plain steps between readings of the target's confidence (softmax, copy)
+# skip the drafter only when plain decoding is expected this much faster (a wrong skip also
+# loses the next curve, a wrong draft costs at most the margin)
 SKIP_MARGIN = 1.1
-# a decision that found drafting this much faster than plain decoding (its drafting to pay)
-# spares the steps after it the forecast before drafting: the next decision reads it again
-WIDE = 1.25
+WIDE = 1.25  # drafting found this much faster spares the next steps the forecast before it
 REDECIDE = 8  # steps a decision holds (each request keeps its shape): its host work paid once
 HOLD_GROWTH = 4  # a decision repeating the last holds twice as long, up to this × redecide
 
@@ -125,14 +123,14 @@ class Adaptive:
     def _skipping(self, seqs, states) -> list:
         """Which of `seqs` (each with a curve) skip the drafter this step. The forecast is read
         again only when its inputs moved: a draft, the cost model, the batch, its context class."""
-        if self._wide and all(st.decision == self._decision for st in states):
-            return self._drafting(states)
+        if self._wide and all(st.decision in (self._decision, None) for st in states):
+            return drafting(states)
         self.book_pending()
         at = (tuple(s.request_id for s in seqs),
               context_class(max(s.num_computed for s in seqs)), self.cost.epoch, self._moved)
         if at != self._plain_at and self._best(seqs, states, margin=SKIP_MARGIN,
                                                gain=State.forecast_gain)[0] > 1:
-            return self._drafting(states)
+            return drafting(states)
         self._plain_at = at
         for st in states:
             if st.skipped == 0:  # drafted last step, plain decoding wins again: back off
@@ -146,12 +144,6 @@ class Adaptive:
         for st, d in zip(states, due, strict=True):
             st.probing, st.fresh = st.probing or d, False
         return [s for s, d in zip(seqs, due, strict=True) if not d]
-
-    @staticmethod
-    def _drafting(states) -> list:
-        for st in states:
-            st.gap, st.probing = 2, False
-        return []
 
     def ahead(self, seqs) -> dict[str, int] | None:
         """The drafter budgets of `seqs` for the next step if the decision to draft holds for

@@ -217,6 +217,13 @@ def advantage(rated: tuple | None) -> float:
     return max(drafted, default=0.0) / plain
 
 
+def drafting(states: list[State]) -> list:
+    """No request skips the drafter: their probes start over. Returns the skipping (none)."""
+    for st in states:
+        st.gap, st.probing = 2, False
+    return []
+
+
 def plain_plan(seq, st: State) -> Planned:
     """A root-only plan for `seq` (state `st`) skipping the drafter (its context rows stay)."""
     st.skipped += 1

@@ -13,6 +13,7 @@ Pure numpy; no timing (engine/cost.py) and no policy (engine/adaptive.py).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,18 +52,23 @@ def chain(tree: DraftTree, k: int) -> Shape:
     """At most `k` nodes of the path that takes the most probable child at every depth."""
     if tree.scores is None or tree.n == 0 or k <= 0:
         return Shape(CHAIN, np.zeros(0, dtype=np.int64), 0.0)
+    nodes = np.asarray(_best_path(tree.parents.tolist(), tree.scores.tolist())[:k],
+                       dtype=np.int64)
+    return Shape(CHAIN, nodes, _expected(tree, nodes))
+
+
+def _best_path(parents: list[int], scores: list[float]) -> list[int]:
+    """The node indices of the path from the root through each node's most probable child."""
     best: dict[int, int] = {}  # parent row -> the child node with the highest score
-    scores = tree.scores.tolist()
-    for i, parent in enumerate(tree.parents.tolist()):
+    for i, parent in enumerate(parents):
         j = best.get(parent)
         if j is None or scores[i] > scores[j]:
             best[parent] = i
     path, row = [], 0
-    while row in best and len(path) < k:
+    while row in best:
         path.append(best[row])
         row = best[row] + 1
-    nodes = np.asarray(path, dtype=np.int64)
-    return Shape(CHAIN, nodes, _expected(tree, nodes))
+    return path
 
 
 def expected(tree: DraftTree) -> float:
@@ -132,46 +138,42 @@ def realized(accepted_rows: Sequence[int], shape: Shape) -> int:
 
 @dataclass(frozen=True)
 class Curves:
-    """Every candidate shape of one drafted tree at once (numpy, no per-shape walks): for k
-    nodes, the first k nodes' and the best chain's expected length and depth."""
+    """Every candidate shape of one drafted tree at once (no per-shape walks): for k nodes, the
+    first k nodes' and the best chain's expected length and depth. Host lists: the policy reads
+    single entries."""
 
-    prefix_expected: np.ndarray  # [n + 1] float64, k = 0 … n
-    prefix_depth: np.ndarray  # [n + 1] int64
+    prefix_expected: list[float]  # [n + 1] k = 0 … n
+    prefix_depth: list[int]  # [n + 1]
     chain_nodes: np.ndarray  # [L] int64 the best path's node indices, by depth
-    chain_expected: np.ndarray  # [L + 1] float64
-
-    def __post_init__(self) -> None:  # host lists: the policy reads single entries
-        object.__setattr__(self, "_lists", (self.prefix_expected.tolist(),
-                                            self.chain_expected.tolist(),
-                                            self.prefix_depth.tolist()))
-        # [L] the prefix length holding the chain's first j + 1 nodes
-        object.__setattr__(self, "_reach", (np.maximum.accumulate(self.chain_nodes) + 1).tolist())
+    chain_expected: list[float]  # [L + 1]
+    reach: list[int]  # [L] the prefix length holding the chain's first j + 1 nodes
 
     def expected(self, kind: str, k: int) -> float:
-        table = self._lists[0] if kind == TREE else self._lists[1]
+        table = self.prefix_expected if kind == TREE else self.chain_expected
         return table[k if k < len(table) else -1]
 
     def depth(self, kind: str, k: int) -> int:
         if kind == TREE:
-            table = self._lists[2]
+            table = self.prefix_depth
             return table[k if k < len(table) else -1]
-        return min(k, len(self.chain_nodes))
+        return min(k, len(self.reach))
 
     def chain_inside(self, k: int) -> bool:
         """Whether the chain of `k` nodes lies inside the first `k` nodes: that prefix then
         accepts at least as much (a sub-tree accepts the verified path's part inside it)."""
-        m = min(k, len(self._reach))
-        return m == 0 or self._reach[m - 1] <= k
+        m = min(k, len(self.reach))
+        return m == 0 or self.reach[m - 1] <= k
 
 
 def curves(tree: DraftTree) -> Curves:
     """The Curves of a tree with scores (as `prefix` and `chain` give them one by one)."""
-    p = np.exp(tree.scores.astype(np.float64)) if tree.n else np.zeros(0)  # [n] float64
-    path = chain(tree, tree.n).nodes
-    zero = np.zeros(1)
-    return Curves(np.concatenate([zero, np.cumsum(p)]),
-                  np.concatenate([[0], np.maximum.accumulate(tree.depths.astype(np.int64))]),
-                  path, np.concatenate([zero, np.cumsum(p[path])]))
+    p = np.exp(tree.scores.astype(np.float64)).tolist() if tree.n else []  # [n]
+    path = _best_path(tree.parents.tolist(), tree.scores.tolist()) if tree.n else []
+    return Curves([0.0, *itertools.accumulate(p)],
+                  [0, *itertools.accumulate(tree.depths.tolist(), max)],
+                  np.asarray(path, dtype=np.int64),
+                  [0.0, *itertools.accumulate(p[j] for j in path)],
+                  [j + 1 for j in itertools.accumulate(path, max)])
 
 
 def realized_prefix(accepted: Sequence[int], k: int) -> int:

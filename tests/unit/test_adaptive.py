@@ -558,7 +558,8 @@ def test_before_drafting_a_request_is_forecast_at_least_what_it_has_been_accepti
 def test_a_decision_that_drafting_wins_widely_spares_the_next_forecast(monkeypatch):
     """After a decision that found drafting WIDE × faster than plain decoding, the next steps
     that are not held draft every request that took part without reading the forecast (or
-    booking); a new request in the batch, or a decision short of WIDE, reads it again."""
+    booking), new requests with them; one that did not take part in the last decision, or a
+    decision short of WIDE, reads it again."""
     seqs = [_seq(r, budget=63) for r in "ab"]
     for wide in (True, False):
         if not wide:
@@ -572,7 +573,9 @@ def test_a_decision_that_drafting_wins_widely_spares_the_next_forecast(monkeypat
         reads = []
         policy._best = lambda *a, _best=policy._best, _reads=reads, **k: (
             _reads.append(1) or _best(*a, **k))
-        assert policy.to_draft(seqs) == (seqs, [])  # not held (redecide 1): drafting wins
+        fresh = _seq(f"new{wide}", budget=63)  # starts from the last curve: no decision yet
+        batch = [*seqs, fresh]
+        assert policy.to_draft(batch) == (batch, [])  # not held (redecide 1): drafting wins
         assert len(reads) == (not wide) and bool(policy._pending) == wide
         if wide:
             policy.shape([_plan(_seq("c", budget=63), 9, confident=True)])  # c alone decides
