@@ -2,7 +2,8 @@
 `Adaptive`'s methods, the per-request state's and the cost model's (no profiler overhead;
 nested calls are counted in their callers too), the demo pair, 1k context, 128 new tokens,
 predictable and novel text at batch 1 and 8 (two warm generations, three timed), beside the
-step time of the fixed budget B=63 on the same engine build.
+step time of the fixed budget B=63 on the same engine build; and the garbage collector's
+pauses by generation (`gc0` … `gc2`) in both.
 
     PYTHONPATH=.:bench python experiments/adaptive_policy_us.py
     PYTHONPATH=.:bench python experiments/adaptive_policy_us.py --device cuda --dtype bfloat16
@@ -32,9 +33,10 @@ CALLS = {adaptive.Adaptive: ("to_draft", "draft_budgets", "shape", "observe_step
                              "book_pending", "skipped", "_shape", "_keep", "_skipping", "_rated",
                              "_cut", "observe", "ahead"),
          adaptive_state.State: ("take_curve", "book_verified", "take_verified", "_gain"),
-         engine.Engine: ("step", "_observe_cost", "_run"),
+         engine.Engine: ("step", "_observe_cost", "_run", "_draft_plan"),
          cost.StepPrices: ("__call__",)}
-FUNCTIONS = {adaptive: ("choose", "read_confidence"), postprocess: ("settle_trees",)}
+FUNCTIONS = {adaptive: ("choose", "read_confidence"),
+             postprocess: ("settle_trees", "commit_trees")}
 # the policy's own calls on the engine's path (the bookings run inside `_run`'s forward)
 POLICY = ("to_draft", "draft_budgets", "shape", "observe_step", "skipped", "_observe_cost")
 SECONDS: dict[str, float] = collections.defaultdict(float)
@@ -55,7 +57,23 @@ def _timed(owner, name: str, label: str) -> None:
     setattr(owner, name, call)
 
 
+class _Pauses:
+    """The garbage collector's pauses (gc.callbacks), as SECONDS["gc"] / COUNT["gc"]."""
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        else:
+            SECONDS[f"gc{info['generation']}"] += time.perf_counter() - self.t0
+            COUNT[f"gc{info['generation']}"] += 1
+
+
 def _instrument() -> None:
+    _Pauses()
     for cls, names in CALLS.items():
         for name in names:
             if hasattr(cls, name):  # older commits lack some
@@ -112,6 +130,8 @@ def main() -> None:
                   f"(B=63: {fixed['us_per_step']['step']:.0f} µs, {fixed['steps']} steps), "
                   f"policy on the path {policy:.0f} µs")
             print("    " + ", ".join(f"{k} {v:.0f}" for k, v in us.items() if k != "step"))
+            print("    B=63: " + ", ".join(f"{k} {v:.0f}" for k, v in fixed["us_per_step"].items()
+                                           if k[0] == "_" or "trees" in k or k[:2] == "gc"))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
