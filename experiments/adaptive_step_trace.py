@@ -4,8 +4,8 @@ verified, prefill chunks), to find where an adaptive step spends more than the f
 beyond the policy's own calls (experiments/adaptive_policy_us.py). Demo pair, 1k context,
 128 new tokens, three timed generations after two warm.
 
-    PYTHONPATH=.:bench python experiments/adaptive_step_trace.py --device cuda --dtype bfloat16 \
-        --batch 8 --text predictable --out /tmp/trace.json
+    PYTHONPATH=.:bench:experiments python experiments/adaptive_step_trace.py --device cuda \
+        --dtype bfloat16 --batch 8 --text predictable --out /tmp/trace.json
 """
 
 from __future__ import annotations
@@ -16,26 +16,14 @@ import json
 import statistics
 import time
 
+import adaptive_policy_us  # experiments/: its timers
 import bench_adaptive  # bench/: it builds the engines and the prompts
 
 from specserve.engine import engine, postprocess
 from specserve.types import SamplingParams
 
 PHASES = ("_run",)  # and _draft_plan, wrapped in main
-CURRENT: dict = {}
-
-
-def _timed(owner, name: str) -> None:
-    inner = getattr(owner, name)
-
-    def call(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            CURRENT[name] = CURRENT.get(name, 0.0) + (time.perf_counter() - t0) * 1e6
-
-    setattr(owner, name, call)
+CURRENT = adaptive_policy_us.SECONDS  # this step's seconds by phase
 
 
 def _steps(eng, prompts, params) -> list[dict]:
@@ -45,7 +33,7 @@ def _steps(eng, prompts, params) -> list[dict]:
         CURRENT.clear()
         t0 = time.perf_counter()
         got = step(self)
-        row = {k: round(v) for k, v in CURRENT.items()}
+        row = {k: round(v * 1e6) for k, v in CURRENT.items()}
         row["step"] = round((time.perf_counter() - t0) * 1e6)
         plans = getattr(self, "_last_plans", [])
         row["n"], row["asked"] = len(plans), sorted({p.budget for p in plans})
@@ -72,8 +60,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     for name in PHASES:
-        _timed(engine.Engine, name)
-    _timed(postprocess, "commit_trees")
+        adaptive_policy_us._timed(engine.Engine, name, name)
+    adaptive_policy_us._timed(postprocess, "commit_trees", "commit_trees")
     plan = engine.Engine._draft_plan
 
     def keep(self, work):  # the step's plans, for the trace
@@ -82,7 +70,7 @@ def main() -> None:
         return got
 
     engine.Engine._draft_plan = keep
-    _timed(engine.Engine, "_draft_plan")
+    adaptive_policy_us._timed(engine.Engine, "_draft_plan", "_draft_plan")
     engines, tok = bench_adaptive.build(bench_adaptive.parse(
         ["--batch", str(args.batch), "--device", args.device, "--dtype", args.dtype]))
     gc.collect()
