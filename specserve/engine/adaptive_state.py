@@ -197,9 +197,7 @@ def choose(rated: tuple | None, n: int, drafted: bool, margin: float, top: int,
     only by STAY (step times measured a few per cent apart are noise, not a reason to move)."""
     if rated is None:
         return top + 1, "unmeasured: the client's budget"
-    verify, draft = rated
-    rates = [(tokens / (t + (draft if rows > 1 or drafted else 0.0)), rows, tokens, t)
-             for rows, tokens, t in verify]
+    rates, draft = _rates(rated, drafted), rated[1]
     weight = {1: 1.0 / margin} if held is None else {held: STAY, 1: 1.0 / margin}
     rate, rows, tokens, t = max(rates, key=lambda r: (r[0] * weight.get(r[1], 1.0), r[1]))
     return rows, (f"step rows {rows}: {tokens / n:.2f} tok/step in {t * 1e3:.2f} ms "
@@ -211,10 +209,16 @@ def advantage(rated: tuple | None) -> float:
     rates; 0 while a shape is unmeasured)."""
     if rated is None:
         return 0.0
+    rates = _rates(rated, False)
+    return max((r[0] for r in rates if r[1] > 1), default=0.0) / rates[0][0]
+
+
+def _rates(rated: tuple, drafted: bool) -> list[tuple[float, int, float, float]]:
+    """(tokens/s, rows, tokens, verify seconds) of each rated rows, plain decoding's first;
+    `drafted`: the drafting is spent, so plain decoding's step carries it too."""
     verify, draft = rated
-    plain = next(tokens / t for rows, tokens, t in verify if rows == 1)
-    drafted = (tokens / (t + draft) for rows, tokens, t in verify if rows > 1)
-    return max(drafted, default=0.0) / plain
+    return [(tokens / (t + (draft if rows > 1 or drafted else 0.0)), rows, tokens, t)
+            for rows, tokens, t in verify]
 
 
 def drafting(states: list[State]) -> list:
