@@ -33,19 +33,56 @@ def test_tree_masks_gqa_and_windows_against_dense():
     for window in (None, 5):
         out = torch_ref_attention(q, k_pool, v_pool, batch, 0.3, window)
         for b in range(2):
-            n, c = q_lens[b], ctx[b]
-            pos = np.arange(c + n)
-            slots = [tables[b][p // page] * page + p % page for p in pos]
-            k = k_pool.view(-1, hkv, d)[slots].repeat_interleave(3, 1)
-            v = v_pool.view(-1, hkv, d)[slots].repeat_interleave(3, 1)
-            new = mask_to_dense(masks[b], n) if b == 0 else np.tril(np.ones((n, n), bool))
-            vis = torch.from_numpy(np.concatenate([np.ones((n, c), bool), new], 1))
-            if window is not None:
-                qp = torch.as_tensor(positions[sum(q_lens[:b]):sum(q_lens[:b + 1])])
-                kp = torch.cat([torch.arange(c), qp])
-                vis &= (qp[:, None] - kp[None]) < window
-            ref = _dense(q[sum(q_lens[:b]):sum(q_lens[:b + 1])], k, v, vis, 0.3)
-            torch.testing.assert_close(out[sum(q_lens[:b]):sum(q_lens[:b + 1])], ref)
+            rows = slice(sum(q_lens[:b]), sum(q_lens[:b + 1]))
+            ref = _dense_request(q, k_pool, v_pool, batch, tables[b], masks[b], b, 0.3, window)
+            torch.testing.assert_close(out[rows], ref)
+
+
+def _dense_request(q, k_pool, v_pool, batch, table, mask, b, scale, window=None):
+    """Request b's rows of the batch by hand: its slots, its dense mask, `_dense`."""
+    n, c, page = batch.q_lens[b], batch.ctx_lens[b], batch.page_size
+    hq, (hkv, d) = q.shape[1], k_pool.shape[2:]
+    rows = slice(sum(batch.q_lens[:b]), sum(batch.q_lens[:b + 1]))
+    slots = [table[p // page] * page + p % page for p in range(c + n)]
+    k = k_pool.view(-1, hkv, d)[slots].repeat_interleave(hq // hkv, 1)
+    v = v_pool.view(-1, hkv, d)[slots].repeat_interleave(hq // hkv, 1)
+    new = mask_to_dense(mask, n) if mask is not None else np.tril(np.ones((n, n), bool))
+    vis = torch.from_numpy(np.concatenate([np.ones((n, c), bool), new], 1))
+    if window is not None:
+        qp = batch.positions[rows]
+        kp = torch.cat([torch.arange(c), qp])
+        vis &= (qp[:, None] - kp[None]) < window
+    return _dense(q[rows], k, v, vis, scale)
+
+
+def test_requests_of_one_shape_batched_against_dense(monkeypatch):
+    """Five requests of one shape (different trees, pages), one causal of that shape, one of
+    another: groups of at most two run as batched calls, each request equal to the dense one."""
+    import specserve.attention.torch_ref as ref_mod
+
+    g, rng = torch.Generator().manual_seed(5), np.random.default_rng(5)
+    page, hkv, hq, d, n = 4, 2, 6, 8, 6
+    q_lens, ctx = [n] * 6 + [3], [9] * 6 + [14]
+    trees = [DraftTree(rng.integers(0, 50, 5), np.array([0, 1, p, 0, 4], dtype=np.int32),
+                       np.array([1, 2, p + 1, 1, 2], dtype=np.int32)) for p in (1, 2, 0, 1, 2)]
+    layouts = [verify_layout(t, 1, 9) for t in trees]
+    masks = [lay.mask for lay in layouts] + [None, None]
+    positions = np.concatenate([lay.positions for lay in layouts] + [np.arange(9, 15),
+                                                                     np.arange(14, 17)])
+    perm = rng.permutation(40).tolist()
+    tables = [perm[5 * b : 5 * b + 5] for b in range(7)]
+    batch = AttnBatch.build(q_lens, ctx, tables, positions, page, masks)
+    k_pool, v_pool = (torch.randn(40, page, hkv, d, generator=g, dtype=torch.float64)
+                      for _ in range(2))
+    q = torch.randn(sum(q_lens), hq, d, generator=g, dtype=torch.float64)
+    monkeypatch.setattr(ref_mod, "GROUP_SCORES", 3 * hq * n * (9 + n) - 1)
+    assert sorted(map(sorted, ref_mod.same_shapes(batch, None, hq))) == [
+        [0, 1], [2, 3], [4, 5], [6]]
+    out = torch_ref_attention(q, k_pool, v_pool, batch, 0.3)
+    for b in range(7):
+        rows = slice(sum(q_lens[:b]), sum(q_lens[:b + 1]))
+        ref = _dense_request(q, k_pool, v_pool, batch, tables[b], masks[b], b, 0.3)
+        torch.testing.assert_close(out[rows], ref)
 
 
 def test_causal_bits_match_tril():
