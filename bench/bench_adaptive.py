@@ -50,6 +50,11 @@ class Run:
     shapes: Counter = field(default_factory=Counter)
     lossless: bool = True  # every run's tokens equal plain decoding's
 
+    def add(self, tok_s: float, steps) -> None:
+        self.tok_s.append(tok_s)
+        self.commit.append(sum(s.commit_len for s in steps) / max(len(steps), 1))
+        self.shapes.update(s.shape for s in steps if s.shape)
+
 
 def prompts(tok: Tokenizer, text: str, n: int, ctx: int) -> list[list[int]]:
     """`n` prompts of `ctx` tokens: predictable (shifted), novel (disjoint slices) or mixed."""
@@ -110,24 +115,52 @@ def measure(engines, tok, args) -> list[dict]:
     for ctx in args.contexts:
         for text in args.texts:
             for n in args.batch:
-                batch = prompts(tok, text, n, ctx)
-                runs = {name: Run() for name, _, _ in variants(args)}
-                reference = None
-                for i in range(args.warm_rounds + args.repeats):
-                    for name, eng, budget in _rotated(variants(args), i):
-                        gc.collect()  # not inside the next variant's timing
-                        out, tok_s, steps = generate(engines[eng], batch, args.new_tokens, budget)
-                        reference = reference if reference is not None else out
-                        r = runs[name]
-                        r.lossless &= out == reference
-                        if i < args.warm_rounds:  # untimed: the batch's first pass
-                            continue
-                        r.tok_s.append(tok_s)
-                        r.commit.append(sum(s.commit_len for s in steps) / max(len(steps), 1))
-                        r.shapes.update(s.shape for s in steps if s.shape)
-                rows.append(summarise(ctx, text, n, runs))
+                runs, spreads, retaken = _rounds(engines, prompts(tok, text, n, ctx), args)
+                rows.append(summarise(ctx, text, n, runs)
+                            | {"host_spread": spreads, "retaken_rounds": retaken})
                 print(line(rows[-1]), flush=True)
     return rows
+
+
+def _rounds(engines, batch, args) -> tuple[dict[str, Run], list[float], int]:
+    """Every variant over `batch`: `--warm-rounds` untimed, then `--repeats` timed rounds (the
+    order rotated). The host's speed is probed before each run and after the round; with
+    `--steady-host X` a timed round whose probes spread more than X × is dropped and run again
+    (at most `--repeats` times). Returns the runs, each kept round's spread, the retakes."""
+    runs = {name: Run() for name, _, _ in variants(args)}
+    reference, spreads, retaken, i = None, [], 0, 0
+    while i < args.warm_rounds + args.repeats:
+        got, probes = {}, []
+        for name, eng, budget in _rotated(variants(args), i + retaken):
+            gc.collect()  # not inside the next variant's timing
+            probes.append(host_probe_us())
+            out, tok_s, steps = generate(engines[eng], batch, args.new_tokens, budget)
+            reference = reference if reference is not None else out
+            runs[name].lossless &= out == reference
+            got[name] = (tok_s, steps)
+        probes.append(host_probe_us())  # and after the round's last run
+        spread = max(probes) / min(probes)
+        timed = i >= args.warm_rounds  # else untimed: the batch's first pass
+        if timed and args.steady_host and spread > args.steady_host and retaken < args.repeats:
+            retaken += 1
+            continue
+        for name, (tok_s, steps) in got.items() if timed else ():
+            runs[name].add(tok_s, steps)
+        spreads += [round(spread, 3)] if timed else []
+        i += 1
+    return runs, spreads, retaken
+
+
+def host_probe_us() -> float:
+    """µs of a fixed pure-Python loop, the least of three: the host's own speed. On the device
+    machines it drifts by up to 1.9 × for seconds at a time, and a batch-8 step (host-bound)
+    follows it (experiments/adaptive_step_trace.py)."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        sum(i * i for i in range(20000))
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6
 
 
 def _rotated(items: list, i: int) -> list:
@@ -201,6 +234,9 @@ def parse(argv=None):
     ap.add_argument("--warm-rounds", type=int, default=1,
                     help="untimed rounds of every variant first (lossless still checked)")
     ap.add_argument("--chunk", type=int, default=2048, help="max-num-batched-tokens")
+    ap.add_argument("--steady-host", type=float, default=None, metavar="X",
+                    help="run a timed round again when the host's speed (a pure-Python probe "
+                         "before each run) spread more than X × within it, e.g. 1.15")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--redecide", type=int, default=None, metavar="N",
                     help="also an adaptive engine that weighs every shape each N steps (1: every "

@@ -46,9 +46,20 @@ def _steps(eng, prompts, params) -> list[dict]:
     try:
         for _ in range(3):
             eng.generate(prompts, params, budget=63)
+            out.append({"probe_us": _host_probe(), "prefill": True, "n": 0})
     finally:
         engine.Engine.step = step
     return out
+
+
+def _host_probe() -> float:
+    """µs of a fixed pure-Python loop (min of 5): whether the host itself got slower."""
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        sum(i * i for i in range(20000))
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1e6, 1)
 
 
 def main() -> None:
@@ -58,6 +69,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--text", default="predictable")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--order", default="fixed,adaptive,fixed,adaptive",
+                    help="the engines' passes, in order")
     args = ap.parse_args()
     for name in PHASES:
         adaptive_policy_us._timed(engine.Engine, name, name)
@@ -77,18 +90,21 @@ def main() -> None:
     gc.freeze()
     prompts = bench_adaptive.prompts(tok, args.text, args.batch, 1024)
     params, rows = SamplingParams(max_tokens=128, ignore_eos=True), []
-    for name in ("fixed", "adaptive", "fixed", "adaptive"):
+    for name in args.order.split(","):
         for _ in range(2):
             engines[name].generate(prompts, params, budget=63)
         rows.append((name, _steps(engines[name], prompts, params)))
     for name, steps in rows:
-        decode = [s for s in steps if not s["prefill"]]
+        decode = [s for s in steps if not s["prefill"] and s["n"]]
         med = {k: statistics.median(s.get(k, 0) for s in decode)
                for k in ("step", "_draft_plan", "_run", "commit_trees")}
         print(f"{name}: {len(decode)} decode steps, medians {med}")
         for s in sorted(decode, key=lambda s: -s["step"])[:6]:
             print("   slow:", s)
-        print("   first 12:", [(s["step"], s["n"], s["asked"], s["nodes"]) for s in steps[:12]])
+        print("   first 12:", [(s["step"], s["n"], s["asked"], s["nodes"])
+                                 for s in steps[:12] if "asked" in s])
+        print("   host probe µs after each generation:",
+              [s["probe_us"] for s in steps if "probe_us" in s])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f)

@@ -113,3 +113,31 @@ def test_the_ab_report_refuses_other_files_and_marks_missing_cells(tmp_path):
     (tmp_path / "adaptive_demo.json").write_text(json.dumps(rows()))
     with pytest.raises(ValueError, match="not named"):
         report.load([str(tmp_path / "adaptive_demo.json")])
+
+
+def test_a_round_the_host_slowed_in_is_run_again(monkeypatch):
+    """`--steady-host 1.15`: a timed round whose host probes spread more than 1.15 × is dropped
+    and run again; the warm round is never retaken; the kept rounds' spreads are reported."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_adaptive as ba
+
+    args = ba.parse(["--budgets", "3", "--repeats", "2", "--steady-host", "1.15"])
+    assert len(ba.variants(args)) == 4  # AR, the chain, B=3, adaptive: 5 probes a round
+    probes = iter([100, 210, 100, 100, 100,  # the warm round: spread, but untimed
+                   100, 100, 100, 100, 100,  # kept
+                   100, 100, 130, 100, 100,  # 1.3 ×: dropped, run again
+                   101, 100, 100, 100, 100])  # kept
+    monkeypatch.setattr(ba, "host_probe_us", lambda: next(probes))
+    calls = []
+
+    def fake_generate(engine, batch, new, budget):
+        calls.append(engine)
+        return [[7, 3]], float(len(calls)), []
+
+    monkeypatch.setattr(ba, "generate", fake_generate)
+    runs, spreads, retaken = ba._rounds({"fixed": "F", "chain": "C", "adaptive": "A"}, [[5]],
+                                        args)
+    assert retaken == 1 and spreads == [1.0, 1.01] and len(calls) == 16
+    kept = sorted(x for r in runs.values() for x in r.tok_s)
+    assert kept == [5, 6, 7, 8, 13, 14, 15, 16]  # the dropped round's runs (9–12) left out
+    assert all(r.lossless for r in runs.values())
