@@ -297,8 +297,10 @@ class Adaptive:
         return p.tree.n < p.budget and len(accepted_rows) >= p.tree.max_depth if held else None
 
     def book_pending(self) -> None:
-        """Book what verified trees left (`observe_step`): the calibrations move."""
+        """Book what verified trees left (`observe_step`) and the last step's times (the
+        engine's deferred cost sample): the calibrations and the cost model move."""
         for st, args in self._pending:
             st.book_verified(*args)
         self._moved += len(self._pending)
         self._pending.clear()
+        self.cost.book_pending()

@@ -65,6 +65,7 @@ class CostModel:
     _seen: int = 0
     epoch: int = 0  # bumped whenever the memo is dropped: callers may cache on it
     graph_builds: int = 0  # the runner's CUDA graph builds when a step was last observed
+    pending: tuple | None = None  # a step `observe_step(defer=True)` left to `book_pending`
 
     def observe_verify(self, n: int, rows: int, ctx: int, seconds: float) -> None:
         key = (batch_bucket(n), rows, context_class(ctx))
@@ -74,11 +75,20 @@ class CostModel:
             self.epoch += 1
         _add(self.verify, key, seconds)
 
+    def book_pending(self) -> None:
+        """Book the step `observe_step(defer=True)` left (the engine: in the next forward's
+        wait for the GPU, off the step's path)."""
+        if self.pending is not None:
+            args, self.pending = self.pending, None
+            observe_step(self, *args)
+
     def clear(self, verify: bool = True, draft: bool = True) -> None:
-        """Forget the measured times (callers caching on `epoch` see it move)."""
+        """Forget the measured times, a step's not yet booked too (callers caching on `epoch`
+        see it move)."""
         for table, chosen in ((self.verify, verify), (self.draft, draft)):
             if chosen:
                 table.clear()
+        self.pending = None
         self._memo.clear()
         self.epoch += 1
 
@@ -157,7 +167,7 @@ class StepPrices:
 
 
 def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: float | None,
-                 draft_rows: int, graph_builds: int = 0) -> None:
+                 draft_rows: int, graph_builds: int = 0, defer: bool = False) -> None:
     """Book one decode-only engine step: its `plans` (engine.speculative.Planned), the rows
     each tree occupied (0: each its own), the verify + commit seconds, and the drafting
     seconds (None: not the step's own, as with overlap) with the context rows it carried. A
@@ -166,7 +176,11 @@ def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: fl
     context, fed to the drafter during the prefill, is taken in then). A step that built a
     CUDA graph (the runner's count of builds, `graph_builds`, moved since the last step) timed
     the capture: nothing is booked (a shape booked once at its capture's cost was never chosen
-    again, so never measured)."""
+    again, so never measured). `defer`: kept for `CostModel.book_pending`."""
+    if defer:
+        cost.book_pending()
+        cost.pending = (plans, rows, verify_s, draft_s, draft_rows, graph_builds)
+        return
     if graph_builds != cost.graph_builds:
         cost.graph_builds = graph_builds
         return

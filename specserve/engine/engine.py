@@ -242,13 +242,13 @@ class Engine:
 
     def _observe_cost(self, batch, draft_s: float, span: int) -> None:
         """Book a decode-only step's times in the cost model (a prefill chunk's would not say
-        what a tree costs)."""
+        what a tree costs) — in the next forward's wait, with the policy's bookings."""
         if self.adaptive is None or batch.chunks or not batch.plans or self.last_step is None:
             return
         t = self.last_step
         observe_step(self.cost, batch.plans, span, (t.end_ns - t.draft_end_ns) / 1e9,
                      None if self.config.overlap else draft_s, self._draft_rows,
-                     getattr(self.runner.graphs, "builds", 0))
+                     getattr(self.runner.graphs, "builds", 0), defer=True)
 
     def commit_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append generated tokens (stopping at the first that ends the request); its output."""

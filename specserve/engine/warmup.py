@@ -145,6 +145,7 @@ def _run_requests(engine, prompts: list[list[int]], params: SamplingParams,
     finally:
         for rid in ids:
             engine.abort(rid)
+        engine.cost.book_pending()  # the last step's times (the engine books them late)
 
 
 def _batch_buckets(max_num_seqs: int) -> list[int]:

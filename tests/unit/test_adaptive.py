@@ -191,6 +191,22 @@ def test_a_requests_first_tree_is_not_a_steady_draft_and_a_new_draft_time_is_rea
     assert not empty[0].first and empty[0].seq.drafts == 0  # no tree: not a first one
 
 
+def test_a_deferred_step_is_booked_by_the_next_forwards_bookings_or_dropped_by_clear():
+    """The engine books a step's times late (`defer`): the policy's bookings, run while the
+    next forward is on the GPU, book them; a cleared cost model forgets them too."""
+    drafter, cost = RandomDDTreeDrafter(50, depth=4, seed=3), CostModel()
+    policy = Adaptive(cost, lambda rows: rows)
+    plans, _ = speculative.plan([_seq("a", budget=15, start=77)], drafter, 4096, 50)
+    observe_step(cost, plans, 16, 2.5e-3, None, draft_rows=1, defer=True)
+    assert not cost.verify and cost.pending is not None
+    policy.book_pending()
+    assert cost.pending is None and [s.value for s in cost.verify.values()] == [2.5e-3]
+    observe_step(cost, plans, 16, 3.5e-3, None, draft_rows=1, defer=True)
+    cost.clear()
+    policy.book_pending()
+    assert not cost.verify and cost.pending is None
+
+
 def _seq(rid: str, budget: int, start: int = 40) -> Sequence:
     seq = Sequence(request_id=rid, prompt_ids=list(range(1, start + 1)),
                    params=SamplingParams(max_tokens=64), stop_ids=frozenset(), max_len=4096,
@@ -776,6 +792,9 @@ def test_a_step_that_builds_a_cuda_graph_is_not_booked(tiny_target, make_engine)
         before = (graphs.builds, engine.cost.table())
         engine.step()
         if engine.last_step is not None and not engine.last_step.prefill:  # a decode step
+            # its times wait for the next forward's wait on the GPU: booked here instead
+            assert engine.cost.pending is not None and engine.cost.table() == before[1]
+            engine.cost.book_pending()
             booked.append((graphs.builds > before[0], engine.cost.table() != before[1]))
     assert (True, False) in booked and (False, True) in booked  # both kinds of step happened
     assert (True, True) not in booked  # a step that built a graph booked nothing
