@@ -197,7 +197,9 @@ def line(row: dict) -> str:
             f"{row['adaptive_vs_best_paired']:.3f}, "
             f"{'–'.join(f'{x:.2f}' for x in row['adaptive_vs_best_paired_range'])}), /AR "
             f"{row['adaptive_vs_ar']:.3f}, tree/chain {row['best_tree_vs_chain']:.3f}, lossless "
-            f"{'yes' if row['lossless'] else _differ(row)}, shapes {row['adaptive_shapes']}")
+            f"{'yes' if row['lossless'] else _differ(row)}, shapes {row['adaptive_shapes']}, "
+            f"host spread ≤ {max(row['host_spread'], default=1):.2f} "
+            f"({row['retaken_rounds']} rounds run again)")
 
 
 def _differ(row: dict) -> str:
