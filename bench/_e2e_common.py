@@ -231,3 +231,15 @@ class Bench:
             tmp = path.with_name(path.name + f".tmp{os.getpid()}")
             tmp.write_text(text)
             tmp.replace(path)
+
+
+def host_probe_us() -> float:
+    """µs of a fixed pure-Python loop, the least of three: the host's own speed. On the device
+    machines it drifts by up to 1.9 × for seconds at a time, and a batch-8 step (host-bound)
+    follows it (BENCHMARKS.md, "Adaptive: the device host's own speed drifts …")."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        sum(i * i for i in range(20000))
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6

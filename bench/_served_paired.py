@@ -5,14 +5,17 @@ a drift of the machine between the two (clocks, other tenants of the host) lands
 Here the in-process engine and the services are alive together and each batch-1 case runs N
 rounds, each round one request in process and one served, the order alternating (ABBA …):
 a round's ratio compares two requests a second apart. Reported per case: every round's
-steady p50 both ways and its ratio, the median ratio and its range, and the ratio of the
-pooled steps' medians. Benchmark-only code.
+steady p50 both ways and its ratio, the median ratio and its range, the ratio of the
+pooled steps' medians, and how far the host's own speed moved within each round (a pure-Python
+probe before each request and after the round: a round it moved in compares two hosts).
+Benchmark-only code.
 """
 
 from __future__ import annotations
 
 import statistics
 
+from _e2e_common import host_probe_us
 from _served_run import Services, in_process, served, steady_steps, summary
 
 
@@ -24,13 +27,18 @@ def paired(engine, svc: Services, cases, new_tokens: int, budget: int, rounds: i
     for case, ctx, prompts, late in cases:
         if len(prompts) != 1 or late:
             continue
-        got = {"in-process": [], "served": []}
+        got, hosts = {"in-process": [], "served": []}, []
         for i in range(rounds):
+            probes = []
             for path in abba(("in-process", "served"), i):
+                probes.append(host_probe_us())
                 got[path].append(_one(path, engine, svc, prompts, new_tokens, budget))
-        row = _row(case, ctx, got, rounds)
+            probes.append(host_probe_us())  # and after the round
+            hosts.append(round(max(probes) / min(probes), 3))
+        row = _row(case, ctx, got, rounds) | {"host_spreads": hosts}
         log(f"paired {case}: ratio median {row['ratio_median']:.3f} "
-            f"[{row['ratio_min']:.3f}, {row['ratio_max']:.3f}] pooled {row['ratio_pooled']:.3f}")
+            f"[{row['ratio_min']:.3f}, {row['ratio_max']:.3f}] pooled {row['ratio_pooled']:.3f}"
+            f", host spread ≤ {max(hosts):.2f}")
         out.append(row)
     return out
 

@@ -50,12 +50,13 @@ def table(rows: list[dict]) -> str:
 
 def paired_table(rows: list[dict]) -> str:
     head = (f"{'case':<8} {'rounds':>6} {'in-process p50 ms':>18} {'served p50 ms':>14} "
-            f"{'ratio median [min, max]':>24} {'pooled':>7}")
+            f"{'ratio median [min, max]':>24} {'pooled':>7} {'host moved':>10}")
     lines = ["steady step, in process and served interleaved (--paired)", head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['case']:<8} {r['rounds']:>6} {r['in_process_pooled_p50_ms']:18.2f} "
                      f"{r['served_pooled_p50_ms']:14.2f} {r['ratio_median']:8.3f} "
-                     f"[{r['ratio_min']:.3f}, {r['ratio_max']:.3f}] {r['ratio_pooled']:7.3f}")
+                     f"[{r['ratio_min']:.3f}, {r['ratio_max']:.3f}] {r['ratio_pooled']:7.3f} "
+                     f"{max(r.get('host_spreads') or [1]):9.2f}x")
     return "\n".join(lines)
 
 

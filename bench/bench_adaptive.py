@@ -32,6 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from _e2e_common import host_probe_us  # bench/, beside this script
 
 from specserve.config import EngineConfig
 from specserve.demo.evaluate import novel_ids, predictable_ids
@@ -149,18 +150,6 @@ def _rounds(engines, batch, args) -> tuple[dict[str, Run], list[float], int]:
         spreads += [round(spread, 3)] if timed else []
         i += 1
     return runs, spreads, retaken
-
-
-def host_probe_us() -> float:
-    """µs of a fixed pure-Python loop, the least of three: the host's own speed. On the device
-    machines it drifts by up to 1.9 × for seconds at a time, and a batch-8 step (host-bound)
-    follows it (experiments/adaptive_step_trace.py)."""
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        sum(i * i for i in range(20000))
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e6
 
 
 def _rotated(items: list, i: int) -> list:

@@ -154,6 +154,7 @@ def test_bench_served_tiny(tmp_path):
     assert [p["case"] for p in data["paired"]] == ["48 x1", "130 x1"]  # batch 1 only
     for p in data["paired"]:
         assert len(p["in_process_p50_ms"]) == len(p["served_p50_ms"]) == 3 == p["rounds"]
+        assert len(p["host_spreads"]) == 3 and all(x >= 1 for x in p["host_spreads"])
         for r, s, i in zip(p["ratios"], p["served_p50_ms"], p["in_process_p50_ms"],
                            strict=True):  # each round: served over in process, same round
             assert abs(r - s / i) < 1e-3 * r
