@@ -781,6 +781,26 @@ def test_warm_up_times_every_tree_of_every_batch_bucket(tiny_target, make_engine
     assert engine.blocks.num_used_pages == 0
 
 
+def test_the_engine_books_a_steps_times_during_the_next_forward(tiny_target, make_engine):
+    """Off the step's path: a decode step leaves its times pending; the next step's forward
+    books them (while the GPU would verify), and leaves its own pending."""
+    path, vocab = tiny_target
+    engine = make_engine(path, max_draft_tokens=7, adaptive=True)
+    engine.set_drafter(RandomDDTreeDrafter(vocab, depth=3, seed=4))
+    engine.add_request("d", random_prompts(1, vocab, [29], seed=5)[0],
+                       SamplingParams(max_tokens=20, ignore_eos=True), budget=7)
+    pending = []
+    while engine.has_unfinished and len(pending) < 3:
+        engine.step()
+        if engine.last_step is not None and not engine.last_step.prefill:
+            pending.append((engine.cost.pending, sum(len(s.recent)
+                                                     for s in engine.cost.verify.values())))
+    assert all(p is not None for p, _ in pending)  # each decode step's own, not yet booked
+    assert len({id(p) for p, _ in pending}) == 3  # a new one each step
+    assert [n for _, n in pending] == [0, 1, 2]  # the one before it booked by its forward
+    engine.abort("d")
+
+
 def test_a_step_that_builds_a_cuda_graph_is_not_booked(tiny_target, make_engine):
     path, vocab = tiny_target
     engine = make_engine(path, max_draft_tokens=7, adaptive=True, cuda_graphs="on")
