@@ -233,12 +233,12 @@ class Bench:
             tmp.replace(path)
 
 
-def host_probe_us() -> float:
-    """µs of a fixed pure-Python loop, the least of three: the host's own speed. On the device
-    machines it drifts by up to 1.9 × for seconds at a time, and a batch-8 step (host-bound)
-    follows it (BENCHMARKS.md, "Adaptive: the device host's own speed drifts …")."""
+def host_probe_us(repeats: int = 3) -> float:
+    """µs of a fixed pure-Python loop, the least of `repeats`: the host's own speed. On the
+    device machines it drifts by up to 1.9 × for seconds at a time, and a batch-8 step
+    (host-bound) follows it (BENCHMARKS.md, "Adaptive: the device host's own speed drifts …")."""
     best = float("inf")
-    for _ in range(3):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         sum(i * i for i in range(20000))
         best = min(best, time.perf_counter() - t0)

@@ -18,6 +18,7 @@ import time
 
 import adaptive_policy_us  # experiments/: its timers
 import bench_adaptive  # bench/: it builds the engines and the prompts
+from _e2e_common import host_probe_us  # bench/: the host's own speed
 
 from specserve.engine import engine, postprocess
 from specserve.types import SamplingParams
@@ -46,20 +47,10 @@ def _steps(eng, prompts, params) -> list[dict]:
     try:
         for _ in range(3):
             eng.generate(prompts, params, budget=63)
-            out.append({"probe_us": _host_probe(), "prefill": True, "n": 0})
+            out.append({"probe_us": round(host_probe_us(5), 1), "prefill": True, "n": 0})
     finally:
         engine.Engine.step = step
     return out
-
-
-def _host_probe() -> float:
-    """µs of a fixed pure-Python loop (min of 5): whether the host itself got slower."""
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        sum(i * i for i in range(20000))
-        best = min(best, time.perf_counter() - t0)
-    return round(best * 1e6, 1)
 
 
 def main() -> None:
