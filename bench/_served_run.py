@@ -176,6 +176,8 @@ class Services:
 
     def __init__(self, tmp: Path, env: dict | None = None) -> None:
         self.tmp, self.procs, self.ports = tmp, {}, {}
+        self._names: list[str] = []  # started, not waited for yet
+        self._files: dict[str, Path] = {}  # their port files
         self.env = {**os.environ, "GRPC_VERBOSITY": "ERROR", "PYTHONUNBUFFERED": "1",
                     **(env or {})}
         self.env.pop("TRITON_INTERPRET", None)
@@ -189,8 +191,8 @@ class Services:
                 [sys.executable, "-m", f"services.{name}", "--host", "127.0.0.1", "--port", "0",
                  "--port-file", str(port_file), "--metrics-port", "0", *flags],
                 stdout=log, stderr=subprocess.STDOUT, env={**self.env, **(env or {})}, cwd=ROOT)
-        self._names = getattr(self, "_names", []) + [name]
-        self._files = getattr(self, "_files", {}) | {name: port_file}
+        self._names.append(name)
+        self._files[name] = port_file
 
     def wait(self, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s

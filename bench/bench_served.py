@@ -23,6 +23,7 @@ bytes / copy bandwidth); writes JSON after every row.
     python3 bench/bench_served.py --device cpu --model checkpoints/demo-target \
         --draft-model checkpoints/demo-drafter --kv-memory-gb 1 --chunk 2048   # CPU, demo pair
     python3 bench/bench_served.py --variants auto --batch8-contexts= --paired 6  # drift-free ratio
+    python3 bench/bench_served.py --variants auto --apart --kv-memory-gb 20  # 128k on an H100
     python3 bench/bench_served.py --variants auto,auto:--adaptive=on --paired-variants 6  # A/B
 """
 
@@ -86,7 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "case in process and served, interleaved (the steady-step ratio without drift)")
     add("--paired-variants", type=int, default=0, metavar="N", help="also N rounds of every "
         "case through the first and the last --variants' services, interleaved")
+    add("--apart", action="store_true", help="start the services only once the in-process "
+        "engine is done and freed (one engine's memory at a time: two 8B engines at 128k do "
+        "not fit an 80-GB GPU); not with --paired")
     args = ap.parse_args(argv)
+    if args.apart and args.paired:
+        ap.error("--apart keeps one engine at a time; --paired needs both at once")
     variants = args.variants.split(",")
     if args.paired_variants and (len(variants) < 2 or variants[0] == variants[-1]):
         ap.error(f"--paired-variants needs two different --variants, got {args.variants!r}")
@@ -192,7 +198,8 @@ def measure(args, results: dict, svc: Services) -> None:
     results["ceilings"] = ceilings(args.device, args.tiny)
     log(f"ceilings {results['ceilings']}")
     variants = args.variants.split(",")
-    start_services(args, svc, variants[0])
+    if not args.apart:  # the services warm up beside the in-process engine
+        start_services(args, svc, variants[0])
     vcfg = VerifierConfig(args.model, device=args.device, draft_model=args.draft_model,
                           kv_memory_gb=args.kv_memory_gb, max_num_batched_tokens=args.chunk,
                           default_budget=args.budget, drafter="in-process")
@@ -211,10 +218,11 @@ def measure(args, results: dict, svc: Services) -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     for i, variant in enumerate(variants):
-        if i:
+        if i or args.apart:
             svc.close()
             start_services(args, svc, variant)
             svc.wait()
+            log(f"services up: {variant}")
         run_served(args, results, svc, variant, cases)
     if args.paired_variants:
         results["paired_variants"] = paired_variants(args, svc, variants, cases, log)

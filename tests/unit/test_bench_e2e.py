@@ -191,6 +191,27 @@ def test_bench_served_tiny(tmp_path):
     assert {"draft_wait", "drafter_work", "engine_step"} <= set(served[-1]["profile_ms"])
 
 
+def test_bench_served_apart_starts_the_services_after_the_engine(tmp_path):
+    """`--apart`: the services start only once the in-process rows are done (one engine's
+    memory at a time); both paths still run every case. With `--paired` it is refused."""
+    out, cmd = tmp_path / "served.json", [sys.executable, str(BENCH / "bench_served.py"),
+                                          "--tiny", "--ckpt-dir", str(tmp_path / "pair")]
+    proc = subprocess.run([*cmd, "--contexts", "37", "--batch8-contexts", "", "--new-tokens",
+                           "5", "--variants", "auto", "--apart", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    done = max(i for i, line in enumerate(lines) if "] in-process 37 x1:" in line)
+    up = min(i for i, line in enumerate(lines) if "] services up: auto" in line)
+    assert done < up
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["path"] for r in rows] == ["in-process", "served auto"]
+    assert all(r["summary"]["steps"] == 4 for r in rows)
+    bad = subprocess.run([*cmd, "--apart", "--paired", "2"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--apart" in bad.stderr
+
+
 def test_bench_served_runs_two_variants_interleaved(tmp_path):
     """`--paired-variants 2`: the first and the last variant's services alive together, every
     case run in alternating rounds through each; each round's ratio is its own tok/s, last over
