@@ -10,6 +10,7 @@ Verify rows: row 0 is the root (the bonus token of the previous round), row i + 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -142,14 +143,29 @@ def check_trees(sizes: Sequence[int], token_ids: np.ndarray, parents: np.ndarray
             raise ValueError(f"{name} must hold {total} nodes, got {arr.shape[0]}")
     ends = np.cumsum(np.asarray(sizes, dtype=np.int64))  # [T]
     starts = ends - np.asarray(sizes, dtype=np.int64)  # [T]
-    failed = (np.ones(len(ends), dtype=bool) if len(ends) <= 2
-              else _failed_trees(sizes, starts, token_ids, parents, depths, scores))  # [T]
+    few = len(ends) <= 2  # each checked alone, in Python: less than the pass's fixed cost
+    failed = None if few else _failed_trees(sizes, starts, token_ids, parents, depths, scores)
     out: list[DraftTree | str] = []
     for j, (a, b) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
         parts = (token_ids[a:b], parents[a:b], depths[a:b],
                  None if scores is None else scores[a:b])
-        out.append(_checked(*parts) if failed[j] else DraftTree.unchecked(*parts))
+        bad = not _valid_alone(*parts) if few else failed[j]
+        out.append(_checked(*parts) if bad else DraftTree.unchecked(*parts))
     return out
+
+
+def _valid_alone(token_ids, parents, depths, scores) -> bool:
+    """Whether one tree (checked-dtype 1-D arrays) holds DraftTree's invariants, node by node
+    over host lists: for a step's tree or two, cheaper than DraftTree's numpy checks."""
+    row_depths, seen = [0], set()  # depth by verify row (the root's is 0); (parent, token)
+    for i, (tok, par, dep) in enumerate(zip(token_ids.tolist(), parents.tolist(),
+                                            depths.tolist(), strict=True)):
+        if not (0 <= tok < 1 << 32 and 0 <= par <= i and dep == row_depths[par] + 1
+                and (par, tok) not in seen):
+            return False
+        row_depths.append(dep)
+        seen.add((par, tok))
+    return scores is None or all(math.isfinite(x) and x <= 0 for x in scores.tolist())
 
 
 def _failed_trees(sizes, starts, token_ids, parents, depths, scores) -> np.ndarray:  # [T] bool

@@ -197,6 +197,30 @@ def test_trees_checked_together_fail_alone_with_their_own_message(tokens, parent
             assert (a is None and b is None) or np.array_equal(a, b), field
 
 
+@pytest.mark.parametrize("tokens, parents, depths, msg",
+                         [case for case in INVALID if case[3] != "equal lengths"])
+@pytest.mark.parametrize("with_scores", [False, True])
+def test_one_or_two_trees_are_checked_alone_with_the_same_verdicts(tokens, parents, depths,
+                                                                   msg, with_scores):
+    """A reply of one or two trees (a batch-1 step's) is checked tree by tree in Python: the
+    same verdict and message as DraftTree's own, the good tree beside it returned equal."""
+    rng = np.random.default_rng(len(tokens) + 11)
+    odd = DraftTree.unchecked(np.array(tokens, dtype=np.int64),
+                              np.array(parents, dtype=np.int32),
+                              np.array(depths, dtype=np.int32))
+    good = random_tree(rng, 13, vocab=300)
+    for t in (odd, good):
+        object.__setattr__(t, "scores", -np.cumsum(rng.random(t.n)).astype(np.float32)
+                           if with_scores else None)
+    for trees in ([odd], [good, odd]):
+        got = check_trees(*flat(trees, with_scores))
+        assert got[-1] == _message(odd) if msg else isinstance(got[-1], DraftTree)
+        if len(trees) == 2:
+            assert isinstance(got[0], DraftTree)
+            assert np.array_equal(got[0].token_ids, good.token_ids)
+            assert np.array_equal(got[0].parents, good.parents)
+
+
 def _message(t: DraftTree) -> str:
     try:
         DraftTree(t.token_ids, t.parents, t.depths, t.scores)
