@@ -30,17 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
-
-from _served_models import BODY_8B, TAPS_8B, TINY, write_pair  # noqa: E402
-from _served_run import build_engine  # noqa: E402
-from bench_served import TEXT  # noqa: E402
+from _served_models import BODY_8B, TAPS_8B, TINY, write_pair
+from _served_run import build_engine
+from bench_served import TEXT
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,7 +1,8 @@
 """The CPU-runnable parts of the experiments/ diagnostics, run as their docstrings say
 (PYTHONPATH=.:bench: the repo's packages and bench/'s helpers by their bare names): the plot of
 the committed H200 result, diag_knobs' variant parser, diag_dflash_step / diag_draft_batch on
-the tiny CPU model, and diag_fused_merge's sm_90 cross-compile check.
+the tiny CPU model, diag_fused_merge's sm_90 cross-compile check, overlap_bound's prices (and
+its run on the tiny pair) and predraft_quality's arithmetic.
 """
 
 from __future__ import annotations
@@ -161,3 +162,60 @@ def test_diag_burst_tiny(tmp_path):
         assert len(steps) == 3 and sum(s["prefill_tokens"] for s in steps) == 3 * b["ctx"]
         assert all(s["ms"] > 0 and s["verify_ms"] > 0 for s in steps)
         assert steps[-1]["prefill_tokens"] == 0 and steps[-1]["tree_ms"] > 0
+
+
+def _import_experiment(name: str):
+    sys.path[:0] = [str(EXPERIMENTS), str(BENCH)]  # as PYTHONPATH=.:bench gives the script
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+        sys.path.remove(str(BENCH))
+
+
+def test_overlap_bound_prices_the_two_overlaps_from_step_parts(tmp_path):
+    """experiments/overlap_bound.py: alternating groups get (V(B) + D(B)) / (2 · max(V(B/2),
+    D(B/2))), drafts made ahead (V + D) / V (hand-computed here); on the tiny CPU pair every
+    batch's steady steps are split into V + D and an odd batch has no halved price."""
+    bounds = _import_experiment("overlap_bound").bounds
+    got = {r["batch"]: r for r in bounds({1: dict(verify_ms=6.0, draft_ms=2.0),
+                                          2: dict(verify_ms=6.5, draft_ms=2.5),
+                                          3: dict(verify_ms=7.0, draft_ms=7.5)})}
+    assert got[1]["alternation_bound"] is None and got[1]["predraft_bound"] == 8.0 / 6.0
+    assert got[2]["serial_ms"] == 9.0 and got[2]["alternation_bound"] == 9.0 / 12.0
+    assert got[2]["predraft_bound"] == 9.0 / 6.5 and got[3]["alternation_bound"] is None
+    out = tmp_path / "ob.json"
+    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "overlap_bound.py"), "--tiny",
+                           "--contexts", "37", "--batches", "1,2", "--new-tokens", "22",
+                           "--out", str(out)], cwd=tmp_path, env=experiments_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["ctx"], r["batch"]) for r in rows] == [(37, 1), (37, 2)]
+    for r in rows:
+        assert r["steps"] >= 4 and r["verify_ms"] > 0 and r["draft_ms"] > 0
+        assert abs(r["serial_ms"] - r["verify_ms"] - r["draft_ms"]) < 1e-9
+    assert rows[1]["alternation_bound"] > 0 and "alternation <=" in proc.stdout
+
+
+def test_predraft_quality_ranks_outcomes_and_prices_hits():
+    """experiments/predraft_quality.py's arithmetic: an outcome (k accepted, bonus b) ranks by
+    P(first k drafted tokens) · P(b at k + 1), b never the drafted token; all accepted cannot
+    be guessed; a hit costs V, a miss V + D, each step advancing by its draft's acceptance."""
+    import torch
+
+    pq = _import_experiment("predraft_quality")
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.4, 0.1]])  # [2 positions, 3 tokens]
+    logits = probs.log()
+    # (0, 1): 0.2; (0, 2): 0.1; (1, 1): 0.7 · 0.4 = 0.28; (1, 2): 0.07
+    assert pq.outcome_rank(logits, 1, 1) == 0
+    assert pq.outcome_rank(logits, 0, 1) == 1
+    assert pq.outcome_rank(logits, 0, 2) == 2 and pq.outcome_rank(logits, 1, 2) == 3
+    assert pq.outcome_rank(logits, 2, 0) is None  # every drafted token accepted
+    steps = [dict(serial=3, ahead=1, rank=0), dict(serial=5, ahead=2, rank=3),
+             dict(serial=4, ahead=4, rank=None)]
+    one = pq.price(steps, 1, v=6.0, d=2.0)  # a hit (1 + 1 tokens in 6) and two misses
+    serial = (4 + 6 + 5) / (3 * 8.0)
+    assert one["hit_rate"] == 1 / 3 and abs(one["ratio"] - (2 + 6 + 5) / 22.0 / serial) < 1e-12
+    four = pq.price(steps, 4, v=6.0, d=2.0)
+    assert abs(four["ratio"] - (2 + 3 + 5) / 20.0 / serial) < 1e-12
