@@ -127,8 +127,8 @@ class VerifierConfig:
     overlap: str = _switch(
         "--overlap", "SPECSERVE_OVERLAP",
         "on: speculating requests form two groups that take turns, the drafter drafting one "
-        "while the target verifies the other (lossless; pays when drafting does not slow the "
-        "verify, BENCHMARKS.md) | off", default="off")
+        "while the target verifies the other (lossless; pays only when drafting costs about "
+        "as much as verifying, not with DFlash: docs/deploy.md) | off", default="off")
     draft_ahead: str = _switch(
         "--draft-ahead", "SPECSERVE_DRAFT_AHEAD",
         "on: each step's next drafts are sent as soon as its acceptance is known, so the "
