@@ -131,7 +131,7 @@ def workload(args, target: str) -> list[tuple[str, int, list[list[int]], int]]:
         cases.append((_k(ctx), ctx, 8))
 
     def prompt(i: int, ctx: int) -> list[int]:  # request i starts i tokens into the text
-        return ((base[i:] + base) * (ctx // len(base) + 2))[:ctx]
+        return shifted_prompt(base, i, ctx)
 
     out = [(f"{label} x{batch}", ctx, [prompt(i, ctx) for i in range(batch)], 0)
            for label, ctx, batch in cases]
@@ -140,6 +140,11 @@ def workload(args, target: str) -> list[tuple[str, int, list[list[int]], int]]:
         out.append((f"{_k(ctx)} into 7x{_k(short)}", ctx,
                     [prompt(i, short) for i in range(7)] + [prompt(7, ctx)], 1))
     return out
+
+
+def shifted_prompt(base: list[int], i: int, ctx: int) -> list[int]:
+    """`ctx` tokens of `base` repeated, request i starting i tokens into it."""
+    return ((base[i:] + base) * (ctx // len(base) + 2))[:ctx]
 
 
 def _k(ctx: int) -> str:

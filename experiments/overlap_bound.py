@@ -36,7 +36,7 @@ from pathlib import Path
 
 from _served_models import BODY_8B, TAPS_8B, TINY, write_pair
 from _served_run import build_engine
-from bench_served import TEXT
+from bench_served import TEXT, shifted_prompt
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -110,11 +110,11 @@ def main(argv=None) -> int:
     base = Tokenizer.from_dir(model).encode(TEXT * 64)
     out = dict(args=vars(args), rows=[])
     for ctx in (int(c) for c in args.contexts.split(",")):
-        def prompt(i: int, ctx=ctx) -> list[int]:  # request i starts i tokens into the text
-            return ((base[i:] + base) * (ctx // len(base) + 2))[:ctx]
-        step_parts(engine, [prompt(0)], 4 + args.budget, args.budget)  # this context's shapes
-        parts = {b: step_parts(engine, [prompt(i) for i in range(b)], args.new_tokens,
-                               args.budget) for b in map(int, args.batches.split(","))}
+        once = [shifted_prompt(base, 0, ctx)]
+        step_parts(engine, once, 4 + args.budget, args.budget)  # this context's shapes
+        parts = {b: step_parts(engine, [shifted_prompt(base, i, ctx) for i in range(b)],
+                               args.new_tokens, args.budget)
+                 for b in map(int, args.batches.split(","))}
         for row in bounds(parts):
             out["rows"].append(dict(ctx=ctx, **row, steps=parts[row["batch"]]["steps"]))
             print(_line(out["rows"][-1]), flush=True)
