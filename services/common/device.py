@@ -1,11 +1,21 @@
-"""The --device / --dtype of the two services that run models (verifier and drafter).
+"""The --device / --dtype / --threads of the two services that run models (verifier and
+drafter).
 
 The dtypes are the core loader's (`specserve.models.loader.DTYPES`) plus `auto`: bfloat16 on
-CUDA, float32 on the CPU; device `auto` is CUDA when there is one.
+CUDA, float32 on the CPU; device `auto` is CUDA when there is one. Threads `auto` on the CPU,
+where verifier and drafter take turns on one host's cores: the drafter takes half of them, and
+so does the verifier for steps that only verify — a pool of every core goes cold while the
+other process computes, and waking it costs more than the second half of the cores gains
+(BENCHMARKS.md, "The CPU demo through the services") — while its steps that carry prompt tokens
+(long, compute-bound) take them all; a verifier without a drafter service takes them all. On
+CUDA `auto` leaves torch's count.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from dataclasses import dataclass
 from typing import Any
 
 from services.common.settings import flag_field
@@ -20,6 +30,56 @@ def device_field() -> Any:
 
 def dtype_field() -> Any:
     return flag_field("--dtype", "SPECSERVE_DTYPE", " | ".join(DTYPES), default="auto")
+
+
+def threads_field() -> Any:
+    return flag_field("--threads", "SPECSERVE_THREADS",
+                      "torch CPU threads of this process: N, or auto (on the CPU half the "
+                      "cores beside a drafter service, else all; on CUDA torch's own)",
+                      default="auto")
+
+
+def check_threads(threads: str) -> None:
+    if threads != "auto" and not (threads.isdigit() and int(threads) >= 1):
+        raise ValueError(f"threads must be auto or a positive integer, got {threads!r}")
+
+
+@dataclass
+class StepThreads:
+    """The verifier's torch threads by step: `prefill` (all the cores) for a step that carries
+    prompt tokens, long and compute-bound; `decode` (half) for one that only verifies, taking
+    turns with the drafter."""
+
+    prefill: int
+    decode: int
+    now: int | None = None
+
+    def use(self, prefill: bool) -> None:
+        import torch
+
+        n = self.prefill if prefill else self.decode
+        if n != self.now:
+            torch.set_num_threads(n)  # this thread's own count: call it on the engine thread
+            self.now = n
+
+
+def apply_threads(threads: str, device: str, shared: bool) -> StepThreads | None:
+    """Set torch's intra-op threads for this process (`shared`: verifier and drafter both
+    compute on this host's cores); a `StepThreads` where the count should follow the step (the
+    verifier's `auto` on the CPU beside a drafter), else None."""
+    import torch
+
+    step = None
+    if threads != "auto":
+        torch.set_num_threads(int(threads))
+    elif device.startswith("cpu"):
+        cores = len(os.sched_getaffinity(0))
+        half = max(1, cores // 2) if shared else cores
+        torch.set_num_threads(half)
+        step = StepThreads(cores, half) if half < cores else None
+    logging.getLogger(__name__).info("torch CPU threads: %d (--threads %s)",
+                                     torch.get_num_threads(), threads)
+    return step
 
 
 def check_device(device: str) -> None:

@@ -9,10 +9,12 @@ from services.common import lane
 from services.common.device import (
     check_device,
     check_dtype,
+    check_threads,
     device_field,
     dtype_field,
     resolve_device,
     resolve_dtype,
+    threads_field,
 )
 from services.common.security import Security, security_field
 from services.common.settings import (
@@ -44,6 +46,7 @@ class DrafterConfig:
         "DFlash drafter checkpoint dir (absent: n-gram drafting only)", default=None)
     device: str = device_field()  # "auto" = cuda if available, else cpu
     dtype: str = dtype_field()  # "auto" = bfloat16 on cuda, float32 on cpu
+    threads: str = threads_field()  # "auto": on cpu half the cores
     page_size: int = flag_field("--page-size", "SPECSERVE_PAGE_SIZE",
                                 "context-cache page size (tokens)", default=PAGE_SIZE, type=int)
     num_pages: int = flag_field(  # context-cache pages per layer group
@@ -86,6 +89,7 @@ class DrafterConfig:
             raise ValueError("a draft model needs the target model too (its embedding and LM "
                              "head): give --model / SPECSERVE_MODEL")
         check_dtype(self.dtype)
+        check_threads(self.threads)
         check_device(self.device)
         if self.page_size <= 0 or self.num_pages <= 0:
             raise ValueError(f"page_size and num_pages must be positive, got "

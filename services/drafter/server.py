@@ -15,6 +15,7 @@ import grpc
 
 from services.common import telemetry
 from services.common.bootstrap import Started, run_service
+from services.common.device import apply_threads
 from services.common.metrics import DrafterMetrics
 from services.common.server import MiB, mark_serving, start_server
 from services.drafter.config import DrafterConfig
@@ -84,4 +85,5 @@ async def start(config: DrafterConfig) -> Started:
 
 async def run(config: DrafterConfig) -> None:
     """Serve until SIGINT or SIGTERM, then drain for `grace_s` (the process's lifecycle)."""
+    apply_threads(config.threads, config.resolved_device, shared=True)
     await run_service("drafter", lambda: start(config), config)

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from services.common.device import (
     check_device,
     check_dtype,
+    check_threads,
     device_field,
     dtype_field,
     resolve_device,
     resolve_dtype,
+    threads_field,
 )
 from services.common.security import Security, security_field
 from services.common.settings import (
@@ -57,6 +59,7 @@ class VerifierConfig:
     port: int = port_field("SPECSERVE_VERIFIER_PORT", VERIFIER_PORT)
     device: str = device_field()  # auto = cuda if available, else cpu
     dtype: str = dtype_field()  # auto = bfloat16 on cuda, float32 on cpu
+    threads: str = threads_field()  # auto: on cpu half the cores beside a drafter
     page_size: int = flag_field("--page-size", "SPECSERVE_PAGE_SIZE", "KV page size (tokens)",
                                 default=16, type=int)
     kv_memory_gb: float | None = flag_field(  # None = 1.0 on cpu, 16.0 on cuda
@@ -166,6 +169,7 @@ class VerifierConfig:
             raise ValueError(f"trace_steps must be >= 0, got {self.trace_steps}")
         check_device(self.device)
         check_dtype(self.dtype)
+        check_threads(self.threads)
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ValueError(f"kv_memory_gb must be positive, got {self.kv_memory_gb}")
         if not 0 <= self.default_budget <= self.max_draft_tokens <= MAX_BUDGET:

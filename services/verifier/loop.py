@@ -51,8 +51,9 @@ class StepLoop:
     """Runs `engine` on its own thread; `submit`/`abort`/`stats` are called from asyncio."""
 
     def __init__(self, engine: Engine, metrics=None, tracer=None,
-                 admission_window_s: float = 0.0) -> None:
+                 admission_window_s: float = 0.0, threads=None) -> None:
         self.engine = engine
+        self.threads = threads  # StepThreads | None: torch's thread count by step
         self.admission_window_s = admission_window_s  # see _drain
         self.metrics = metrics  # VerifierMetrics | None
         self.tracer = tracer  # StepTracer | None
@@ -186,6 +187,9 @@ class StepLoop:
         self._update_gauges()
 
     def _step(self) -> None:
+        if self.threads is not None:  # a step that carries prompt tokens gets every core
+            sched = self.engine.scheduler
+            self.threads.use(bool(sched.waiting) or any(s.in_prefill for s in sched.running))
         if self.tracer is not None:
             self.tracer.begin_step(time.time_ns())
         t0 = time.perf_counter()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from services.common import telemetry
 from services.common.bootstrap import run_service
+from services.common.device import StepThreads, apply_threads
 from services.common.metrics import VerifierMetrics
 from services.common.ring import ContextRing
 from services.common.server import mark_serving, start_server
@@ -65,7 +66,7 @@ class VerifierServer:
         await self.grpc_server.wait_for_termination()
 
 
-async def _build(config: VerifierConfig, metrics: VerifierMetrics
+async def _build(config: VerifierConfig, metrics: VerifierMetrics, threads: StepThreads | None
                  ) -> tuple[StepLoop, RemoteDrafter | None]:
     engine = await asyncio.to_thread(Engine, config.engine_config())
     # step spans cost time on every step (BENCHMARKS.md, "The served path at real model scale",
@@ -83,7 +84,7 @@ async def _build(config: VerifierConfig, metrics: VerifierMetrics
                      "itself")
         drafter.tracing = tracer
     loop = StepLoop(engine, metrics=metrics, tracer=tracer,
-                    admission_window_s=config.admission_window_ms / 1e3)
+                    admission_window_s=config.admission_window_ms / 1e3, threads=threads)
     loop.start()  # no requests before this returns: the server is not up yet
     try:
         if switched_on(config.warmup, engine.runner.device.type):
@@ -119,8 +120,10 @@ def _remote_drafter(config: VerifierConfig, engine: Engine) -> RemoteDrafter:
                          same_host=config.drafter_transport == "auto", security=config.security)
 
 
-async def serve(config: VerifierConfig) -> tuple[VerifierServer, int]:
-    """Start the verifier; returns the running server and its bound port (SERVING)."""
+async def serve(config: VerifierConfig, threads: StepThreads | None = None
+                ) -> tuple[VerifierServer, int]:
+    """Start the verifier; returns the running server and its bound port (SERVING). `threads`
+    (the process's, from `apply_threads`) sets torch's thread count step by step."""
     limits = SpecLimits(config.default_budget, config.max_draft_tokens, bool(config.drafter),
                         load_generation_defaults(config.model))
     metrics = VerifierMetrics()
@@ -132,7 +135,7 @@ async def serve(config: VerifierConfig) -> tuple[VerifierServer, int]:
     try:  # /metrics before the models load: a port in use fails now, not after minutes
         metrics_server = telemetry.start_metrics_server(metrics.registry, config.host,
                                                         config.metrics_port)
-        loop, drafter = await _build(config, metrics)
+        loop, drafter = await _build(config, metrics, threads)
     except BaseException:
         telemetry.stop_metrics_server(metrics_server)
         await server.stop(0)
@@ -146,7 +149,9 @@ async def serve(config: VerifierConfig) -> tuple[VerifierServer, int]:
 async def run(config: VerifierConfig) -> None:
     """Serve until SIGINT or SIGTERM, then drain for `grace_s` (the process's lifecycle)."""
 
+    threads = apply_threads(config.threads, config.resolved_device(), shared=bool(config.drafter))
+
     async def start() -> VerifierServer:
-        return (await serve(config))[0]
+        return (await serve(config, threads))[0]
 
     await run_service("verifier", start, config)
