@@ -34,8 +34,9 @@ def dtype_field() -> Any:
 
 def threads_field() -> Any:
     return flag_field("--threads", "SPECSERVE_THREADS",
-                      "torch CPU threads of this process: N, or auto (on the CPU half the "
-                      "cores beside a drafter service, else all; on CUDA torch's own)",
+                      "torch CPU threads of this process: N, or auto (on the CPU beside a "
+                      "drafter service half the cores, all for the verifier's steps that "
+                      "carry prompt tokens; else all; on CUDA torch's own)",
                       default="auto")
 
 
