@@ -64,10 +64,11 @@ class StepThreads:
             self.now = n
 
 
-def apply_threads(threads: str, device: str, shared: bool) -> StepThreads | None:
+def apply_threads(threads: str, device: str, shared: bool, by_step: bool = False
+                  ) -> StepThreads | None:
     """Set torch's intra-op threads for this process (`shared`: verifier and drafter both
-    compute on this host's cores); a `StepThreads` where the count should follow the step (the
-    verifier's `auto` on the CPU beside a drafter), else None."""
+    compute on this host's cores); with `by_step` (the verifier) a `StepThreads` where the
+    count should follow the step (`auto` on the CPU, shared, more than one core), else None."""
     import torch
 
     step = None
@@ -77,9 +78,10 @@ def apply_threads(threads: str, device: str, shared: bool) -> StepThreads | None
         cores = len(os.sched_getaffinity(0))
         half = max(1, cores // 2) if shared else cores
         torch.set_num_threads(half)
-        step = StepThreads(cores, half) if half < cores else None
-    logging.getLogger(__name__).info("torch CPU threads: %d (--threads %s)",
-                                     torch.get_num_threads(), threads)
+        step = StepThreads(cores, half) if by_step and half < cores else None
+    extra = f", {step.prefill} for steps that carry prompt tokens" if step is not None else ""
+    logging.getLogger(__name__).info("torch CPU threads: %d%s (--threads %s)",
+                                     torch.get_num_threads(), extra, threads)
     return step
 
 

@@ -149,7 +149,8 @@ async def serve(config: VerifierConfig, threads: StepThreads | None = None
 async def run(config: VerifierConfig) -> None:
     """Serve until SIGINT or SIGTERM, then drain for `grace_s` (the process's lifecycle)."""
 
-    threads = apply_threads(config.threads, config.resolved_device(), shared=bool(config.drafter))
+    threads = apply_threads(config.threads, config.resolved_device(),
+                            shared=bool(config.drafter), by_step=True)
 
     async def start() -> VerifierServer:
         return (await serve(config, threads))[0]

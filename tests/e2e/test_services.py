@@ -365,6 +365,18 @@ def test_health_and_reflection_list_the_services(stack):
             assert db.FindFileContainingSymbol(service).package == "specserve.v1"
 
 
+def test_the_cpu_services_take_turns_on_half_the_cores_each(stack):
+    """--threads auto on the CPU: the drafter takes half the cores, the verifier half for steps
+    that only verify and all of them for steps that carry prompt tokens (its log says so)."""
+    cores = len(os.sched_getaffinity(0))
+    half = max(1, cores // 2)
+    logs = {n: (stack.tmp / f"{n}.log").read_text(errors="replace") for n in ("drafter",
+                                                                               "verifier")}
+    assert f"torch CPU threads: {half} (--threads auto)" in logs["drafter"]
+    extra = f", {cores} for steps that carry prompt tokens" if half < cores else ""
+    assert f"torch CPU threads: {half}{extra} (--threads auto)" in logs["verifier"]
+
+
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
                           text=True, env=ENV, cwd=ROOT, timeout=timeout)

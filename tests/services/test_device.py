@@ -51,7 +51,7 @@ def six_cores(monkeypatch):
 
 def test_auto_on_the_cpu_beside_a_drafter_gives_half_and_all_for_prefill(six_cores):
     torch.set_num_threads(5)
-    step = apply_threads("auto", "cpu", shared=True)
+    step = apply_threads("auto", "cpu", shared=True, by_step=True)
     assert torch.get_num_threads() == 3
     assert (step.prefill, step.decode) == (6, 3)
     step.use(prefill=True)
@@ -61,34 +61,40 @@ def test_auto_on_the_cpu_beside_a_drafter_gives_half_and_all_for_prefill(six_cor
 
 
 def test_use_sets_the_count_only_when_it_changes(six_cores, monkeypatch):
-    step, calls = apply_threads("auto", "cpu", shared=True), []
+    step, calls = apply_threads("auto", "cpu", shared=True, by_step=True), []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     for prefill in (False, False, True, True, False):
         step.use(prefill)
     assert calls == [3, 6, 3]
 
 
+def test_the_drafter_s_half_does_not_follow_steps(six_cores):
+    torch.set_num_threads(5)
+    assert apply_threads("auto", "cpu", shared=True) is None
+    assert torch.get_num_threads() == 3
+
+
 def test_auto_on_the_cpu_alone_takes_every_core(six_cores):
     torch.set_num_threads(2)
-    assert apply_threads("auto", "cpu", shared=False) is None
+    assert apply_threads("auto", "cpu", shared=False, by_step=True) is None
     assert torch.get_num_threads() == 6
 
 
 def test_one_core_is_never_halved(monkeypatch):
     monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: {0})
     torch.set_num_threads(2)
-    assert apply_threads("auto", "cpu", shared=True) is None
+    assert apply_threads("auto", "cpu", shared=True, by_step=True) is None
     assert torch.get_num_threads() == 1
 
 
 def test_auto_on_cuda_keeps_torch_s_count():
     torch.set_num_threads(3)
-    assert apply_threads("auto", "cuda:0", shared=True) is None
+    assert apply_threads("auto", "cuda:0", shared=True, by_step=True) is None
     assert torch.get_num_threads() == 3
 
 
 @pytest.mark.parametrize("where", ["cpu", "cuda"])
 def test_a_number_is_taken_as_given(where, six_cores):
     torch.set_num_threads(1)
-    assert apply_threads("2", where, shared=True) is None
+    assert apply_threads("2", where, shared=True, by_step=True) is None
     assert torch.get_num_threads() == 2
