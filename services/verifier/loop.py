@@ -188,8 +188,7 @@ class StepLoop:
 
     def _step(self) -> None:
         if self.threads is not None:  # a step that carries prompt tokens gets every core
-            sched = self.engine.scheduler
-            self.threads.use(bool(sched.waiting) or any(s.in_prefill for s in sched.running))
+            self.threads.use(self.engine.scheduler.has_prompt_work)
         if self.tracer is not None:
             self.tracer.begin_step(time.time_ns())
         t0 = time.perf_counter()

@@ -186,6 +186,12 @@ class Scheduler:
             sum(s.num_uncomputed for s in self.waiting) >= self.max_num_batched_tokens
 
     @property
+    def has_prompt_work(self) -> bool:
+        """Whether the next step carries prompt tokens: a request waits, or one running is
+        still prefilling its prompt."""
+        return bool(self.waiting) or any(s.in_prefill for s in self.running)
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -42,6 +42,10 @@ class FakeEngine:
         return self.requests.pop(request_id, None) is not None
 
     @property
+    def has_prompt_work(self) -> bool:
+        return bool(self.waiting) or any(s.in_prefill for s in self.running)
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

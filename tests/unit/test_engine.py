@@ -218,3 +218,20 @@ def test_next_step_full_counts_slots_and_prompt_tokens(checkpoint_cache, make_en
     assert slots.scheduler.next_step_full  # 8 tokens, but both slots
     while slots.has_unfinished:
         slots.step()
+
+
+def test_has_prompt_work_until_the_last_chunk_is_computed(checkpoint_cache, make_engine):
+    """A step carries prompt tokens while a request waits or one running is still prefilling
+    (a prompt longer than the token budget spans steps); pure decode steps do not."""
+    path, hf = checkpoint_cache("qwen3-gqa1-tied")
+    (prompt,) = random_prompts(1, hf.config.vocab_size, [53], seed=11)
+    engine = make_engine(path, page_size=4, max_num_batched_tokens=24, max_num_seqs=2)
+    sched = engine.scheduler
+    assert not sched.has_prompt_work  # nothing at all
+    engine.add_request("a", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    seen = [sched.has_prompt_work]
+    while engine.has_unfinished:
+        engine.step()
+        seen.append(sched.has_prompt_work)
+    # waiting; 24 of 53 prompt tokens, 48 of 53 (running, in prefill); then decode only
+    assert seen[:3] == [True, True, True] and not any(seen[3:]) and len(seen) > 4, seen
