@@ -87,21 +87,8 @@ class DraftEntries:
         """Append the request's DraftEntry to `batch`; False (with an entry error, nothing
         appended) if it cannot be drafted. `ahead_ns`: when a draft for the next step was
         asked for (traces: StepTracer.open_draft)."""
-        if req.request_id in self.errors:  # a context gap, found by _absorb_all
-            return False
-        if req.request_id in self.feed_failed:
-            self.feed_failed.discard(req.request_id)
-            st.resend = True
-        if st.resend or st.epoch != epoch:
-            if st.sent_once:
-                release.append(req.request_id)
-            st.rows_sent = st.history_sent = 0
-            st.epoch, st.resend = epoch, False
         held_before = st.num_rows - (new.raw.shape[0] if new is not None else 0)
-        if st.rows_sent < held_before and not st.keep:
-            st.lost = True  # the drafter lost rows nobody kept
-        if st.lost and st.kind != NGRAM:
-            self.errors[req.request_id] = f"{CONTEXT_LOST}: its rows were not kept"
+        if not self._draftable(req.request_id, st, epoch, release, held_before):
             return False
         rows, fused, ref = None, False, None
         if st.rows_sent < held_before:  # a resend: every kept row, on the wire
@@ -126,6 +113,27 @@ class DraftEntries:
             convert.set_context_ref(entry, link.ring.generation, *ref)
             self.context_rows["ring"] += ref[1]
         self._count(rows, fused)
+        return True
+
+    def _draftable(self, rid: str, st: RequestRows, epoch: int, release: list[str],
+                   held_before: int) -> bool:
+        """Bring `st` to the drafter's current copy (a new connection or a failed feed: release
+        it and send everything again); False, with an entry error, when its rows are lost."""
+        if rid in self.errors:  # a context gap, found by _absorb_all
+            return False
+        if rid in self.feed_failed:
+            self.feed_failed.discard(rid)
+            st.resend = True
+        if st.resend or st.epoch != epoch:
+            if st.sent_once:
+                release.append(rid)
+            st.rows_sent = st.history_sent = 0
+            st.epoch, st.resend = epoch, False
+        if st.rows_sent < held_before and not st.keep:
+            st.lost = True  # the drafter lost rows nobody kept
+        if st.lost and st.kind != NGRAM:
+            self.errors[rid] = f"{CONTEXT_LOST}: its rows were not kept"
+            return False
         return True
 
     def _ring_segment(self, new: New, link, step_id: int) -> tuple[int, int] | None:

@@ -156,13 +156,7 @@ class AttnBatch:
         causal = None
         if tree_masks is not None:
             causal = tuple(m is None for m in tree_masks)
-            tree_masks = [causal_bits(n) if m is None else m
-                          for m, n in zip(tree_masks, q_lens, strict=True)]
-            width = max(m.shape[1] for m in tree_masks)
-            mask = np.zeros((int(cu[-1]), width), dtype=np.uint32)
-            for i, m in enumerate(tree_masks):
-                mask[cu[i] : cu[i + 1], : m.shape[1]] = m
-            arrays.append(mask.view(np.int32))
+            arrays.append(_packed_masks(tree_masks, q_lens, cu))
         got = to_device(arrays + [np.asarray(x) for x in extra], device)
         batch = AttnBatch(
             q_lens=tuple(int(x) for x in q_lens),
@@ -177,6 +171,17 @@ class AttnBatch:
             causal=causal,
         )
         return batch, got[len(arrays):]
+
+
+def _packed_masks(tree_masks: Sequence[np.ndarray | None], q_lens: Sequence[int],
+                  cu: np.ndarray) -> np.ndarray:
+    """Every sequence's mask words in one [total_q, width] int32 array (None: causal rows)."""
+    masks = [causal_bits(n) if m is None else m for m, n in zip(tree_masks, q_lens, strict=True)]
+    width = max(m.shape[1] for m in masks)
+    mask = np.zeros((int(cu[-1]), width), dtype=np.uint32)  # [total_q, width]
+    for i, m in enumerate(masks):
+        mask[cu[i] : cu[i + 1], : m.shape[1]] = m
+    return mask.view(np.int32)
 
 
 class AttentionBackend(Protocol):

@@ -65,11 +65,7 @@ def train(
     """
     out = out or sys.stdout
     params = [p for p in params if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay,
-               "mult": 1.0},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0,
-               "mult": norm_lr_mult}]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+    opt = _optimizer(params, lr, weight_decay, norm_lr_mult)
     warmup = max(1, round(0.04 * steps))
     log = TrainLog(name, steps)
     t_start = t_mark = time.perf_counter()
@@ -85,13 +81,28 @@ def train(
         done = step + 1
         if done == 1 or done % log_every == 0 or done == steps:
             now = time.perf_counter()
-            per_it = (now - t_mark) / max(1, done - mark_step)
+            _record(log, done, loss, extra, (now - t_mark) / max(1, done - mark_step), out)
             t_mark, mark_step = now, done
-            value = round(float(loss.detach()), 4)
-            log.losses.append((done, value))
-            log.extras.append((done, {k: round(float(v), 4) for k, v in extra.items()}))
-            shown = "".join(f" {k} {float(v):.3f}" for k, v in extra.items())
-            print(f"[{name}] step {done}/{steps} loss {value:.3f}{shown} ({per_it:.2f} s/it)",
-                  file=out, flush=True)
     log.seconds = time.perf_counter() - t_start
     return log
+
+
+def _optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float,
+               norm_lr_mult: float) -> torch.optim.AdamW:
+    """AdamW: matrices with `weight_decay`, vectors none at `norm_lr_mult` × the rate."""
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay,
+               "mult": 1.0},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0,
+               "mult": norm_lr_mult}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def _record(log: TrainLog, done: int, loss: torch.Tensor, extra: dict[str, float],
+            per_it: float, out) -> None:
+    """One logged step: into `log`, and a progress line to `out`."""
+    value = round(float(loss.detach()), 4)
+    log.losses.append((done, value))
+    log.extras.append((done, {k: round(float(v), 4) for k, v in extra.items()}))
+    shown = "".join(f" {k} {float(v):.3f}" for k, v in extra.items())
+    print(f"[{log.name}] step {done}/{log.steps} loss {value:.3f}{shown} ({per_it:.2f} s/it)",
+          file=out, flush=True)

@@ -146,14 +146,8 @@ def run(out: Path, seed: int, device: str, recipe: Recipe, log=None,
     log = log or sys.stdout
     _deterministic(device)
     t0 = time.perf_counter()
-    corpus = data.stdlib_corpus(recipe.corpus_bytes)
-    tok = data.train_tokenizer(corpus, recipe.vocab_size)
-    tokens = data.tokenize_corpus(tok, corpus)
+    corpus, tok, tokens, unigram = _corpus(recipe, log)
     words = data.corpus_words(corpus)
-    unigram = data.unigram_entropy(tokens, recipe.vocab_size)
-    print(f"corpus: {len(corpus.files)} stdlib files ({corpus.files[0]} .. {corpus.files[-1]}), "
-          f"{corpus.num_bytes} bytes, {len(tokens)} tokens; unigram entropy {unigram:.3f} nats",
-          file=log, flush=True)
 
     def batches(stream: int, copy_frac: float = recipe.copy_frac, **kw) -> data.Batches:
         return data.Batches(tok, tokens, words, kw.pop("seq_len", recipe.seq_len), copy_frac,
@@ -176,8 +170,7 @@ def run(out: Path, seed: int, device: str, recipe: Recipe, log=None,
         "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
         "torch": torch.__version__, "corpus": corpus.describe(), "corpus_tokens": len(tokens),
         "unigram_entropy_nats": round(unigram, 4), "recipe": dataclasses.asdict(recipe),
-        "target_parameters": sum(p.numel() for p in target.parameters()),
-        "drafter_parameters": sum(p.numel() for p in trainable(drafter)),
+        **_sizes(target, drafter),
         "target": target_summary, "drafter": drafter_log.as_dict(),
         "total_seconds": round(time.perf_counter() - t0, 1),
     }
@@ -185,6 +178,24 @@ def run(out: Path, seed: int, device: str, recipe: Recipe, log=None,
     print(f"wrote {out / TARGET_DIR}, {out / DRAFTER_DIR}, {out / SUMMARY} "
           f"in {summary['total_seconds']:.0f} s", file=log, flush=True)
     return summary
+
+
+def _corpus(recipe: Recipe, log):
+    """The stdlib corpus, its trained tokenizer, its tokens and their unigram entropy."""
+    corpus = data.stdlib_corpus(recipe.corpus_bytes)
+    tok = data.train_tokenizer(corpus, recipe.vocab_size)
+    tokens = data.tokenize_corpus(tok, corpus)
+    unigram = data.unigram_entropy(tokens, recipe.vocab_size)
+    print(f"corpus: {len(corpus.files)} stdlib files ({corpus.files[0]} .. {corpus.files[-1]}), "
+          f"{corpus.num_bytes} bytes, {len(tokens)} tokens; unigram entropy {unigram:.3f} nats",
+          file=log, flush=True)
+    return corpus, tok, tokens, unigram
+
+
+def _sizes(target, drafter) -> dict[str, int]:
+    """Parameter counts as training.json names them (the drafter's trainable ones)."""
+    return {"target_parameters": sum(p.numel() for p in target.parameters()),
+            "drafter_parameters": sum(p.numel() for p in trainable(drafter))}
 
 
 def _train_target(recipe: Recipe, seed: int, device: str, batches, tok, log,
