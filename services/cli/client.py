@@ -62,3 +62,14 @@ def gateway_channel(args):
         creds = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes())
         return grpc.secure_channel(args.gateway, creds, options=CHANNEL_OPTIONS), metadata
     return grpc.insecure_channel(args.gateway, options=CHANNEL_OPTIONS), metadata
+
+
+def rpc_error_text(error, gateway: str) -> str:
+    """`CODE: details` of a failed gateway call; where nothing answered at `gateway`, what to
+    start (the details alone name only the refused socket)."""
+    code = error.code()
+    text = f"{code.name}: {error.details()}"
+    if code.name == "UNAVAILABLE" and "failed to connect" in (error.details() or ""):
+        text += (f" — no gateway answers at {gateway}; start the services with `specserve up`"
+                 " or point --gateway (SPECSERVE_GATEWAY_ADDR) at yours")
+    return text

@@ -12,7 +12,7 @@ import sys
 import time
 
 from services.cli import usage
-from services.cli.client import add_gateway_flags, gateway_channel
+from services.cli.client import add_gateway_flags, gateway_channel, rpc_error_text
 from specserve.drafters import registry
 
 # SamplingParams field (InvalidRequest.param) → the flag that sets it
@@ -171,7 +171,7 @@ def _generate_remote(args, prompt, params) -> int:
             return 130
         except grpc.RpcError as e:
             sep = "\n" if chunks and not args.json else ""
-            print(f"{sep}specserve generate: error: {e.code().name}: {e.details()}",
+            print(f"{sep}specserve generate: error: {rpc_error_text(e, args.gateway)}",
                   file=sys.stderr)
             _print_trace(_trace_id(call))
             return 2

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from services.cli import usage
-from services.cli.client import add_gateway_flags, gateway_channel
+from services.cli.client import add_gateway_flags, gateway_channel, rpc_error_text
 from specserve import probe
 from specserve.drafters import registry
 
@@ -124,7 +124,7 @@ def _run(args, source: dict, rows: list) -> int:
                                                  args.drafter, args.budget, args.timeout_s,
                                                  metadata, args.lossless_check == "on")
                 except grpc.RpcError as e:
-                    print(f"specserve probe: {text} @ {n}: {e.code().name}: {e.details()}",
+                    print(f"specserve probe: {text} @ {n}: {rpc_error_text(e, args.gateway)}",
                           file=sys.stderr)
                     return 2
                 rows.append(row)

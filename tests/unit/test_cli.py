@@ -168,6 +168,31 @@ def test_the_generate_client_imports_no_torch():
                          timeout=60)
     assert out.stdout.strip() == "2 []", out.stdout + out.stderr  # 2: nothing listens on :1
     assert "specserve generate: error: UNAVAILABLE" in out.stderr
+    assert "no gateway answers at 127.0.0.1:1; start the services with `specserve up`" in \
+        out.stderr
+
+
+class _Failed:
+    def __init__(self, code: str, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self):
+        import grpc
+        return getattr(grpc.StatusCode, self._code)
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_only_a_refused_connection_suggests_starting_the_services():
+    from services.cli.client import rpc_error_text
+    said = rpc_error_text(_Failed("UNAVAILABLE", "no verifier is connected"), "h:7")
+    assert said == "UNAVAILABLE: no verifier is connected"  # the gateway answered: no hint
+    said = rpc_error_text(_Failed("INVALID_ARGUMENT", "failed to connect"), "h:7")
+    assert said == "INVALID_ARGUMENT: failed to connect"
+    said = rpc_error_text(_Failed("UNAVAILABLE", "failed to connect to all addresses"), "h:7")
+    assert said.startswith("UNAVAILABLE: failed to connect to all addresses — no gateway "
+                           "answers at h:7; start the services with `specserve up`")
 
 
 # ---- train-demo keeps what --out holds ------------------------------------------------------
