@@ -7,6 +7,8 @@
 # Results go to $OUT (at most 8 files come back).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
+# the served path's test files with a CUDA case (the ring, the wire, served = engine)
+SERVED_GPU="tests/services/test_ring.py tests/services/test_wire_context.py tests/e2e/test_served_context.py"
 for section in ${1:-bench tests}; do
   echo "== $section $(date -u +%T)"
   case $section in
@@ -14,15 +16,13 @@ for section in ${1:-bench tests}; do
       timeout "${BENCH_S:-420}" python3 bench/bench_served.py --out "$OUT/served${TAG:-}.json" \
         ${BENCH_ARGS:-} 2>&1 | tee "$OUT/served${TAG:-}.log" | grep -v "^\[.*served .*{" ;;
     tests)
-      timeout "${TESTS_S:-240}" python3 -m pytest -q -x -p no:cacheprovider \
-        tests/services/test_ring.py tests/services/test_wire_context.py \
-        tests/e2e/test_served_context.py -k "cuda or gpu" 2>&1 | tail -30 \
+      timeout "${TESTS_S:-240}" python3 -m pytest -q -x -p no:cacheprovider $SERVED_GPU \
+        -k "cuda or gpu" 2>&1 | tail -30 \
         | tee "$OUT/gpu_tests.log" ;;
     suite)  # every test file with a CUDA path (the CPU twins run too)
-      timeout "${SUITE_S:-480}" python3 -m pytest -q -p no:cacheprovider -rs tests/kernels \
+      timeout "${SUITE_S:-560}" python3 -m pytest -q -p no:cacheprovider -rs tests/kernels \
         tests/unit/test_graphs.py tests/unit/test_dflash_graphs.py tests/unit/test_warmup_chunks.py \
-        tests/unit/test_logprobs.py tests/services/test_ring.py tests/services/test_wire_context.py \
-        tests/e2e/test_served_context.py 2>&1 | tail -40 | tee "$OUT/gpu_suite.log" ;;
+        tests/unit/test_logprobs.py $SERVED_GPU 2>&1 | tail -40 | tee "$OUT/gpu_suite.log" ;;
   esac
 done
 for f in /tmp/bench-served-*/*.log; do [ -f "$f" ] && { echo "---- $f"; tail -40 "$f"; }; done \

@@ -67,9 +67,9 @@ def gateway_channel(args):
 def rpc_error_text(error, gateway: str) -> str:
     """`CODE: details` of a failed gateway call; where nothing answered at `gateway`, what to
     start (the details alone name only the refused socket)."""
-    code = error.code()
-    text = f"{code.name}: {error.details()}"
-    if code.name == "UNAVAILABLE" and "failed to connect" in (error.details() or ""):
+    name, details = error.code().name, error.details() or ""
+    text = f"{name}: {details}"
+    if name == "UNAVAILABLE" and "failed to connect" in details:
         text += (f" — no gateway answers at {gateway}; start the services with `specserve up`"
                  " or point --gateway (SPECSERVE_GATEWAY_ADDR) at yours")
     return text
