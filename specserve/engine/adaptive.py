@@ -1,36 +1,26 @@
 """Adaptive speculation: each step's trees chosen by expected committed tokens per second.
 
-Owns the choice and the per-request state behind it. A step's candidates are its rows per
-request R (under CUDA graphs every tree of a step is padded to one rows bucket, so the step
-shares R): R = 1 is plain decoding (no tree), else each request takes the best of its drafted
-tree's first R − 1 nodes (the DDTree of that budget) and the chain inside it (the chain only
-where those nodes do not hold it: else they accept at least as much). For every R:
+Owns the choice and the per-request state behind it (docs/internals.md walks through it). A
+step's candidates are its rows per request R (one rows bucket a step under CUDA graphs): R = 1
+is plain decoding, else each request takes the better of its drafted tree's first R − 1 nodes
+(the DDTree of that budget) and the chain inside it. For every R:
 
     tokens/s(R) = Σ_requests (1 + ĉ · E[accepted]) / (verify(R) + draft)
 
 with E from the drafter's own path probabilities (spec/shapes.py), ĉ the request's running
-ratio of accepted to expected for that shape (measured on every verified tree, counterfactuals
-included), pulled towards every request's ratio (a shape never verified takes the nearest
-verified one's), and times from the cost model (engine/cost.py). Before drafting (unless the
-last decision found drafting WIDE × faster for all but new requests), with last step's curves:
-if plain decoding wins by SKIP_MARGIN, nobody is drafted (B = 0, no drafter call; the context
-rows wait for the next draft; the forecast is read again only once a draft, the costs, the
-batch or its context class moved), except requests without a curve yet and probes (a skipping
-request is drafted again after 2, 4, … 32 steps — with it those past half their gap — or at
-once when the target's confidence on its plain steps, read every CONFIDENCE_EVERY of them,
-twice says a chain as sure would pay). After drafting, the choice is made again with the fresh
-curves (the drafting, spent, now counts for plain decoding too) and the trees are cut to it.
-The client's budget bounds every choice; the drafter is asked for one size class above the last
-choice. A decision to draft (one that pays with the drafting still to pay) holds for REDECIDE
-steps (a repeat of the last: twice as long as that held, up to HOLD_GROWTH × REDECIDE): each
-request keeps its shape (the drafter asked for just that tree), only that shape's outcome
-booked. It outlives requests that finish; a new request joins with the held size's DDTree
-prefix; a batch grown past the bucket it was priced for, a request the decision skipped, or a
-step where most held shapes were accepted to their deepest node (where the decision priced no
-bigger tree) ends it. A step's bookings wait for the next step's verify forward (host work
-while the GPU runs; a decision books first). Trees without probabilities (the n-gram drafter)
-are kept as drafted. Lossless: only which draft tokens are verified changes; the acceptance
-walk is the same.
+ratio of accepted to expected for that shape (every verified tree books its counterfactuals;
+engine/adaptive_state.py), and times from the cost model (engine/cost.py). Before drafting,
+with last step's curves: if plain decoding wins by SKIP_MARGIN nobody is drafted (B = 0, no
+drafter call) but requests without a curve and probes (after 2, 4, … 32 steps, or once the
+target's confidence on plain steps, read every CONFIDENCE_EVERY, says a chain would pay).
+After drafting, the choice is made again with the fresh curves and the trees are cut to it;
+the client's budget bounds it and the drafter is asked for one size class above it. A decision
+to draft holds for REDECIDE steps (a repeat: twice as long, up to HOLD_GROWTH × REDECIDE), each
+request keeping its shape; a grown batch, a skipped request or a step where most held shapes
+were accepted to their deepest node (then explored a size class up: `Explorer`) ends it.
+Bookings wait for the next step's verify forward (host work while the GPU runs). Trees without
+probabilities (the n-gram drafter) are kept as drafted. Lossless: only which draft tokens are
+verified changes; the acceptance walk is the same.
 """
 
 from __future__ import annotations
@@ -40,6 +30,7 @@ import numpy as np
 from specserve.engine.adaptive_state import (
     EMPTY,
     SHARED_DECAY,
+    Explorer,
     Ratios,
     State,
     advantage,
@@ -76,7 +67,7 @@ class Adaptive:
         self.shared, self.redecide = Ratios(SHARED_DECAY), redecide
         self._hold = 0  # steps the last decision to draft still holds
         self._span = redecide  # steps it held for from the start
-        self._room = True  # it chose the largest tree it priced (a saturated hold ends)
+        self.explorer = Explorer()  # a size class above a saturated hold, verified once
         self._wide = False  # it found drafting WIDE × faster than plain decoding
         self._rows: int | None = None  # the rows per request it chose (None: plain decoding)
         self._held: tuple[int, int, str] | None = None  # its (batch bucket, nodes, why)
@@ -200,13 +191,15 @@ class Adaptive:
         seqs, states = [p.seq for p in scored], [self.state[p.seq.request_id] for p in scored]
         rated, top = self._rated(seqs, states), max(s.budget for s in seqs)
         best, why = choose(rated, len(seqs), True, 1.0, top, self._rows)
+        if (explore := self.explorer.at(best, max(p.tree.n for p in scored))) is not None:
+            best, why = explore + 1, f"explore: {self.explorer.tried} held nodes saturated; {why}"
         self._wide = advantage(rated) >= WIDE
         self._rows = best if best > 1 else None
-        self._room = best - 1 >= max(p.tree.n for p in scored)  # no bigger tree was priced
         for p, st in zip(scored, states, strict=True):
             self._cut(p, st, best - 1, why)
         # hold only if drafting pays with its cost to come (the gains were read before the cuts)
-        hold = best > 1 and choose(rated, len(seqs), False, SKIP_MARGIN, top)[0] > 1
+        hold = explore is None and best > 1 and \
+            choose(rated, len(seqs), False, SKIP_MARGIN, top)[0] > 1
         same = hold and self._held is not None and self._held[1] == best - 1
         self._span = min(2 * self._span, HOLD_GROWTH * self.redecide) if same else self.redecide
         self._hold, self._decision = self._span - 1 if hold else 0, self._decision + 1
@@ -279,8 +272,9 @@ class Adaptive:
                          and st.skipped % CONFIDENCE_EVERY == 1], logits)
         held = [s for s in (self.observe(p, rows, defer) for p, rows, _ in verified)
                 if s is not None]
-        if self._hold and self._room and 2 * sum(held) > len(held):  # most were too small
-            self._hold = 0  # decided afresh next step, each asking a size class up
+        if held and 2 * sum(held) > len(held) and self._held is not None \
+                and self.explorer.saturated(self._held[1]):  # most were too small
+            self._hold = 0  # decided afresh next step, a size class up asked and explored
 
     def observe(self, p: Planned, accepted_rows: list[int], defer: bool = False) -> bool | None:
         """Book what each candidate shape inside the verified tree would have accepted; a held
@@ -294,7 +288,8 @@ class Adaptive:
         if not defer:
             self.book_pending()
         held = kept is not None  # a held step's own shape
-        return p.tree.n < p.budget and len(accepted_rows) >= p.tree.max_depth if held else None
+        return p.tree.n < p.seq.budget and len(accepted_rows) >= p.tree.max_depth if held \
+            else None
 
     def book_pending(self) -> None:
         """Book what verified trees left (`observe_step`) and the last step's times (the

@@ -23,6 +23,7 @@ PRIOR = 2.0  # pseudo-tokens pulling a shape's calibration towards 1 (trust the 
 DECAY = 0.9
 SHARED_DECAY = 0.99  # the calibration every request shares: a property of the drafter
 STAY = 1.05  # a decision moves off the last one's rows only when expected this much faster
+EXPLORE_WAIT = 16  # saturated held steps an exploration waits for, at most
 
 
 @dataclass
@@ -174,6 +175,43 @@ class State:
                     not len(on_chain) or int(on_chain.max()) < n):
                 self.book((shapes.CHAIN, k), shapes.realized_chain(accepted, path, k),
                           cv.expected(shapes.CHAIN, k))
+
+
+@dataclass
+class Explorer:
+    """When most held shapes are accepted to their deepest node, the hold ends and the next
+    decision verifies a tree a size class above (once, where it would stay: the bigger shapes'
+    calibrations may date from text less predictable, and only a verified tree books them). An
+    exploration after which the decision stays doubles the saturated held steps the next one
+    waits for (up to EXPLORE_WAIT); one that moves it up resets the wait."""
+
+    wait: int = 1  # saturated held steps before the hold ends
+    seen: int = 0  # saturated held steps since the last end
+    due: int | None = None  # the held size the next decision goes above
+    tried: int | None = None  # the held size the last decision explored above
+
+    def saturated(self, nodes: int) -> bool:
+        """A held step of `nodes` where most were accepted to the deepest: whether it ends."""
+        self.seen += 1
+        if self.seen < self.wait:
+            return False
+        self.seen, self.due = 0, nodes
+        return True
+
+    def at(self, best: int, drafted: int) -> int | None:
+        """The nodes this decision (its `best` rows; trees of up to `drafted` nodes) verifies
+        instead, or None: no exploration due, `best` already goes above, plain decoding won."""
+        if self.tried is not None:  # the decision after an exploration: did it move up?
+            self.wait = 1 if best - 1 > self.tried else min(2 * self.wait, EXPLORE_WAIT)
+            self.tried = None
+        k, self.due = self.due, None
+        if k is None or best <= 1 or drafted <= k:
+            return None
+        if best - 1 > k:
+            self.wait = 1
+            return None
+        self.tried = k
+        return min(2 * k + 1, drafted)
 
 
 def read_confidence(plain: list[tuple[State, int]], logits: torch.Tensor) -> None:

@@ -463,44 +463,51 @@ def _deepest_path(tree: DraftTree) -> list[int]:
     return rows[::-1]
 
 
-def test_a_held_shape_accepted_to_its_deepest_node_ends_the_hold():
-    """When most held requests accept their held shape to its deepest node (a bigger one would
-    have accepted more) and the decision priced no bigger tree, the next step decides afresh
-    and asks the drafter a size class up; a shape that stops short keeps the hold, and so does
-    one whose decision priced a bigger tree and chose against it."""
+def _asked(seq: Sequence, seed: int, ask: int) -> Planned:
+    """A confident draft for `seq` of the `ask` nodes the policy asked the drafter for."""
+    _, lp, ids = _table(seed, depth=15, vocab=50, k=min(ask, 50), scale=8.0)
+    tree = build_ddtree(lp, ids, ask)
+    return Planned(seq, tree, verify_layout(tree, seq.last_token, seq.num_computed), ask)
+
+
+def test_a_held_shape_accepted_to_its_deepest_node_is_explored_a_size_class_up():
+    """When most held requests accept their held shape to its deepest node (the drafter asked
+    for just that shape; the client's budget allows more), the hold ends and the next decision
+    verifies a size class above it where its rates would stay, says so and holds nothing; a
+    shape that stops short keeps the hold; after an exploration the decision did not follow,
+    the next hold ends only at its second saturated step."""
     seq = _seq("a", budget=63)
     steep = _cost(draft_ms=0.3, verify_ms=(1.0, 1.1, 1.2, 1.4, 4.0, 8.0, 16.0))
-    rejected = Adaptive(steep, lambda rows: rows, redecide=8)
-    rejected.shape([_plan(seq, 1, confident=True)])  # 63 nodes priced, fewer chosen
-    k = rejected.state["a"].nodes
-    assert 1 <= k < 15
-    rejected.to_draft([seq])
-    full = _plan(seq, 3, confident=True)
-    rejected.shape([full])
-    rejected.observe_step([(full, _deepest_path(full.tree), 0)], None)
-    assert rejected.to_draft([seq]) == ([seq], []) and rejected._fast  # saturated, held
     policy = Adaptive(steep, lambda rows: rows, redecide=8)
-    first = _plan(seq, 1, confident=True)
-    first.tree = shapes.subtree(first.tree, shapes.prefix(first.tree, k))  # drafted at k
-    first.layout = shapes.prefix_layout(first.layout, k)
-    policy.shape([first])
-    st = policy.state["a"]
-    assert st.nodes == k and policy._room
-    policy.to_draft([seq])
-    short = _plan(seq, 2, confident=True)
-    policy.shape([short])
-    assert short.choice.why.startswith("held:") and short.tree.max_depth >= 2
-    policy.observe_step([(short, _deepest_path(short.tree)[:1], 0)], None)
-    assert policy.to_draft([seq]) == ([seq], []) and policy._fast  # stopped short: held
-    full = _plan(seq, 3, confident=True)
-    policy.shape([full])
-    assert full.choice.why.startswith("held:")
-    policy.observe_step([(full, _deepest_path(full.tree), 0)], None)
+    policy.shape([_plan(seq, 1, confident=True)])  # 63 nodes priced, fewer chosen
+    k = policy.state["a"].nodes
+    assert 1 <= k < 15 and policy._hold > 0
+
+    def held(seed: int, rows: int | None) -> None:  # a held step, `rows` of its path accepted
+        assert policy.to_draft([seq]) == ([seq], []) and policy._fast
+        plan = _asked(seq, seed, policy.draft_budgets([seq])["a"])
+        policy.shape([plan])
+        assert plan.choice.why.startswith("held:") and plan.budget < seq.budget
+        policy.observe_step([(plan, _deepest_path(plan.tree)[:rows], 0)], None)
+
+    def decided(seed: int, rows: int | None) -> Planned:
+        assert policy.to_draft([seq]) == ([seq], []) and not policy._fast
+        plan = _asked(seq, seed, policy.draft_budgets([seq])["a"])
+        policy.shape([plan])
+        policy.observe_step([(plan, _deepest_path(plan.tree)[:rows], 0)], None)
+        return plan
+
+    held(2, 1)  # stopped short
+    held(3, None)  # saturated: the hold ends
+    assert policy.draft_budgets([seq]) == {"a": 2 * k + 1}
+    explored = decided(4, 1)
+    assert explored.choice.why.startswith("explore:") and explored.choice.nodes > k
+    assert policy._hold == 0
+    stayed = decided(5, None)
+    assert stayed.choice.nodes <= k and policy._hold > 0  # the exploration did not pay
+    held(6, None)  # saturated, but the wait has doubled
+    held(7, None)
     assert policy.to_draft([seq]) == ([seq], []) and not policy._fast
-    assert policy.draft_budgets([seq]) == {"a": min(63, 2 * st.nodes + 1)}
-    decided = _plan(seq, 4, confident=True)
-    policy.shape([decided])
-    assert "held" not in decided.choice.why
 
 
 def test_a_shape_never_verified_is_as_calibrated_as_its_nearest_verified_one():
