@@ -77,7 +77,7 @@ def main() -> None:
             args.random_pair, args.tiny, args.device)
     engines, tok = bench_adaptive.build(bargs)
     for owner, name in PHASES:
-        wrap(owner, name)
+        wrap(owner, name, name)
     out = []
     for n in args.batch:
         batch = bench_adaptive.prompts(tok, args.text, n, args.context)
