@@ -15,9 +15,10 @@ drafter call) but requests without a curve and probes (after 2, 4, … 32 steps,
 target's confidence on plain steps, read every CONFIDENCE_EVERY, says a chain would pay).
 After drafting, the choice is made again with the fresh curves and the trees are cut to it;
 the client's budget bounds it and the drafter is asked for one size class above it. A decision
-to draft holds for REDECIDE steps (a repeat: twice as long, up to HOLD_GROWTH × REDECIDE), each
-request keeping its shape; a grown batch, a skipped request or a step where most held shapes
-were accepted to their deepest node (then explored a size class up: `Explorer`) ends it.
+to draft, once every cost is measured, holds for REDECIDE steps (a repeat: twice as long, up to
+HOLD_GROWTH × REDECIDE), each request keeping its shape; a grown batch, a skipped request or a
+step where most held shapes were accepted to their deepest node (then explored a size class
+up: `Explorer`) ends it.
 Bookings wait for the next step's verify forward (host work while the GPU runs). Trees without
 probabilities (the n-gram drafter) are kept as drafted. Lossless: only which draft tokens are
 verified changes; the acceptance walk is the same.
@@ -197,8 +198,8 @@ class Adaptive:
         self._rows = best if best > 1 else None
         for p, st in zip(scored, states, strict=True):
             self._cut(p, st, best - 1, why)
-        # hold only if drafting pays with its cost to come (the gains were read before the cuts)
-        hold = explore is None and best > 1 and \
+        # hold only if drafting pays with its cost to come, priced (a fresh engine's is 0 s)
+        hold = explore is None and best > 1 and rated is not None and rated[1] > 0 and \
             choose(rated, len(seqs), False, SKIP_MARGIN, top)[0] > 1
         same = hold and self._held is not None and self._held[1] == best - 1
         self._span = min(2 * self._span, HOLD_GROWTH * self.redecide) if same else self.redecide

@@ -334,6 +334,27 @@ def test_deferred_bookings_are_the_immediate_ones_taken_before_the_next_shaping(
         assert a.real == pytest.approx(b.real) and a.pred == pytest.approx(b.pred)
 
 
+def test_a_decision_made_before_the_drafter_is_timed_holds_nothing():
+    """A fresh engine's cost model has no drafter time (its warm-up timed a stand-in): the
+    first decisions rate drafting as free, so they are made again each step until a drafter
+    call is booked; then a decision holds."""
+    seq = _seq("a", budget=63)
+    cost = _cost(draft_ms=1.0)
+    cost.clear(verify=False)  # the verify steps timed, the drafter not
+    policy = Adaptive(cost, lambda rows: rows, redecide=8)
+    for step in range(3):
+        plan = _plan(seq, 30 + step, confident=True)
+        policy.shape([plan])
+        assert "held" not in plan.choice.why and "+0.00 draft" in plan.choice.why
+        assert policy.to_draft([seq]) == ([seq], []) and not policy._fast
+    cost.observe_draft(1, 40, 1.0e-3)
+    policy.shape([_plan(seq, 40, confident=True)])
+    assert policy.to_draft([seq]) == ([seq], []) and policy._fast  # held from now on
+    held = _plan(seq, 41, confident=True)
+    policy.shape([held])
+    assert held.choice.why.startswith("held:") and "+1.00 draft" in held.choice.why
+
+
 def test_a_decision_moves_off_the_last_ones_rows_only_for_a_clear_gain():
     """Rows priced within STAY of the last decision's keep it (times a few per cent apart are
     noise); a clearly faster count, or no last decision, takes the best as priced."""
