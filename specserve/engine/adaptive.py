@@ -18,10 +18,9 @@ the client's budget bounds it and the drafter is asked for one size class above 
 to draft, once every cost is measured, holds for REDECIDE steps (a repeat: twice as long, up to
 HOLD_GROWTH × REDECIDE), each request keeping its shape; a grown batch, a skipped request or a
 step where most held shapes were accepted to their deepest node (then explored a size class
-up: `Explorer`) ends it.
-Bookings wait for the next step's verify forward (host work while the GPU runs). Trees without
-probabilities (the n-gram drafter) are kept as drafted. Lossless: only which draft tokens are
-verified changes; the acceptance walk is the same.
+up: `Explorer`) ends it. Bookings wait for the next step's verify forward (host work while the
+GPU runs). Trees without probabilities (the n-gram drafter) are kept as drafted. Lossless: only
+which draft tokens are verified changes; the acceptance walk is the same.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Adaptive speculation's per-request state: how calibrated the drafter has been (accepted
 over expected, by shape), the last drafted tree's curves, the probing schedule, the target's
 confidence on plain steps, its recent accepted length and the shape the request holds between
-the policy's decisions; and the arithmetic of a pick among rated rows (`choose`). The choosing
-itself is engine/adaptive.py's."""
+the policy's decisions; when a saturated hold is explored a size class up (`Explorer`); and
+the arithmetic of a pick among rated rows (`choose`). The choosing itself is
+engine/adaptive.py's."""
 
 from __future__ import annotations
 
