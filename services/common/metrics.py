@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.telemetry import SECONDS_BUCKETS
-from specserve.spec.metrics import FALLBACK_KINDS, fallback_kind
+from specserve.spec.metrics import FALLBACK_KINDS, fallback_kind, reason_kind
 
 __all__ = ["FALLBACK_KINDS", "fallback_kind", "VerifierMetrics", "DrafterMetrics",
            "GatewayMetrics"]
@@ -52,6 +52,9 @@ class VerifierMetrics:
                                  "tree, by reason", ["reason"], registry=r)
         self.shapes = Counter("specserve_adaptive_choices", "Steps by adaptive speculation's "
                               "choice (tree, chain, off = plain decoding)", ["shape"], registry=r)
+        self.reasons = Counter("specserve_adaptive_reasons", "Steps by why adaptive "
+                               "speculation chose its shape (decided, held, explore, plain, …)",
+                               ["reason"], registry=r)
         self.chosen_nodes = Histogram("specserve_adaptive_nodes", "Draft nodes adaptive "
                                       "speculation chose per step",
                                       buckets=(0, 1, 3, 7, 15, 31, 63, 127, 255, 1023),
@@ -82,6 +85,7 @@ class VerifierMetrics:
             self.accepted_per_position.labels(position=str(depth)).inc()
         if step.shape:
             self.shapes.labels(shape=step.shape).inc()
+            self.reasons.labels(reason=reason_kind(step.why or "")).inc()
             self.chosen_nodes.observe(step.tree_size)
 
     def record_engine_step(self, times, decoded: bool) -> None:

@@ -37,7 +37,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.common import telemetry
-from specserve.spec.metrics import StepOutcome, StepTimes
+from specserve.spec.metrics import StepOutcome, StepTimes, reason_kind
 
 
 @dataclass(eq=False)
@@ -199,6 +199,7 @@ class StepTracer:
                 attrs["fallback"] = step.fallback
             if step.shape:  # adaptive speculation: what it chose and why
                 attrs["adaptive.shape"], attrs["adaptive.why"] = step.shape, step.why or ""
+                attrs["adaptive.reason"] = reason_kind(step.why or "")
             step_span.set_attributes(attrs)
         if step.fallback:  # the drafter's answer was lost or unusable: a root-only tree
             draft.set_status(Status(StatusCode.ERROR, step.fallback[:200]))

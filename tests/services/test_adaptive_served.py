@@ -11,6 +11,7 @@ import pytest
 
 from services.common.server import channel
 from services.verifier.server import serve
+from specserve.spec.metrics import reason_kind
 from specserve.v1 import drafter_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.services.test_verifier_drafter import FakeDrafter, _start_fake
 from tests.services.test_verifier_service import (
@@ -63,6 +64,10 @@ async def test_adaptive_choices_travel_with_the_steps(target, expected):
     final = events[-1].final.stats
     assert sum(final.shapes.values()) == len(shaped) and final.steps == len(steps)
     assert 'specserve_adaptive_choices_total{shape="' in body
+    reasons = {reason_kind(e.why) for e in shaped}  # each why has a kind, the metric counts it
+    assert "other" not in reasons and reasons & {"decided", "held", "explore"}
+    for kind in reasons:
+        assert f'specserve_adaptive_reasons_total{{reason="{kind}"}}' in body
     # the cost model the choices were made by: plain decoding's step and the trees', measured
     assert any(k.startswith("verify n=1 rows=1 ") for k in stats.cost_ms)
     assert any(k.startswith("verify n=1 rows=") and not k.startswith("verify n=1 rows=1 ")

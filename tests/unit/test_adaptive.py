@@ -13,13 +13,14 @@ import torch
 
 from specserve.engine import adaptive, adaptive_state, speculative, warmup
 from specserve.engine.adaptive import Adaptive
-from specserve.engine.adaptive_state import State, choose
+from specserve.engine.adaptive_state import EMPTY, State, choose
 from specserve.engine.cost import CostModel, context_class, observe_step
 from specserve.engine.sequence import Sequence
 from specserve.engine.speculative import Planned
 from specserve.spec import shapes
 from specserve.spec.accept import accept
 from specserve.spec.ddtree import build_ddtree, topk_logprobs
+from specserve.spec.metrics import reason_kind
 from specserve.spec.tree import DraftTree, chain_tree, verify_layout
 from specserve.types import SamplingParams
 from tests.fakes import RandomDDTreeDrafter
@@ -249,6 +250,7 @@ def test_policy_takes_big_trees_when_they_pay_and_plain_decoding_when_not():
     assert now == [] and skip == [seq]
     skipped = slow.skipped(seq)
     assert not skipped.drafted and skipped.tree.n == 0 and skipped.choice.shape == "off"
+    assert reason_kind(skipped.choice.why) == "plain"
     assert slow.to_draft([seq])[0] == [seq]  # the probe after two skipped steps
     fresh = _seq("b", budget=63)
     assert slow.to_draft([seq, fresh])[0] == [seq, fresh]  # no curve yet: drafted
@@ -257,6 +259,7 @@ def test_policy_takes_big_trees_when_they_pay_and_plain_decoding_when_not():
     plan = _plan(seq, 2, confident=False)
     dear.shape([plan])
     assert plan.choice.shape == "off" and plan.tree.n == 0 and plan.layout.num_rows == 1
+    assert reason_kind(plan.choice.why) == "decided"  # plain decoding, decided after drafting
 
 
 def test_a_decision_to_draft_holds_its_shapes_until_redecide():
@@ -508,7 +511,7 @@ def test_a_held_shape_accepted_to_its_deepest_node_is_explored_a_size_class_up()
         assert policy.to_draft([seq]) == ([seq], []) and policy._fast
         plan = _asked(seq, seed, policy.draft_budgets([seq])["a"])
         policy.shape([plan])
-        assert plan.choice.why.startswith("held:") and plan.budget < seq.budget
+        assert reason_kind(plan.choice.why) == "held" and plan.budget < seq.budget
         policy.observe_step([(plan, _deepest_path(plan.tree)[:rows], 0)], None)
 
     def decided(seed: int, rows: int | None) -> Planned:
@@ -522,10 +525,11 @@ def test_a_held_shape_accepted_to_its_deepest_node_is_explored_a_size_class_up()
     held(3, None)  # saturated: the hold ends
     assert policy.draft_budgets([seq]) == {"a": 2 * k + 1}
     explored = decided(4, 1)
-    assert explored.choice.why.startswith("explore:") and explored.choice.nodes > k
+    assert reason_kind(explored.choice.why) == "explore" and explored.choice.nodes > k
     assert policy._hold == 0
     stayed = decided(5, None)
     assert stayed.choice.nodes <= k and policy._hold > 0  # the exploration did not pay
+    assert reason_kind(stayed.choice.why) == "decided"
     held(6, None)  # saturated, but the wait has doubled
     held(7, None)
     assert policy.to_draft([seq]) == ([seq], []) and not policy._fast
@@ -846,3 +850,21 @@ def test_a_step_that_builds_a_cuda_graph_is_not_booked(tiny_target, make_engine)
             booked.append((graphs.builds > before[0], engine.cost.table() != before[1]))
     assert (True, False) in booked and (False, True) in booked  # both kinds of step happened
     assert (True, True) not in booked  # a step that built a graph booked nothing
+
+
+def test_every_reason_outside_the_choice_has_a_kind():
+    """The plans the policy did not shape say why (traced as `adaptive.why`), and each why
+    has a kind for the reasons metric: trees without probabilities, budget 0, a fallback, no
+    draft."""
+    seq, zero = _seq("a", budget=15), _seq("z", budget=0)
+    chain = chain_tree(np.array([5, 9, 2]))  # no scores: the n-gram drafter's kind of tree
+    cases = [(Planned(seq, chain, verify_layout(chain, seq.last_token, seq.num_computed), 15),
+              "as_drafted"),
+             (Planned(zero, EMPTY, verify_layout(EMPTY, zero.last_token, 40), 0), "budget_0"),
+             (Planned(seq, EMPTY, verify_layout(EMPTY, seq.last_token, 40), 15,
+                      fallback="drafter_error: DrafterTimeout: no reply"), "fallback"),
+             (Planned(seq, EMPTY, verify_layout(EMPTY, seq.last_token, 40), 15), "no_draft")]
+    policy = Adaptive(_cost(draft_ms=0.3), lambda rows: rows)
+    policy.shape([p for p, _ in cases])
+    assert [reason_kind(p.choice.why) for p, _ in cases] == [kind for _, kind in cases]
+    assert reason_kind("a why no kind names") == "other"
