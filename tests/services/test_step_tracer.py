@@ -213,6 +213,39 @@ def test_fallback_labels_are_a_fixed_set():
     assert stats.fallbacks == {"drafter_unavailable": 2, "drafter_timeout": 1}
 
 
+def test_adaptive_steps_carry_their_shape_why_and_reason(spans):
+    """With adaptive speculation a step span says what was verified and why, and the why's
+    kind; the metrics count the same steps by shape and by reason kind (a fixed label set)."""
+    otel, exporter = spans
+    tracer, m = StepTracer(1, otel), VerifierMetrics()
+    parent = otel.start_span("verifier.request", start_time=T0)
+    tracer.add("r", trace.set_span_in_context(parent))
+    whys = [("tree", 15, "step rows 16: 3.14 tok/step in 7.29 ms (+8.48 draft) = 199 tok/s"),
+            ("tree", 15, "held: step rows 16: 3.14 tok/step in 7.29 ms (+8.48 draft) = 199"),
+            ("tree", 31, "explore: 15 held nodes saturated; step rows 16: 3.14 tok/step"),
+            ("off", 0, "plain decoding expected faster; probe in 3 steps")]
+    t = T0
+    for k, (shape, n, why) in enumerate(whys):
+        tracer.begin_step(t)
+        tracer.open_draft("r")
+        step = StepRecord(63, n, 0, 1, False, shape=shape, why=why)
+        m.record_step(step)
+        tracer.end_step([RequestOutput("r", [1], stats=StepOutcome(step, RequestSpecStats(),
+                                                                    9 + k))],
+                        StepTimes(t, t + 2 * MS, t + 6 * MS, t + 7 * MS))
+        t += 10 * MS
+    tracer.remove("r", t)  # the last step's span ends with the request
+    steps = sorted((s for s in exporter.get_finished_spans() if s.name == "step"),
+                   key=lambda s: s.start_time)
+    assert [(s.attributes["adaptive.shape"], s.attributes["adaptive.why"],
+             s.attributes["adaptive.reason"]) for s in steps] == [
+        (shape, why, kind) for (shape, _, why), kind in
+        zip(whys, ["decided", "held", "explore", "plain"], strict=True)]
+    counted = {s.labels["reason"]: s.value for s in m.reasons.collect()[0].samples
+               if s.name.endswith("_total")}
+    assert counted == {"decided": 1, "held": 1, "explore": 1, "plain": 1}
+
+
 def test_note_draft_puts_events_on_open_draft_spans_only(spans):
     """RemoteDrafter's round-trip stamps land on each traced request's open `draft` span, at
     their own times, in order; untraced or unopened requests get nothing."""
