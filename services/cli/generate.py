@@ -14,6 +14,7 @@ import time
 from services.cli import usage
 from services.cli.client import add_gateway_flags, gateway_channel, rpc_error_text
 from specserve.drafters import registry
+from specserve.spec.metrics import reason_kind
 
 # SamplingParams field (InvalidRequest.param) → the flag that sets it
 PARAM_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k",
@@ -211,6 +212,7 @@ def _steps_json(chunks) -> list[dict]:
     return [{"tokens": len(c.token_ids), "commit_len": c.commit_len,
              "accepted_depth": c.accepted_depth, "tree_size": c.tree_size, "shape": c.shape,
              "fallback": c.fallback, "why": c.why,
+             "reason": reason_kind(c.why) if c.shape else "",  # the why's kind (metrics' label)
              "ms": None if t0 is None else round(1e3 * (t - t0), 3)}
             for t0, (t, c) in zip(before, timed, strict=True)]
 
@@ -232,8 +234,10 @@ def _report(chunks, final, as_json: bool, trace_id: str | None = None,
             **({"logprobs": _logprobs_json(ids, logprobs)} if with_logprobs else {})}))
         return
     reason = final.finish_reason.value if final.finish_reason else "?"
+    shapes = ", ".join(f"{shape} {n}" for shape, n in sorted(stats.shapes.items()))
+    adaptive = f" (adaptive: {shapes})" if shapes else ""  # steps by the shape verified
     print(f"\n[{len(ids)} tokens in {final.wall_s:.2f} s, TTFT {final.ttft_s * 1e3:.0f} ms, "
-          f"mean commit_len {stats.mean_commit_len:.2f} over {stats.steps} steps, "
+          f"mean commit_len {stats.mean_commit_len:.2f} over {stats.steps} steps{adaptive}, "
           f"{sum(stats.fallbacks.values())} fallbacks, finish: {reason}]", file=sys.stderr)
     _print_trace(trace_id)
 

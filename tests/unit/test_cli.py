@@ -63,7 +63,8 @@ class _FakeGateway(gateway_pb2_grpc.GatewayServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"prompt token ids out of vocabulary [0, {VOCAB}): {bad}")
         stats = RequestSpecStats(steps=1, draft_tokens=4, accepted_tokens=1, committed_tokens=2,
-                                 commit_len_hist=Counter({2: 1}), device="cpu")
+                                 commit_len_hist=Counter({2: 1}), device="cpu",
+                                 shapes=Counter({"chain": 1}))
         if request.request_id.startswith("fail-"):  # a traced request that fails mid-stream
             trace = ((wire.TRACE_ID_KEY, "feed0123"),)
             if request.request_id == "fail-initial":
@@ -99,13 +100,23 @@ def test_generate_streams_from_the_gateway(gateway, capsys):
     assert out["verifier"] == "10.0.0.7:50052" and out["trace_id"] is None  # spans not exported
     first, second = out["steps"]
     assert first == {"tokens": 1, "commit_len": 1, "accepted_depth": 0, "tree_size": 0,
-                     "shape": "", "fallback": "", "why": "", "ms": None}
+                     "shape": "", "fallback": "", "why": "", "reason": "", "ms": None}
     assert second.pop("ms") >= 0 and second == {"tokens": 2, "commit_len": 2, "accepted_depth": 1,
                                                 "tree_size": 4, "shape": "chain", "fallback": "",
-                                                "why": "step rows 5: 2.10 tok/step"}
+                                                "why": "step rows 5: 2.10 tok/step",
+                                                "reason": "decided"}
     req = fake.requests[0]
     assert list(req.token_ids.ids) == [1, 2] and list(req.sampling.stop) == ["\n\n"]
     assert req.spec.budget == 7 and not req.sampling.HasField("temperature")
+
+
+def test_generate_summarises_the_adaptive_shapes(gateway, capsys):
+    """Without --json the summary line on stderr counts the steps by adaptive shape."""
+    addr, _ = gateway
+    assert main(["generate", "--gateway", addr, "--token-ids", "1,2"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "hi there"
+    assert "over 1 steps (adaptive: chain 1), 0 fallbacks, finish: length]" in captured.err
 
 
 def test_out_of_vocabulary_ids_are_a_one_line_error(gateway, capsys):
