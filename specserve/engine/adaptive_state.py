@@ -203,7 +203,7 @@ class Explorer:
         """The nodes this decision (its `best` rows; trees of up to `drafted` nodes) verifies
         instead, or None: no exploration due, `best` already goes above, plain decoding won,
         or no drafted tree is bigger than the held size (drafts sent ahead for the hold): then
-        it stays due for the first decision that drafts a bigger one (the hold's end)."""
+        it stays due, and the decision must not hold (`due` is set)."""
         if self.tried is not None:  # the decision after an exploration: did it move up?
             self.wait = 1 if best - 1 > self.tried else min(2 * self.wait, EXPLORE_WAIT)
             self.tried = None
