@@ -198,8 +198,7 @@ class Adaptive:
         for p, st in zip(scored, states, strict=True):
             self._cut(p, st, best - 1, why)
         # hold only if drafting pays with its cost to come, priced (a fresh engine's is 0 s)
-        hold = explore is None and self.explorer.due is None and best > 1 and \
-            rated is not None and rated[1] > 0 and \
+        hold = explore is None and best > 1 and rated is not None and rated[1] > 0 and \
             choose(rated, len(seqs), False, SKIP_MARGIN, top)[0] > 1
         same = hold and self._held is not None and self._held[1] == best - 1
         self._span = min(2 * self._span, HOLD_GROWTH * self.redecide) if same else self.redecide
@@ -288,9 +287,9 @@ class Adaptive:
         self._pending.append((st, (p.choice.shape, classes, accepted_rows, kept, cut, curve)))
         if not defer:
             self.book_pending()
-        if kept is None:  # not a held step's own shape
-            return None
-        return p.tree.n < p.seq.budget and len(accepted_rows) >= p.tree.max_depth
+        held = kept is not None  # a held step's own shape
+        return p.tree.n < p.seq.budget and len(accepted_rows) >= p.tree.max_depth if held \
+            else None
 
     def book_pending(self) -> None:
         """Book what verified trees left (`observe_step`) and the last step's times (the

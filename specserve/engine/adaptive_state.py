@@ -201,19 +201,14 @@ class Explorer:
 
     def at(self, best: int, drafted: int) -> int | None:
         """The nodes this decision (its `best` rows; trees of up to `drafted` nodes) verifies
-        instead, or None: no exploration due, `best` already goes above, plain decoding won,
-        or no drafted tree is bigger than the held size (drafts sent ahead for the hold): then
-        it stays due, and the decision must not hold (`due` is set)."""
+        instead, or None: no exploration due, `best` already goes above, plain decoding won."""
         if self.tried is not None:  # the decision after an exploration: did it move up?
             self.wait = 1 if best - 1 > self.tried else min(2 * self.wait, EXPLORE_WAIT)
             self.tried = None
-        k = self.due
-        if k is None or (drafted <= k and best > 1):
+        k, self.due = self.due, None
+        if k is None or best <= 1 or drafted <= k:
             return None
-        self.due = None
-        if best <= 1:  # plain decoding won
-            return None
-        if best - 1 > k:  # the decision goes above on its own
+        if best - 1 > k:
             self.wait = 1
             return None
         self.tried = k
