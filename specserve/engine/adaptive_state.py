@@ -201,7 +201,9 @@ class Explorer:
 
     def at(self, best: int, drafted: int) -> int | None:
         """The nodes this decision (its `best` rows; trees of up to `drafted` nodes) verifies
-        instead, or None: no exploration due, `best` already goes above, plain decoding won."""
+        instead, or None: no exploration due, `best` already goes above, plain decoding won,
+        or no tree bigger than the held size was drafted (drafts sent ahead for the hold: an
+        exploration there would cost a step drafted at once, not ahead)."""
         if self.tried is not None:  # the decision after an exploration: did it move up?
             self.wait = 1 if best - 1 > self.tried else min(2 * self.wait, EXPLORE_WAIT)
             self.tried = None

@@ -499,7 +499,8 @@ def test_a_held_shape_accepted_to_its_deepest_node_is_explored_a_size_class_up()
     for just that shape; the client's budget allows more), the hold ends and the next decision
     verifies a size class above it where its rates would stay, says so and holds nothing; a
     shape that stops short keeps the hold; after an exploration the decision did not follow,
-    the next hold ends only at its second saturated step."""
+    the next hold ends only at its second saturated step; a decision on drafts sent ahead for
+    the hold (the served path's: no bigger tree drafted) explores nothing and holds again."""
     seq = _seq("a", budget=63)
     steep = _cost(draft_ms=0.3, verify_ms=(1.0, 1.1, 1.2, 1.4, 4.0, 8.0, 16.0))
     policy = Adaptive(steep, lambda rows: rows, redecide=8)
@@ -530,9 +531,13 @@ def test_a_held_shape_accepted_to_its_deepest_node_is_explored_a_size_class_up()
     stayed = decided(5, None)
     assert stayed.choice.nodes <= k and policy._hold > 0  # the exploration did not pay
     assert reason_kind(stayed.choice.why) == "decided"
+    k = policy._held[1]
     held(6, None)  # saturated, but the wait has doubled
     held(7, None)
     assert policy.to_draft([seq]) == ([seq], []) and not policy._fast
+    ahead = _asked(seq, 8, k)  # drafts sent ahead during the hold: the held size only
+    policy.shape([ahead])
+    assert reason_kind(ahead.choice.why) == "decided" and policy._hold > 0  # held again
 
 
 def test_a_shape_never_verified_is_as_calibrated_as_its_nearest_verified_one():
