@@ -216,12 +216,14 @@ def _seq(rid: str, budget: int, start: int = 40) -> Sequence:
     return seq
 
 
-def _plan(seq: Sequence, seed: int, confident: bool) -> Planned:
+def _plan(seq: Sequence, seed: int, confident: bool, ask: int | None = None) -> Planned:
+    """A draft for `seq` of `ask` nodes (what the policy asked the drafter for; None: the
+    request's budget)."""
+    ask = seq.budget if ask is None else ask
     scale = 8.0 if confident else 0.3
-    _, lp, ids = _table(seed, depth=15, vocab=50, k=min(seq.budget, 50), scale=scale)
-    tree = build_ddtree(lp, ids, seq.budget)
-    return Planned(seq, tree, verify_layout(tree, seq.last_token, seq.num_computed),
-                   seq.budget)
+    _, lp, ids = _table(seed, depth=15, vocab=50, k=min(ask, 50), scale=scale)
+    tree = build_ddtree(lp, ids, ask)
+    return Planned(seq, tree, verify_layout(tree, seq.last_token, seq.num_computed), ask)
 
 
 def _cost(draft_ms: float, verify_ms=(1.0, 1.1, 1.2, 1.4, 1.8, 2.6, 2.7)) -> CostModel:
@@ -487,13 +489,6 @@ def _deepest_path(tree: DraftTree) -> list[int]:
     return rows[::-1]
 
 
-def _asked(seq: Sequence, seed: int, ask: int) -> Planned:
-    """A confident draft for `seq` of the `ask` nodes the policy asked the drafter for."""
-    _, lp, ids = _table(seed, depth=15, vocab=50, k=min(ask, 50), scale=8.0)
-    tree = build_ddtree(lp, ids, ask)
-    return Planned(seq, tree, verify_layout(tree, seq.last_token, seq.num_computed), ask)
-
-
 def test_a_held_shape_accepted_to_its_deepest_node_is_explored_a_size_class_up():
     """When most held requests accept their held shape to its deepest node (the drafter asked
     for just that shape; the client's budget allows more), the hold ends and the next decision
@@ -510,14 +505,14 @@ def test_a_held_shape_accepted_to_its_deepest_node_is_explored_a_size_class_up()
 
     def held(seed: int, rows: int | None) -> None:  # a held step, `rows` of its path accepted
         assert policy.to_draft([seq]) == ([seq], []) and policy._fast
-        plan = _asked(seq, seed, policy.draft_budgets([seq])["a"])
+        plan = _plan(seq, seed, True, policy.draft_budgets([seq])["a"])
         policy.shape([plan])
         assert reason_kind(plan.choice.why) == "held" and plan.budget < seq.budget
         policy.observe_step([(plan, _deepest_path(plan.tree)[:rows], 0)], None)
 
     def decided(seed: int, rows: int | None) -> Planned:
         assert policy.to_draft([seq]) == ([seq], []) and not policy._fast
-        plan = _asked(seq, seed, policy.draft_budgets([seq])["a"])
+        plan = _plan(seq, seed, True, policy.draft_budgets([seq])["a"])
         policy.shape([plan])
         policy.observe_step([(plan, _deepest_path(plan.tree)[:rows], 0)], None)
         return plan
@@ -535,7 +530,7 @@ def test_a_held_shape_accepted_to_its_deepest_node_is_explored_a_size_class_up()
     held(6, None)  # saturated, but the wait has doubled
     held(7, None)
     assert policy.to_draft([seq]) == ([seq], []) and not policy._fast
-    ahead = _asked(seq, 8, k)  # drafts sent ahead during the hold: the held size only
+    ahead = _plan(seq, 8, True, k)  # drafts sent ahead during the hold: the held size only
     policy.shape([ahead])
     assert reason_kind(ahead.choice.why) == "decided" and policy._hold > 0  # held again
 
