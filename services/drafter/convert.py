@@ -81,7 +81,7 @@ def entry_from_pb(msg: pb.DraftEntry, device: torch.device, dtype: torch.dtype,
         context = tensor_from_pb(msg.context, device).to(device=device, dtype=dtype)
     request = DraftRequest(request_id=msg.request_id, bonus_token=msg.bonus_token,
                            start=msg.start, budget=msg.budget, max_depth=msg.max_depth,
-                           context=context, context_fused=msg.context_fused)
+                           context=context, context_fused=msg.context_fused, chain=msg.chain)
     return Entry(request, drafter_name(msg.drafter), tuple(msg.new_history))
 
 

@@ -137,7 +137,7 @@ def add_draft_entry(batch: drafter_pb2.DraftBatch, req: DraftRequest, kind: str 
         request_id=req.request_id, drafter=DRAFTER_KINDS.get(kind, 0),
         bonus_token=req.bonus_token, start=req.start, budget=req.budget,
         max_depth=req.max_depth, new_history=[int(t) for t in new_history],
-        trace_context=trace_context or {})
+        trace_context=trace_context or {}, chain=req.chain)
     if context is not None and context.shape[0]:
         fill_context(entry, context, fused)
     return entry

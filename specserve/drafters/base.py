@@ -36,6 +36,9 @@ class DraftRequest:
     # computed by the sender: what crosses hosts instead of the taps)
     context_fused: bool = False
     kind: str | None = None  # which drafter (registry name); None: the drafter's default
+    # the drafter's argmax chain of `budget` nodes, scored, instead of its tree (a DDTree
+    # drafter skips its tree stage; drafters without one answer as they always do)
+    chain: bool = False
 
 
 class Drafter(ABC):

@@ -212,23 +212,42 @@ class DFlashDrafter(Drafter):
         (a top-k and a copy per request made the tree build most of a batch-8 draft step:
         BENCHMARKS.md, "The DFlash drafter at batch 8: one replay a call, one top-k a call"). A
         budget below the call's largest keeps the first columns of its rows (the top-k is
-        sorted)."""
+        sorted). Requests asking for a chain take their argmax rows' log-probs (a top-1), no
+        heap."""
         trees = [DraftTree.empty()] * len(requests)
         live = [i for i, r in enumerate(requests) if r.budget and logits[i].shape[0]]
         if not live:
             return trees
-        parts = [logits[i] for i in live]
-        rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [ΣL, V] float32
-        ends = np.cumsum([p.shape[0] for p in parts])[:-1]  # where each next request's rows start
         if not self.tree:
-            paths = np.split(rows.argmax(dim=-1).cpu().numpy(), ends)  # [L_i] per request
+            paths = np.split(torch.cat([logits[i] for i in live]).argmax(dim=-1).cpu().numpy(),
+                             _ends(logits, live))  # [L_i] per request
             for i, path in zip(live, paths, strict=True):
                 trees[i] = chain_tree(path[: requests[i].budget])
             return trees
-        k = min(max(requests[i].budget for i in live), rows.shape[1])
-        logprobs, token_ids = topk_logprobs(rows, k)  # [ΣL, K] each, on the host
-        for i, lp, ids in zip(live, np.split(logprobs, ends), np.split(token_ids, ends),
-                              strict=True):
+        chains = [i for i in live if requests[i].chain]
+        for i, lp, ids in _tables(logits, chains, 1):  # [L_i, 1] each
+            n = min(requests[i].budget, lp.shape[0])
+            trees[i] = chain_tree(ids[:n, 0], np.minimum(np.cumsum(lp[:n, 0]), 0.0))
+        rest = [i for i in live if not requests[i].chain]
+        k = min(max((requests[i].budget for i in rest), default=1), logits[live[0]].shape[1])
+        for i, lp, ids in _tables(logits, rest, k):  # [L_i, K] each
             k_i = min(requests[i].budget, k)
             trees[i] = build_ddtree(lp[:, :k_i], ids[:, :k_i], requests[i].budget, lp.shape[0])
         return trees
+
+
+def _ends(logits: list[torch.Tensor], idx: list[int]) -> np.ndarray:
+    """Where each next request's rows start in the rows of `idx` laid end to end."""
+    return np.cumsum([logits[i].shape[0] for i in idx])[:-1]
+
+
+def _tables(logits: list[torch.Tensor], idx: list[int], k: int):
+    """(i, log-probs [L_i, k], ids [L_i, k]) for each request i of `idx`: one top-k and one
+    host copy for all of them."""
+    if not idx:
+        return []
+    parts = [logits[i] for i in idx]
+    rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [ΣL, V] float32
+    logprobs, token_ids = topk_logprobs(rows, k)  # [ΣL, k] each, on the host
+    ends = _ends(logits, idx)
+    return zip(idx, np.split(logprobs, ends), np.split(token_ids, ends), strict=True)

@@ -13,14 +13,14 @@ engine/adaptive_state.py), and times from the cost model (engine/cost.py). Befor
 with last step's curves: if plain decoding wins by SKIP_MARGIN nobody is drafted (B = 0, no
 drafter call) but requests without a curve and probes (after 2, 4, … 32 steps, or once the
 target's confidence on plain steps, read every CONFIDENCE_EVERY, says a chain would pay).
-After drafting, the choice is made again with the fresh curves and the trees are cut to it;
-the client's budget bounds it and the drafter is asked for one size class above it. A decision
-to draft, once every cost is measured, holds for REDECIDE steps (a repeat: twice as long, up to
-HOLD_GROWTH × REDECIDE), each request keeping its shape; a grown batch, a skipped request or a
-step where most held shapes were accepted to their deepest node (then explored a size class
-up: `Explorer`) ends it. Bookings wait for the next step's verify forward (host work while the
-GPU runs). Trees without probabilities (the n-gram drafter) are kept as drafted. Lossless: only
-which draft tokens are verified changes; the acceptance walk is the same.
+After drafting, the choice is made again with the fresh curves and the trees are cut to it
+(the client's budget bounds it; the drafter is asked for a size class above it). A decision to
+draft, once every cost is measured, holds for REDECIDE steps (a repeat: twice as long, up to
+HOLD_GROWTH × REDECIDE), each request keeping its shape (a held chain drafted as a chain but on
+the hold's last step); a grown batch, a skipped request or a step where most held shapes were
+accepted to their deepest node (then explored a size class up: `Explorer`) ends it. Bookings
+wait for the next step's verify forward. Trees without probabilities (n-gram) are kept as
+drafted. Lossless: only which draft tokens are verified changes; the acceptance walk is not.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from specserve.engine.adaptive_state import (
     read_confidence,
 )
 from specserve.engine.cost import CostModel, StepPrices, batch_bucket, context_class
-from specserve.engine.speculative import Planned
+from specserve.engine.speculative import Ask, Planned
 from specserve.engine.warmup import candidates, size_classes
 from specserve.spec import shapes
 from specserve.spec.shapes import Choice
@@ -136,26 +136,28 @@ class Adaptive:
             st.probing, st.fresh = st.probing or d, False
         return [s for s, d in zip(seqs, due, strict=True) if not d]
 
-    def ahead(self, seqs) -> dict[str, int] | None:
-        """The drafter budgets of `seqs` for the next step if the decision to draft holds for
-        it (its drafts can be asked for before this step's bookings), else None."""
+    def ahead(self, seqs) -> dict[str, Ask] | None:
+        """The next step's asks for `seqs` if the decision to draft holds for it, else None."""
         states = [self.state.get(s.request_id) for s in seqs]
         if not self._holds(len(seqs), [st for st in states if st and st.curve is not None]):
             return None
         return self.draft_budgets(seqs, held=True)
 
-    def draft_budgets(self, seqs, held: bool | None = None) -> dict[str, int]:
-        """What to ask the drafter for: one size class above the last choice (trees grow a
-        class a step; the heap and top-k of a budget never chosen are not paid for); in a held
-        step the tree holding the held shape (a request joining it: the held size)."""
+    def draft_budgets(self, seqs, held: bool | None = None) -> dict[str, Ask]:
+        """What to ask the drafter for: a size class above the last choice (trees grow a class
+        a step; a budget never chosen is not paid for); in a held step the tree holding the held
+        shape (joining it: the held size), a chain as a chain (no tree stage) but on the hold's
+        last step, whose tree is the next forecast's curve."""
         out, fast = {}, self._fast if held is None else held
+        last = self._hold <= (1 if held else 0)  # `ahead` asks for the step after this one
         for s in seqs:
             st = self.state.get(s.request_id)  # None: a request new to the policy
             if not s.budget or not (fast or (st is not None and st.nodes is not None)):
                 continue
             kept = st.ask if st is not None and st.decision == self._decision else None
-            ask = (kept or self._held[1]) if fast else 2 * st.nodes + 1
-            out[s.request_id] = min(s.budget, ask)
+            chain = bool(fast and kept and st.kind == shapes.CHAIN and not last)
+            ask = st.nodes if chain else (kept or self._held[1]) if fast else 2 * st.nodes + 1
+            out[s.request_id] = Ask(min(s.budget, ask), chain)
         return out
 
     def skipped(self, seq) -> Planned:
@@ -193,8 +195,7 @@ class Adaptive:
         best, why = choose(rated, len(seqs), True, 1.0, top, self._rows)
         if (explore := self.explorer.at(best, max(p.tree.n for p in scored))) is not None:
             best, why = explore + 1, f"explore: {self.explorer.tried} held nodes saturated; {why}"
-        self._wide = advantage(rated) >= WIDE
-        self._rows = best if best > 1 else None
+        self._wide, self._rows = advantage(rated) >= WIDE, (best if best > 1 else None)
         for p, st in zip(scored, states, strict=True):
             self._cut(p, st, best - 1, why)
         # hold only if drafting pays with its cost to come, priced (a fresh engine's is 0 s)

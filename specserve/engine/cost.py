@@ -173,10 +173,11 @@ def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: fl
     seconds (None: not the step's own, as with overlap) with the context rows it carried. A
     draft that also took a prompt's or a skipped stretch's rows costs more once, not every
     step: only steady drafts are booked (none where a request had its first tree: its prompt's
-    context, fed to the drafter during the prefill, is taken in then). A step that built a
-    CUDA graph (the runner's count of builds, `graph_builds`, moved since the last step) timed
-    the capture: nothing is booked (a shape booked once at its capture's cost was never chosen
-    again, so never measured). `defer`: kept for `CostModel.book_pending`."""
+    context, fed to the drafter during the prefill, is taken in then) and none where a chain
+    was asked for (`Ask`: no tree stage; the price is a tree's, which decisions draft). A step
+    that built a CUDA graph (the runner's count of builds, `graph_builds`, moved since the last
+    step) timed the capture: nothing is booked (a shape booked once at its capture's cost was
+    never chosen again, so never measured). `defer`: kept for `CostModel.book_pending`."""
     if defer:
         cost.book_pending()
         cost.pending = (plans, rows, verify_s, draft_s, draft_rows, graph_builds)
@@ -188,7 +189,7 @@ def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: fl
     cost.observe_verify(len(plans), rows or max(p.layout.num_rows for p in plans), ctx, verify_s)
     drafted = sum(1 for p in plans if p.budget and p.drafted)
     if drafted and draft_s is not None and draft_rows <= STEADY_ROWS * drafted \
-            and not any(p.first for p in plans):
+            and not any(p.first or p.chain for p in plans):
         cost.observe_draft(drafted, ctx, draft_s)
 
 

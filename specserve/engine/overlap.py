@@ -109,7 +109,8 @@ class Ahead:
         return set() if self.in_flight is None else {s.request_id for s in self.in_flight.seqs}
 
     def plan(self, seqs: Seq[Sequence], drafter, max_len: int, vocab: int,
-             budgets: dict[str, int] | None = None) -> tuple[list[speculative.Planned], float]:
+             budgets: dict[str, speculative.Ask] | None = None
+             ) -> tuple[list[speculative.Planned], float]:
         """This step's plans (the trees sent ahead where they still hold, the others drafted
         now, with `budgets` where given) and the time spent here (s)."""
         t0 = time.perf_counter()
@@ -126,7 +127,7 @@ class Ahead:
 
 
 def _submit(group: int, seqs: list[Sequence], drafter, max_len: int, ahead: bool = False,
-            budgets: dict[str, int] | None = None) -> _InFlight:
+            budgets: dict[str, speculative.Ask] | None = None) -> _InFlight:
     """Send the drafts of `seqs` (group `group`); what submit raised is kept for the collect."""
     reqs = speculative.draft_requests(seqs, max_len, budgets)
     wanted = [r for r in reqs if r.budget > 0]

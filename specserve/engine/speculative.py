@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +41,7 @@ class Planned:
     drafted: bool = True  # False: adaptive speculation skipped the drafter for it this step
     choice: Choice | None = None  # adaptive speculation's shape (None: the budget as asked)
     first: bool = False  # the request's first draft: the drafter took in its prompt's context
+    chain: bool = False  # the drafter was asked for its argmax chain (`Ask`), not a tree
 
     @property
     def start(self) -> int:
@@ -50,17 +52,25 @@ class Planned:
                             ctx_len=self.start, tree_mask=self.layout.mask, pages=pages)
 
 
+class Ask(NamedTuple):
+    """What adaptive speculation asks the drafter for, for one request."""
+
+    budget: int  # draft nodes (at most the request's budget)
+    chain: bool = False  # the drafter's argmax chain of `budget` nodes, not its tree
+
+
 def draft_requests(seqs: Seq[Sequence], max_len: int,
-                   budgets: dict[str, int] | None = None) -> list[DraftRequest]:
+                   budgets: dict[str, Ask] | None = None) -> list[DraftRequest]:
     """The drafter's requests for `seqs`: each its own budget, or `budgets`' (adaptive)."""
     out = []
     for seq in seqs:
         start = seq.num_computed
         room = min(seq.params.max_tokens - len(seq.output_ids), max_len - 1 - start)
         ctx = torch.cat(seq.pending_context) if seq.pending_context else None
-        budget = seq.budget if budgets is None else budgets.get(seq.request_id, seq.budget)
+        budget, chain = (budgets or {}).get(seq.request_id, (seq.budget, False))
         out.append(DraftRequest(seq.request_id, seq.last_token, start, budget,
-                                max(room, 0), ctx, seq.ids, kind=seq.drafter_kind))
+                                max(room, 0), ctx, seq.ids, kind=seq.drafter_kind,
+                                chain=chain))
     return out
 
 
@@ -98,7 +108,7 @@ def _check_tree(tree: DraftTree, req: DraftRequest, vocab: int) -> str | None:
 
 def plan(
     seqs: Seq[Sequence], drafter: Drafter | None, max_len: int, vocab: int,
-    budgets: dict[str, int] | None = None,
+    budgets: dict[str, Ask] | None = None,
 ) -> tuple[list[Planned], float]:
     """Draft one tree per decoding request; returns the plans and the drafting time (s)."""
     t0 = time.perf_counter()
@@ -144,7 +154,8 @@ def planned(seqs: Seq[Sequence], reqs: Seq[DraftRequest], wanted: Seq[DraftReque
         tree = trees.get(seq.request_id, DraftTree.empty())
         why = fallback.get(seq.request_id) or (entry.get(seq.request_id) if not tree.n else None)
         out.append(Planned(seq, tree, verify_layout(tree, req.bonus_token, req.start),
-                           req.budget, why, first=bool(tree.n) and not seq.drafts))
+                           req.budget, why, first=bool(tree.n) and not seq.drafts,
+                           chain=req.chain))
         seq.drafts += bool(tree.n)
     return out
 

@@ -115,14 +115,17 @@ class DraftTree:
         return int(self.depths.max()) if self.n else 0
 
 
-def chain_tree(token_ids: Sequence[int] | np.ndarray) -> DraftTree:
-    """A chain: node 0 is a child of the root, node i a child of node i - 1."""
+def chain_tree(token_ids: Sequence[int] | np.ndarray,
+               scores: np.ndarray | None = None) -> DraftTree:
+    """A chain: node 0 is a child of the root, node i a child of node i - 1; `scores` [n]
+    float32: each node's path log-probability (None: unscored)."""
     tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # [n] int64
     n = tokens.shape[0]
     return DraftTree(
         token_ids=tokens,
         parents=np.arange(n, dtype=np.int32),  # [n] int32 node i's parent row is i
         depths=np.arange(1, n + 1, dtype=np.int32),  # [n] int32
+        scores=scores,
     )
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecserve/v1/drafter.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"Y\n\nDraftBatch\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x18.specserve.v1.DraftEntry\x12\x0f\n\x07release\x18\x03 \x03(\t\"\x8d\x03\n\nDraftEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x07\x64rafter\x18\x02 \x01(\x0e\x32\x19.specserve.v1.DrafterKind\x12\x13\n\x0b\x62onus_token\x18\x03 \x01(\x03\x12\r\n\x05start\x18\x04 \x01(\x03\x12\x0e\n\x06\x62udget\x18\x05 \x01(\x05\x12\x11\n\tmax_depth\x18\x06 \x01(\x05\x12%\n\x07\x63ontext\x18\x07 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12\x13\n\x0bnew_history\x18\x08 \x03(\x03\x12\x41\n\rtrace_context\x18\t \x03(\x0b\x32*.specserve.v1.DraftEntry.TraceContextEntry\x12-\n\x0b\x63ontext_ref\x18\n \x01(\x0b\x32\x18.specserve.v1.ContextRef\x12\x15\n\rcontext_fused\x18\x0b \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\">\n\nContextRef\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04rows\x18\x03 \x01(\x03\"h\n\tTreeBatch\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12!\n\x05trees\x18\x02 \x03(\x0b\x32\x12.specserve.v1.Tree\x12\x11\n\tforward_s\x18\x03 \x01(\x01\x12\x14\n\x0ctree_build_s\x18\x04 \x01(\x01\"m\n\x04Tree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x0e\n\x06\x64\x65pths\x18\x04 \x03(\x05\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x0e\n\x06scores\x18\x06 \x03(\x02\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x9e\x01\n\x08RingSpec\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\r\n\x05width\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05nonce\x18\x05 \x01(\x0c\x12\x12\n\x08shm_path\x18\x06 \x01(\tH\x00\x12%\n\x04\x63uda\x18\x07 \x01(\x0b\x32\x15.specserve.v1.CudaIpcH\x00\x42\x08\n\x06memory\"\xbe\x01\n\x07\x43udaIpc\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"5\n\rAttachRequest\x12$\n\x04ring\x18\x01 \x01(\x0b\x32\x16.specserve.v1.RingSpec\"z\n\x0b\x41ttachReply\x12\x15\n\rring_attached\x18\x01 \x01(\x08\x12\x12\n\nring_error\x18\x02 \x01(\t\x12\x11\n\tlane_path\x18\x03 \x01(\t\x12\x12\n\nlane_token\x18\x04 \x01(\x0c\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x03\x32\x8b\x01\n\x07\x44rafter\x12>\n\x05\x44raft\x12\x18.specserve.v1.DraftBatch\x1a\x17.specserve.v1.TreeBatch(\x01\x30\x01\x12@\n\x06\x41ttach\x12\x1b.specserve.v1.AttachRequest\x1a\x19.specserve.v1.AttachReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecserve/v1/drafter.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"Y\n\nDraftBatch\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x18.specserve.v1.DraftEntry\x12\x0f\n\x07release\x18\x03 \x03(\t\"\x9c\x03\n\nDraftEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x07\x64rafter\x18\x02 \x01(\x0e\x32\x19.specserve.v1.DrafterKind\x12\x13\n\x0b\x62onus_token\x18\x03 \x01(\x03\x12\r\n\x05start\x18\x04 \x01(\x03\x12\x0e\n\x06\x62udget\x18\x05 \x01(\x05\x12\x11\n\tmax_depth\x18\x06 \x01(\x05\x12%\n\x07\x63ontext\x18\x07 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12\x13\n\x0bnew_history\x18\x08 \x03(\x03\x12\x41\n\rtrace_context\x18\t \x03(\x0b\x32*.specserve.v1.DraftEntry.TraceContextEntry\x12-\n\x0b\x63ontext_ref\x18\n \x01(\x0b\x32\x18.specserve.v1.ContextRef\x12\x15\n\rcontext_fused\x18\x0b \x01(\x08\x12\r\n\x05\x63hain\x18\x0c \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\">\n\nContextRef\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04rows\x18\x03 \x01(\x03\"h\n\tTreeBatch\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12!\n\x05trees\x18\x02 \x03(\x0b\x32\x12.specserve.v1.Tree\x12\x11\n\tforward_s\x18\x03 \x01(\x01\x12\x14\n\x0ctree_build_s\x18\x04 \x01(\x01\"m\n\x04Tree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x0e\n\x06\x64\x65pths\x18\x04 \x03(\x05\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x0e\n\x06scores\x18\x06 \x03(\x02\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x9e\x01\n\x08RingSpec\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\r\n\x05width\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05nonce\x18\x05 \x01(\x0c\x12\x12\n\x08shm_path\x18\x06 \x01(\tH\x00\x12%\n\x04\x63uda\x18\x07 \x01(\x0b\x32\x15.specserve.v1.CudaIpcH\x00\x42\x08\n\x06memory\"\xbe\x01\n\x07\x43udaIpc\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"5\n\rAttachRequest\x12$\n\x04ring\x18\x01 \x01(\x0b\x32\x16.specserve.v1.RingSpec\"z\n\x0b\x41ttachReply\x12\x15\n\rring_attached\x18\x01 \x01(\x08\x12\x12\n\nring_error\x18\x02 \x01(\t\x12\x11\n\tlane_path\x18\x03 \x01(\t\x12\x12\n\nlane_token\x18\x04 \x01(\x0c\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x03\x32\x8b\x01\n\x07\x44rafter\x12>\n\x05\x44raft\x12\x18.specserve.v1.DraftBatch\x1a\x17.specserve.v1.TreeBatch(\x01\x30\x01\x12@\n\x06\x41ttach\x12\x1b.specserve.v1.AttachRequest\x1a\x19.specserve.v1.AttachReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,25 +37,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTBATCH']._serialized_start=71
   _globals['_DRAFTBATCH']._serialized_end=160
   _globals['_DRAFTENTRY']._serialized_start=163
-  _globals['_DRAFTENTRY']._serialized_end=560
-  _globals['_DRAFTENTRY_TRACECONTEXTENTRY']._serialized_start=509
-  _globals['_DRAFTENTRY_TRACECONTEXTENTRY']._serialized_end=560
-  _globals['_CONTEXTREF']._serialized_start=562
-  _globals['_CONTEXTREF']._serialized_end=624
-  _globals['_TREEBATCH']._serialized_start=626
-  _globals['_TREEBATCH']._serialized_end=730
-  _globals['_TREE']._serialized_start=732
-  _globals['_TREE']._serialized_end=841
-  _globals['_RELEASEREQUEST']._serialized_start=843
-  _globals['_RELEASEREQUEST']._serialized_end=880
-  _globals['_RINGSPEC']._serialized_start=883
-  _globals['_RINGSPEC']._serialized_end=1041
-  _globals['_CUDAIPC']._serialized_start=1044
-  _globals['_CUDAIPC']._serialized_end=1234
-  _globals['_ATTACHREQUEST']._serialized_start=1236
-  _globals['_ATTACHREQUEST']._serialized_end=1289
-  _globals['_ATTACHREPLY']._serialized_start=1291
-  _globals['_ATTACHREPLY']._serialized_end=1413
-  _globals['_DRAFTER']._serialized_start=1416
-  _globals['_DRAFTER']._serialized_end=1555
+  _globals['_DRAFTENTRY']._serialized_end=575
+  _globals['_DRAFTENTRY_TRACECONTEXTENTRY']._serialized_start=524
+  _globals['_DRAFTENTRY_TRACECONTEXTENTRY']._serialized_end=575
+  _globals['_CONTEXTREF']._serialized_start=577
+  _globals['_CONTEXTREF']._serialized_end=639
+  _globals['_TREEBATCH']._serialized_start=641
+  _globals['_TREEBATCH']._serialized_end=745
+  _globals['_TREE']._serialized_start=747
+  _globals['_TREE']._serialized_end=856
+  _globals['_RELEASEREQUEST']._serialized_start=858
+  _globals['_RELEASEREQUEST']._serialized_end=895
+  _globals['_RINGSPEC']._serialized_start=898
+  _globals['_RINGSPEC']._serialized_end=1056
+  _globals['_CUDAIPC']._serialized_start=1059
+  _globals['_CUDAIPC']._serialized_end=1249
+  _globals['_ATTACHREQUEST']._serialized_start=1251
+  _globals['_ATTACHREQUEST']._serialized_end=1304
+  _globals['_ATTACHREPLY']._serialized_start=1306
+  _globals['_ATTACHREPLY']._serialized_end=1428
+  _globals['_DRAFTER']._serialized_start=1431
+  _globals['_DRAFTER']._serialized_end=1570
 # @@protoc_insertion_point(module_scope)

@@ -18,7 +18,7 @@ class DraftBatch(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[DraftEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DraftEntry(_message.Message):
-    __slots__ = ("request_id", "drafter", "bonus_token", "start", "budget", "max_depth", "context", "new_history", "trace_context", "context_ref", "context_fused")
+    __slots__ = ("request_id", "drafter", "bonus_token", "start", "budget", "max_depth", "context", "new_history", "trace_context", "context_ref", "context_fused", "chain")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class DraftEntry(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_REF_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FUSED_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     drafter: _common_pb2.DrafterKind
     bonus_token: int
@@ -48,7 +49,8 @@ class DraftEntry(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     context_ref: ContextRef
     context_fused: bool
-    def __init__(self, request_id: _Optional[str] = ..., drafter: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., bonus_token: _Optional[int] = ..., start: _Optional[int] = ..., budget: _Optional[int] = ..., max_depth: _Optional[int] = ..., context: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_history: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., context_ref: _Optional[_Union[ContextRef, _Mapping]] = ..., context_fused: _Optional[bool] = ...) -> None: ...
+    chain: bool
+    def __init__(self, request_id: _Optional[str] = ..., drafter: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., bonus_token: _Optional[int] = ..., start: _Optional[int] = ..., budget: _Optional[int] = ..., max_depth: _Optional[int] = ..., context: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., new_history: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., context_ref: _Optional[_Union[ContextRef, _Mapping]] = ..., context_fused: _Optional[bool] = ..., chain: _Optional[bool] = ...) -> None: ...
 
 class ContextRef(_message.Message):
     __slots__ = ("generation", "offset", "rows")

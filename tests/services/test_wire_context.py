@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services.common.convert import MAX_TENSOR_RANK, tensor_from_pb, tensor_to_pb
+from services.drafter import convert as drafter_convert
 from services.verifier import convert
 from services.verifier.context_rows import MAX_CHUNKS
 from services.verifier.drafter_client import RemoteDrafter
@@ -40,6 +41,18 @@ def test_context_rows_in_place_round_trip_exactly():
         got = tensor_from_pb(a.context)
         assert got.dtype == dtype and torch.equal(got, rows)
         got[0, 0] = 0  # the host copy is the caller's own (writable)
+
+
+def test_a_chain_ask_crosses_the_wire():
+    """`DraftRequest.chain` (adaptive's held chains) reaches the drafter's request as sent."""
+    batch = convert.draft_batch(1)
+    for rid, chain in (("c", True), ("t", False)):
+        convert.add_draft_entry(batch, DraftRequest(rid, 3, 40, 7, 9, chain=chain), None, None,
+                                [3])
+    wire = drafter_pb2.DraftBatch.FromString(batch.SerializeToString())
+    got = [drafter_convert.entry_from_pb(e, torch.device("cpu"), torch.float32).request
+           for e in wire.entries]
+    assert [(r.request_id, r.budget, r.chain) for r in got] == [("c", 7, True), ("t", 7, False)]
 
 
 def _random_tensor_msg(rng: random.Random) -> common_pb2.Tensor:

@@ -16,7 +16,7 @@ from specserve.engine.adaptive import Adaptive
 from specserve.engine.adaptive_state import EMPTY, State, choose
 from specserve.engine.cost import CostModel, context_class, observe_step
 from specserve.engine.sequence import Sequence
-from specserve.engine.speculative import Planned
+from specserve.engine.speculative import Ask, Planned
 from specserve.spec import shapes
 from specserve.spec.accept import accept
 from specserve.spec.ddtree import build_ddtree, topk_logprobs
@@ -216,14 +216,16 @@ def _seq(rid: str, budget: int, start: int = 40) -> Sequence:
     return seq
 
 
-def _plan(seq: Sequence, seed: int, confident: bool, ask: int | None = None) -> Planned:
-    """A draft for `seq` of `ask` nodes (what the policy asked the drafter for; None: the
-    request's budget)."""
-    ask = seq.budget if ask is None else ask
+def _plan(seq: Sequence, seed: int, confident: bool, ask: Ask | None = None) -> Planned:
+    """A draft for `seq` as the policy asked the drafter for it (None: the request's budget):
+    a DDTree of that budget, or its argmax chain with path log-probs, as DFlash drafts them."""
+    budget, chain = (seq.budget, False) if ask is None else ask
     scale = 8.0 if confident else 0.3
-    _, lp, ids = _table(seed, depth=15, vocab=50, k=min(ask, 50), scale=scale)
-    tree = build_ddtree(lp, ids, ask)
-    return Planned(seq, tree, verify_layout(tree, seq.last_token, seq.num_computed), ask)
+    _, lp, ids = _table(seed, depth=15, vocab=50, k=1 if chain else min(budget, 50), scale=scale)
+    tree = chain_tree(ids[:budget, 0], np.cumsum(lp[:budget, 0])) if chain else \
+        build_ddtree(lp, ids, budget)
+    return Planned(seq, tree, verify_layout(tree, seq.last_token, seq.num_computed), budget,
+                   chain=chain)
 
 
 def _cost(draft_ms: float, verify_ms=(1.0, 1.1, 1.2, 1.4, 1.8, 2.6, 2.7)) -> CostModel:
@@ -279,12 +281,14 @@ def test_a_decision_to_draft_holds_its_shapes_until_redecide():
     for step in range(3):
         assert policy.to_draft([seq]) == ([seq], [])
         asked, nodes = policy.draft_budgets([seq])["a"], st.nodes
-        plan = _plan(seq, 10 + step, confident=True)
+        plan = _plan(seq, 10 + step, True, asked)
         policy.shape([plan])
         if step < 2:  # held: the asked tree holds the shape, which is kept
-            assert asked == st.ask and plan.choice.shape == chosen.shape
+            assert asked == (Ask(st.ask) if chosen.shape == "tree" or step == 1 else
+                             Ask(st.nodes, chain=True))  # the hold's last: a tree, for its curve
+            assert plan.choice.shape == chosen.shape
             assert plan.choice.why == f"held: {chosen.why}" and st.cut is None
-            assert plan.tree.n == min(chosen.nodes, asked) == plan.layout.num_rows - 1
+            assert plan.tree.n == min(chosen.nodes, asked.budget) == plan.layout.num_rows - 1
             key = (chosen.shape, st.nodes)  # its own shape is booked, nothing else
             before = dict(st.own.real), dict(st.own.pred)
             policy.observe(plan, [1])  # one node accepted
@@ -295,7 +299,7 @@ def test_a_decision_to_draft_holds_its_shapes_until_redecide():
             # the hold's last step gives the next decision a curve of its own drafter
             assert (st.curve is curve) == (step == 0)
         else:  # the third step decides afresh, on a tree one class above
-            assert asked == min(63, 2 * nodes + 1)
+            assert asked == Ask(min(63, 2 * nodes + 1))
             assert "held" not in plan.choice.why and st.cut is not None
     fresh = [_seq(f"b{i}", budget=63) for i in range(3)]  # a bigger bucket ends the hold
     policy.shape([_plan(seq, 20, confident=True)])
@@ -396,6 +400,39 @@ def test_a_decision_repeating_the_last_holds_twice_as_long_up_to_a_cap():
     assert len({nodes for _, nodes in decided}) > 1  # and a changed choice started over
 
 
+def test_a_held_chain_is_drafted_as_a_chain_but_on_the_holds_last_step():
+    """A held chain is asked of the drafter as a chain (its argmax path, scored: no top-k
+    tables, no heap), now and in the drafts sent ahead, and kept and booked as the chain it
+    holds; the hold's last step asks for the tree again (the next forecast's curve). A step
+    with a chain asked books no drafting time: the decisions price a tree's."""
+    seq = _seq("a", budget=63)
+    cost = _cost(draft_ms=0.3, verify_ms=(1.0, 1.1, 1.2, 1.4, 4.0, 8.0, 16.0))
+    policy = Adaptive(cost, lambda rows: rows, redecide=4)
+    for k in (1, 3, 7, 15, 31, 63):  # chains have accepted 6 × what they were expected to
+        policy.shared.book(("chain", k), 3.0, 0.5)
+    policy.shape([_plan(seq, 1, confident=True)])
+    st = policy.state["a"]
+    assert st.kind == "chain" and 1 < st.nodes < st.ask and policy._hold == 3
+    for step in range(3):
+        assert policy.to_draft([seq]) == ([seq], []) and policy._fast
+        asked = policy.draft_budgets([seq])["a"]
+        assert asked == (Ask(st.nodes, chain=True) if step < 2 else Ask(st.ask))
+        plan = _plan(seq, 10 + step, True, asked)
+        policy.shape([plan])
+        assert plan.choice.shape == "chain" and plan.tree.n == plan.choice.nodes <= st.nodes
+        assert plan.tree.n == st.nodes or not asked.chain  # a tree's may hold less of it
+        assert np.array_equal(plan.tree.depths, np.arange(1, plan.tree.n + 1))
+        before = {k: list(e.recent) for k, e in cost.draft.items()}
+        observe_step(cost, [plan], 0, 1e-3, 9e-3, 0)
+        after = {k: list(e.recent) for k, e in cost.draft.items()}
+        assert (after == before) == (step < 2)  # 9 ms booked from the tree's step only
+        policy.observe(plan, [1, 2])
+        assert st.own.real[("chain", st.nodes)] > 0
+        ahead = policy.ahead([seq])
+        assert ahead == ({"a": Ask(st.nodes, chain=True)} if step == 0 else
+                         {"a": Ask(st.ask)} if step == 1 else None)
+
+
 def test_a_held_decision_outlives_finished_requests_and_takes_in_new_ones():
     """A request that finishes leaves the hold standing; a new one joins it with the held
     size's DDTree prefix (the drafter asked for just that); a request that the last decision
@@ -407,15 +444,15 @@ def test_a_held_decision_outlives_finished_requests_and_takes_in_new_ones():
     k, ask, kind = st.nodes, st.ask, st.kind
     assert 1 <= k < 63 and policy.state["b"].nodes == k
     policy.release("b")  # b finished
-    assert policy.to_draft([a]) == ([a], []) and policy.draft_budgets([a]) == {"a": ask}
+    assert policy.to_draft([a]) == ([a], []) and policy.draft_budgets([a]) == {"a": Ask(ask)}
     plan = _plan(a, 3, confident=True)
     policy.shape([plan])
     assert plan.choice.why.startswith("held:") and plan.choice.shape == kind
     d = _seq("d", budget=63)  # its prompt just done: the drafts sent ahead ask the held size
-    assert policy.ahead([a, d]) == {"a": ask, "d": k}
+    assert policy.ahead([a, d]) == {"a": Ask(ask), "d": Ask(k)}
     assert policy.ahead([a, c, d]) is None  # a bigger bucket than the decision priced
     assert policy.to_draft([a, c]) == ([a, c], [])  # c is new: it joins
-    assert policy.draft_budgets([a, c]) == {"a": ask, "c": k}
+    assert policy.draft_budgets([a, c]) == {"a": Ask(ask), "c": Ask(k)}
     joined = _plan(c, 4, confident=True)
     policy.shape([_plan(a, 5, confident=True), joined])
     assert joined.choice.shape == "tree" and joined.tree.n == k == joined.layout.num_rows - 1
@@ -427,7 +464,7 @@ def test_a_held_decision_outlives_finished_requests_and_takes_in_new_ones():
     apart.shape([_plan(a, 1, confident=True)])
     apart.shape([_plan(b, 2, confident=True)])  # a second decision, without a
     assert apart.to_draft([a, b]) == ([a, b], []) and not apart._fast
-    assert apart.draft_budgets([a])["a"] == min(63, 2 * apart.state["a"].nodes + 1)
+    assert apart.draft_budgets([a])["a"] == Ask(min(63, 2 * apart.state["a"].nodes + 1))
 
 
 def test_a_skipping_request_is_probed_once_the_target_is_sure_of_its_plain_steps():
@@ -519,7 +556,7 @@ def test_a_held_shape_accepted_to_its_deepest_node_is_explored_a_size_class_up()
 
     held(2, 1)  # stopped short
     held(3, None)  # saturated: the hold ends
-    assert policy.draft_budgets([seq]) == {"a": 2 * k + 1}
+    assert policy.draft_budgets([seq]) == {"a": Ask(2 * k + 1)}
     explored = decided(4, 1)
     assert reason_kind(explored.choice.why) == "explore" and explored.choice.nodes > k
     assert policy._hold == 0
@@ -530,7 +567,7 @@ def test_a_held_shape_accepted_to_its_deepest_node_is_explored_a_size_class_up()
     held(6, None)  # saturated, but the wait has doubled
     held(7, None)
     assert policy.to_draft([seq]) == ([seq], []) and not policy._fast
-    ahead = _plan(seq, 8, True, k)  # drafts sent ahead during the hold: the held size only
+    ahead = _plan(seq, 8, True, Ask(k))  # drafts sent ahead during the hold: the held size only
     policy.shape([ahead])
     assert reason_kind(ahead.choice.why) == "decided" and policy._hold > 0  # held again
 

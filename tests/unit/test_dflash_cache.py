@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -193,3 +195,25 @@ def test_a_call_builds_each_tree_from_its_own_rows(graphs):
                 assert np.array_equal(getattr(tree, field), getattr(want, field)), field
             assert path.token_ids.tolist() == lg.argmax(-1)[: r.budget].tolist()
     assert ddtree.last_stats.block_rows == BLOCK + 3  # a full block and one of depth 2
+
+
+def test_a_chain_ask_is_the_argmax_path_scored_beside_trees_in_the_same_call():
+    """A request asking for a chain gets its rows' argmax tokens, `budget` deep at most, each
+    node scored with its path's log-probability (the log-softmax of torch, summed); the trees
+    asked for in the same call are the trees they are alone."""
+    drafter, raw = (DFlashDrafter(tiny_model(seed=4), 40, 4) for _ in range(2))
+    batch = [request("t", 11, features(11, 1), bonus=5, budget=6),
+             replace(request("c", 7, features(7, 2), bonus=9, budget=3), chain=True),
+             replace(request("d", 13, features(13, 3), bonus=2, budget=40), chain=True)]
+    logits = raw.draft_logits(batch)
+    trees = drafter.draft(batch)
+    want = build_ddtree(*topk_logprobs(logits[0], 6), budget=6, max_depth=BLOCK - 1)
+    for field in ("token_ids", "parents", "depths", "scores"):
+        assert np.array_equal(getattr(trees[0], field), getattr(want, field)), field
+    for r, lg, tree in zip(batch[1:], logits[1:], trees[1:], strict=True):
+        best, ids = torch.log_softmax(lg.double(), dim=-1).max(dim=-1)  # [L] each
+        n = min(r.budget, lg.shape[0])
+        assert tree.n == n and tree.token_ids.tolist() == ids[:n].tolist()
+        assert tree.parents.tolist() == list(range(n)) and tree.depths.tolist() == \
+            list(range(1, n + 1))
+        np.testing.assert_allclose(tree.scores, best.cumsum(0)[:n].numpy(), rtol=1e-5)
