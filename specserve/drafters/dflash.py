@@ -226,9 +226,9 @@ class DFlashDrafter(Drafter):
                 trees[i] = chain_tree(path[: requests[i].budget])
             return trees
         chains = [i for i in live if requests[i].chain]
-        for i, lp, ids in _argmax_tables(logits, chains):  # [L_i] each
+        for i, lp, ids in _tables(logits, chains, 1):  # [L_i, 1] each
             n = min(requests[i].budget, lp.shape[0])
-            trees[i] = chain_tree(ids[:n], np.minimum(np.cumsum(lp[:n]), 0.0))
+            trees[i] = chain_tree(ids[:n, 0], np.minimum(np.cumsum(lp[:n, 0]), 0.0))
         rest = [i for i in live if not requests[i].chain]
         k = min(max((requests[i].budget for i in rest), default=1), logits[live[0]].shape[1])
         for i, lp, ids in _tables(logits, rest, k):  # [L_i, K] each
@@ -240,20 +240,6 @@ class DFlashDrafter(Drafter):
 def _ends(logits: list[torch.Tensor], idx: list[int]) -> np.ndarray:
     """Where each next request's rows start in the rows of `idx` laid end to end."""
     return np.cumsum([logits[i].shape[0] for i in idx])[:-1]
-
-
-def _argmax_tables(logits: list[torch.Tensor], idx: list[int]):
-    """(i, log-probs [L_i], ids [L_i]) of each row's argmax for each request i of `idx`: one
-    max and one log-sum-exp (a top-k of one costs a sort's passes), one host copy."""
-    if not idx:
-        return []
-    rows = torch.cat([logits[i] for i in idx]).float()  # [ΣL, V]
-    best, ids = rows.max(dim=-1)  # [ΣL] each
-    lp = best - torch.logsumexp(rows, dim=-1)  # [ΣL] float32, ≤ 0
-    host = torch.stack((lp.view(torch.int32), ids.to(torch.int32))).cpu().numpy()  # [2, ΣL]
-    ends = _ends(logits, idx)
-    return zip(idx, np.split(host[0].view(np.float32), ends), np.split(host[1].astype(np.int64),
-                                                                      ends), strict=True)
 
 
 def _tables(logits: list[torch.Tensor], idx: list[int], k: int):
