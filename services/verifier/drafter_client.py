@@ -203,7 +203,6 @@ class RemoteDrafter(Drafter):
         trees = self.entries.trees(requests, reply, marks)
         if self.entries.errors:
             self._check_ring(self.entries.errors.values())
-        self.tree_s = reply.tree_build_s
         self.profile.update(draft_build=(stamps[2] - stamps[0]) * 1e-9,
                             draft_wait=(stamps[3] - stamps[2]) * 1e-9,
                             drafter_work=reply.forward_s + reply.tree_build_s,

@@ -48,7 +48,6 @@ class Drafter(ABC):
     needs_context = False  # True: requests carry the target's tap-layer features
     graphs = None  # the drafter's CUDA-graph runner (warm-up captures it), or None
     asynchronous = False  # True: `submit` drafts while the caller works on (engine/overlap.py)
-    tree_s: float | None = None  # the last call's tree stage (s), as timed by it; None: untold
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from specserve.engine.adaptive_rates import advantage, choose
 from specserve.engine.adaptive_state import (
     EMPTY,
     SHARED_DECAY,
     Explorer,
     Ratios,
     State,
+    advantage,
+    choose,
     drafting,
     outside,
     plain_plan,
@@ -191,13 +192,12 @@ class Adaptive:
             self._prior[p.seq.drafter_kind] = st
         seqs, states = [p.seq for p in scored], [self.state[p.seq.request_id] for p in scored]
         rated, top = self._rated(seqs, states), max(s.budget for s in seqs)
-        best, kind, why = choose(rated, len(seqs), True, 1.0, top, self._rows)
+        best, why = choose(rated, len(seqs), True, 1.0, top, self._rows)
         if (explore := self.explorer.at(best, max(p.tree.n for p in scored))) is not None:
-            best, kind = explore + 1, shapes.TREE
-            why = f"explore: {self.explorer.tried} held nodes saturated; {why}"
+            best, why = explore + 1, f"explore: {self.explorer.tried} held nodes saturated; {why}"
         self._wide, self._rows = advantage(rated) >= WIDE, (best if best > 1 else None)
         for p, st in zip(scored, states, strict=True):
-            self._cut(p, st, best - 1, why, kind == shapes.CHAIN)
+            self._cut(p, st, best - 1, why)
         # hold only if drafting pays with its cost to come, priced (a fresh engine's is 0 s)
         hold = explore is None and best > 1 and rated is not None and rated[1] > 0 and \
             choose(rated, len(seqs), False, SKIP_MARGIN, top)[0] > 1
@@ -225,9 +225,9 @@ class Adaptive:
         p.choice = Choice(st.kind, p.tree.n, f"held: {st.why}")
         st.kept = ((st.kind, st.nodes), p.tree)  # booked by `observe`
 
-    def _cut(self, p: Planned, st: State, k: int, why: str, chain: bool) -> None:
+    def _cut(self, p: Planned, st: State, k: int, why: str) -> None:
         st.skipped = 0
-        kind = shapes.CHAIN if chain else st.gain(k, p.budget)[1]
+        _, kind = st.gain(k, p.budget)
         st.cut = None
         if k <= 0 or kind == shapes.OFF:  # the next draft asks as much as the last choice did
             p.tree, p.choice = EMPTY, Choice(shapes.OFF, 0, why)
@@ -252,21 +252,16 @@ class Adaptive:
                       max(s.budget for s in seqs))
 
     def _rated(self, seqs, states, gain=State.gain) -> tuple | None:
-        """(candidates, the drafting a call of the largest trees costs) for `choose`: plain
-        decoding, trees and chains of each size class (engine/adaptive_rates.py), or None
-        while a shape is unmeasured."""
+        """([(rows, expected tokens of the step, verify seconds)] for plain decoding and each
+        size class, drafting seconds), or None while a shape is unmeasured."""
         times = self.prices(len(seqs), max(s.num_computed for s in seqs),
                             candidates(max(s.budget for s in seqs)))
         if times is None:
             return None
-        pairs, out = list(zip(states, (s.budget for s in seqs), strict=True)), []
-        for rows, t, tree_s, chain_s in times:
-            out.append((rows, shapes.TREE if rows > 1 else shapes.OFF,
-                        sum(1 + gain(st, rows - 1, budget)[0] for st, budget in pairs), t, tree_s))
-            if rows > 1:
-                out.append((rows, shapes.CHAIN, sum(1 + st.chain_gain(rows - 1, budget)
-                                                    for st, budget in pairs), t, chain_s))
-        return out, times[-1][2]
+        verify, draft = times
+        pairs = list(zip(states, (s.budget for s in seqs), strict=True))
+        return [(rows, sum(1 + gain(st, rows - 1, budget)[0] for st, budget in pairs), t)
+                for rows, t in verify], draft
 
     def observe_step(self, verified: list[tuple[Planned, list[int], int]], logits,
                      defer: bool = False) -> None:

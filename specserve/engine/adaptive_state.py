@@ -1,8 +1,9 @@
 """Adaptive speculation's per-request state: how calibrated the drafter has been (accepted
 over expected, by shape), the last drafted tree's curves, the probing schedule, the target's
 confidence on plain steps, its recent accepted length and the shape the request holds between
-the policy's decisions; and when a saturated hold is explored a size class up (`Explorer`).
-The rating is engine/adaptive_rates.py's, the choosing engine/adaptive.py's."""
+the policy's decisions; when a saturated hold is explored a size class up (`Explorer`); and
+the arithmetic of a pick among rated rows (`choose`). The choosing itself is
+engine/adaptive.py's."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ EMPTY = DraftTree.empty()  # the root-only tree of a step without a draft
 PRIOR = 2.0  # pseudo-tokens pulling a shape's calibration towards 1 (trust the drafter)
 DECAY = 0.9
 SHARED_DECAY = 0.99  # the calibration every request shares: a property of the drafter
+STAY = 1.05  # a decision moves off the last one's rows only when expected this much faster
 EXPLORE_WAIT = 16  # saturated held steps an exploration waits for, at most
 
 
@@ -82,9 +84,9 @@ class State:
     confidence: float | None = None  # moving mean of the target's top-1 probability, plain steps
     fresh: bool = False  # confidence read since the last probe decision
     recent: float | None = None  # moving mean of the accepted length on its drafted steps
-    # gain() by (k, budget), chain_gain() by (k, budget, "chain"), until this request books or
-    # draws a new curve (the shared part moves slowly: it is read at the next booking)
-    gains: dict[tuple, tuple[float, str]] = field(default_factory=dict)
+    # gain() by (k, budget) until this request books or draws a new curve (the shared part
+    # moves slowly: it is read again at the request's next booking)
+    gains: dict[tuple[int, int], tuple[float, str]] = field(default_factory=dict)
 
     def take_curve(self, tree) -> None:
         """The curves of the request's newly drafted `tree` (DraftTree with scores)."""
@@ -104,23 +106,12 @@ class State:
             got = self.gains[(k, budget)] = self._gain(min(k, budget))
         return got
 
-    def chain_gain(self, k: int, budget: int) -> float:
-        """Calibrated expected accepted length of the chain of `k` nodes (≤ budget)."""
-        if self.curve is None or k <= 0:
-            return 0.0
-        got = self.gains.get((k, budget, shapes.CHAIN))
-        if got is None:
-            got = self.gains[(k, budget, shapes.CHAIN)] = \
-                (self._calibrated(shapes.CHAIN, min(k, budget)), shapes.CHAIN)
-        return got[0]
-
-    def _calibrated(self, kind: str, k: int) -> float:
-        cv = self.curve  # never past its depth
-        return min(self.calibration((kind, k)) * cv.expected(kind, k), cv.depth(kind, k))
-
     def _gain(self, k: int) -> tuple[float, str]:
         cv = self.curve
-        tree, chain = self._calibrated(shapes.TREE, k), self._calibrated(shapes.CHAIN, k)
+        tree = min(self.calibration((shapes.TREE, k)) * cv.expected(shapes.TREE, k),
+                   cv.depth(shapes.TREE, k))  # never past its depth
+        chain = min(self.calibration((shapes.CHAIN, k)) * cv.expected(shapes.CHAIN, k),
+                    cv.depth(shapes.CHAIN, k))
         if cv.chain_inside(k):  # the prefix holds the chain: it accepts at least as much
             return max(tree, chain), shapes.TREE
         return (chain, shapes.CHAIN) if chain > tree else (tree, shapes.TREE)
@@ -237,6 +228,38 @@ def read_confidence(plain: list[tuple[State, int]], logits: torch.Tensor) -> Non
         st.confidence = top if st.skipped <= 1 or st.confidence is None else \
             0.5 * st.confidence + 0.5 * top
         st.fresh = True
+
+
+def choose(rated: tuple | None, n: int, drafted: bool, margin: float, top: int,
+           held: int | None = None) -> tuple[int, str]:
+    """The pick among the rated rows of a step (engine/adaptive.py `_rated`): (rows, why).
+    Once `drafted`, plain decoding's step carries the drafting time too (it is spent); plain
+    decoding wins only by `margin`, and where rows `held` were chosen last, another rows count
+    only by STAY (step times measured a few per cent apart are noise, not a reason to move)."""
+    if rated is None:
+        return top + 1, "unmeasured: the client's budget"
+    rates, draft = _rates(rated, drafted), rated[1]
+    weight = {1: 1.0 / margin} if held is None else {held: STAY, 1: 1.0 / margin}
+    rate, rows, tokens, t = max(rates, key=lambda r: (r[0] * weight.get(r[1], 1.0), r[1]))
+    return rows, (f"step rows {rows}: {tokens / n:.2f} tok/step in {t * 1e3:.2f} ms "
+                  f"(+{draft * 1e3:.2f} draft) = {rate:.0f} tok/s; plain {rates[0][0]:.0f} tok/s")
+
+
+def advantage(rated: tuple | None) -> float:
+    """The best drafted rows' tokens/s over plain decoding's, the drafting still to pay (`choose`'s
+    rates; 0 while a shape is unmeasured)."""
+    if rated is None:
+        return 0.0
+    rates = _rates(rated, False)
+    return max((r[0] for r in rates if r[1] > 1), default=0.0) / rates[0][0]
+
+
+def _rates(rated: tuple, drafted: bool) -> list[tuple[float, int, float, float]]:
+    """(tokens/s, rows, tokens, verify seconds) of each rated rows, plain decoding's first;
+    `drafted`: the drafting is spent, so plain decoding's step carries it too."""
+    verify, draft = rated
+    return [(tokens / (t + (draft if rows > 1 or drafted else 0.0)), rows, tokens, t)
+            for rows, tokens, t in verify]
 
 
 def drafting(states: list[State]) -> list:

@@ -1,12 +1,10 @@
 """The verifier's step cost model: measured seconds by shape, kept current while serving.
 
-Owns three tables of recent samples, filled from the engine's own steps (the warm-up's steps
+Owns two tables of recent samples, filled from the engine's own steps (the warm-up's steps
 first: one tree per rows bucket, for one request and for each batch bucket): the verify part of a
 decode step (batched forward + accept + commit, the time a step costs without drafting) keyed by
-(batch bucket, rows per request, context class); the drafter call (its forward and, for the
-drafter service, the round trip) keyed by (batch bucket, context class); and the drafter's tree
-stage (top-k tables and heaps, or a chain's top-1, as the drafter reports it) keyed by (batch
-bucket, size class asked), so a bigger tree is priced by its own stage. A context class
+(batch bucket, rows per request, context class), and the drafter call (its forward, trees and,
+for the drafter service, the round trip) keyed by (batch bucket, context class). A context class
 is the context's bit length (…, 1k, 2k, 4k, …). An entry's value is the lower quartile of its
 last WINDOW samples: step times are floored by the work and spiked by what else runs (a first
 launch's compile or graph capture, the host, a neighbour on the GPU), so a low quantile follows
@@ -32,10 +30,6 @@ WINDOW = 8  # recent samples an entry keeps
 TRUSTED = 4  # samples past which an entry is its own lower quartile, not capped by others
 REFRESH = 16  # verify observations between re-estimates (envelope and shapes not measured)
 STEADY_ROWS = 32  # context rows per drafted request past which a draft is not a steady one
-# a tree stage's part that does not grow with its size (the top-k over the vocabulary, the host
-# copy), in nodes of the part that does (the heap): a size never measured is priced from the
-# nearest measured one as (STAGE_FIXED + its class) / (STAGE_FIXED + the measured class)
-STAGE_FIXED = 32
 
 
 def context_class(ctx: int) -> int:
@@ -65,8 +59,6 @@ class Samples:
 class CostModel:
     verify: dict[tuple[int, int, int], Samples] = field(default_factory=dict)  # (n, rows, cls)
     draft: dict[tuple[int, int], Samples] = field(default_factory=dict)  # (n, cls)
-    # the drafter's tree stage, as it reports it: (n, size class asked; 0: chains)
-    stage: dict[tuple[int, int], Samples] = field(default_factory=dict)
     # envelopes of measured shapes, capped estimates of the others; recomputed after a new
     # shape or REFRESH observations
     _memo: dict[tuple[int, int, int], float | None] = field(default_factory=dict)
@@ -93,28 +85,19 @@ class CostModel:
     def clear(self, verify: bool = True, draft: bool = True) -> None:
         """Forget the measured times, a step's not yet booked too (callers caching on `epoch`
         see it move)."""
-        for table, chosen in ((self.verify, verify), (self.draft, draft), (self.stage, draft)):
+        for table, chosen in ((self.verify, verify), (self.draft, draft)):
             if chosen:
                 table.clear()
         self.pending = None
         self._memo.clear()
         self.epoch += 1
 
-    def observe_draft(self, n: int, ctx: int, seconds: float, stage: float | None = None,
-                      ask: int = 0) -> None:
-        """Book a drafter call: with the seconds of its tree stage `stage` (trees of at most
-        `ask` nodes; 0: chains) the rest and the stage apart, else the whole call. Callers
-        caching on `epoch` see it move with an entry's value."""
+    def observe_draft(self, n: int, ctx: int, seconds: float) -> None:
+        """Book a drafter call; callers caching on `epoch` see it move with the entry's value."""
         key = (batch_bucket(n), context_class(ctx))
-        if stage is not None:
-            self._book(self.stage, (key[0], size_class(ask)), stage)
-            seconds -= stage
-        self._book(self.draft, key, seconds)
-
-    def _book(self, table: dict, key: tuple, seconds: float) -> None:
-        before = table[key].value if key in table else None
-        _add(table, key, seconds)
-        if key in table and table[key].value != before:
+        before = self.draft[key].value if key in self.draft else None
+        _add(self.draft, key, seconds)
+        if key in self.draft and self.draft[key].value != before:
             self.epoch += 1
 
     def verify_s(self, n: int, rows: int, ctx: int) -> float | None:
@@ -152,28 +135,12 @@ class CostModel:
             return classes[c]
         return None
 
-    def stage_s(self, n: int, nodes: int) -> float:
-        """Seconds of the drafter's tree stage for `n` requests' trees of `nodes` (0: chains),
-        from the nearest batch bucket measured: the size class measured, else scaled from the
-        nearest measured tree's (STAGE_FIXED; a chain's only where no tree's is); 0 while none
-        is."""
-        cls = size_class(nodes)
-        for key_n in _nearest(batch_bucket(n), {m for m, _ in self.stage}):
-            at = {c: e.value for (m, c), e in self.stage.items() if m == key_n}
-            if cls in at:
-                return at[cls]
-            near = min(at, key=lambda c: (c == 0, abs(c - cls), -c))
-            return at[near] * (STAGE_FIXED + cls) / (STAGE_FIXED + near)
-        return 0.0
-
     def table(self) -> dict[str, float]:
         """Every measured entry in ms, for Stats / benchmarks: "verify n=1 rows=16 ctx<=2^11"."""
         out = {f"verify n={n} rows={r} ctx<=2^{c}": e.value * 1e3
                for (n, r, c), e in sorted(self.verify.items())}
         out.update({f"draft n={n} ctx<=2^{c}": e.value * 1e3
                     for (n, c), e in sorted(self.draft.items())})
-        out.update({f"stage n={n} nodes<={k}": e.value * 1e3
-                    for (n, k), e in sorted(self.stage.items())})
         return out
 
 
@@ -186,58 +153,44 @@ class StepPrices:
         self.cost, self.pad_rows = cost, pad_rows  # pad_rows(rows) → rows a tree occupies
         self._memo: dict[tuple, tuple | None] = {}
 
-    def __call__(self, n: int, ctx: int, rows: tuple[int, ...]) -> list | None:
-        """[(rows, verify seconds, drafting seconds for trees of rows − 1 nodes, for chains)]
-        for each of `rows` (1: plain decoding, no drafting) for `n` requests at longest context
-        `ctx`, or None while one of `rows` is unmeasured."""
+    def __call__(self, n: int, ctx: int, rows: tuple[int, ...]) -> tuple | None:
+        """([(rows, verify seconds)] for each of `rows`, drafting seconds) for `n` requests at
+        longest context `ctx`, or None while one of `rows` is unmeasured."""
         key = (batch_bucket(n), context_class(ctx), rows, self.cost.epoch)
         if key not in self._memo:
             if len(self._memo) > 256:
                 self._memo.clear()
             verify = [(r, self.cost.verify_s(n, self.pad_rows(r), ctx)) for r in rows]
-            base, cost = self.cost.draft_s(n, ctx) or 0.0, self.cost
-            self._memo[key] = None if any(t is None for _, t in verify) else [
-                (r, t, 0.0, 0.0) if r == 1 else
-                (r, t, base + cost.stage_s(n, r - 1), base + cost.stage_s(n, 0))
-                for r, t in verify]
+            self._memo[key] = None if any(t is None for _, t in verify) else \
+                (verify, self.cost.draft_s(n, ctx) or 0.0)
         return self._memo[key]
 
 
 def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: float | None,
-                 draft_rows: int, graph_builds: int = 0, stage_s: float | None = None,
-                 defer: bool = False) -> None:
+                 draft_rows: int, graph_builds: int = 0, defer: bool = False) -> None:
     """Book one decode-only engine step: its `plans` (engine.speculative.Planned), the rows
     each tree occupied (0: each its own), the verify + commit seconds, and the drafting
-    seconds (None: not the step's own, as with overlap) with the context rows it carried and
-    the drafter's tree stage in it (`stage_s`, None: not told). A draft that also took a
-    prompt's or a skipped stretch's rows costs more once, not every step: only steady drafts
-    are booked (none where a request had its first tree: its prompt's context, fed to the
-    drafter during the prefill, is taken in then). A step that built a CUDA graph (the
-    runner's count of builds, `graph_builds`, moved since the last step) timed the capture:
-    nothing is booked (a shape booked once at its capture's cost was never chosen again, so
-    never measured). `defer`: kept for `CostModel.book_pending`."""
+    seconds (None: not the step's own, as with overlap) with the context rows it carried. A
+    draft that also took a prompt's or a skipped stretch's rows costs more once, not every
+    step: only steady drafts are booked (none where a request had its first tree: its prompt's
+    context, fed to the drafter during the prefill, is taken in then) and none where a chain
+    was asked for (`Ask`: no tree stage; the price is a tree's, which decisions draft). A step
+    that built a CUDA graph (the runner's count of builds, `graph_builds`, moved since the last
+    step) timed the capture: nothing is booked (a shape booked once at its capture's cost was
+    never chosen again, so never measured). `defer`: kept for `CostModel.book_pending`."""
     if defer:
         cost.book_pending()
-        cost.pending = (plans, rows, verify_s, draft_s, draft_rows, graph_builds, stage_s)
+        cost.pending = (plans, rows, verify_s, draft_s, draft_rows, graph_builds)
         return
     if graph_builds != cost.graph_builds:
         cost.graph_builds = graph_builds
         return
     ctx = max(p.start for p in plans)
     cost.observe_verify(len(plans), rows or max(p.layout.num_rows for p in plans), ctx, verify_s)
-    drafted = [p for p in plans if p.budget and p.drafted]
-    if drafted and draft_s is not None and draft_rows <= STEADY_ROWS * len(drafted) \
-            and not any(p.first for p in plans):
-        ask = max((p.budget for p in drafted if not p.chain), default=0)  # 0: chains only
-        cost.observe_draft(len(drafted), ctx, draft_s, stage_s, ask)
-
-
-def size_class(nodes: int) -> int:
-    """The size class holding `nodes` (1, 3, 7, 15, …; 0: none, a chain's stage)."""
-    cls = 1 if nodes > 0 else 0
-    while cls < nodes:
-        cls = 2 * cls + 1
-    return cls
+    drafted = sum(1 for p in plans if p.budget and p.drafted)
+    if drafted and draft_s is not None and draft_rows <= STEADY_ROWS * drafted \
+            and not any(p.first or p.chain for p in plans):
+        cost.observe_draft(drafted, ctx, draft_s)
 
 
 def _add(table: dict, key, seconds: float) -> None:

@@ -52,7 +52,6 @@ class Engine:
         self.scheduler = Scheduler.of(config, self.runner.num_pages, self.model_config)
         self.requests: dict[str, Sequence] = {}
         self._draft_rows = 0  # context rows the step's drafts carried (adaptive cost model)
-        self._stage_s: float | None = None  # and the drafter's tree stage in them (s)
         self._arrivals = itertools.count()
 
     def set_drafter(self, drafter: Drafter | None) -> None:
@@ -228,7 +227,6 @@ class Engine:
             plans, draft_s = speculative.plan(now, *args, budgets) if self._ahead is None \
                 else self._ahead.plan(now, *args, budgets)
             plans += [self.adaptive.skipped(s) for s in skip]
-            self._stage_s = self.drafter.tree_s  # the call's tree stage (read with its trees)
         elif self._ahead is not None:
             return self._ahead.plan(decoding, *args)
         elif self.config.overlap and self.drafter is not None and self.drafter.asynchronous:
@@ -250,7 +248,7 @@ class Engine:
         t = self.last_step
         observe_step(self.cost, batch.plans, span, (t.end_ns - t.draft_end_ns) / 1e9,
                      None if self.config.overlap else draft_s, self._draft_rows,
-                     getattr(self.runner.graphs, "builds", 0), self._stage_s, defer=True)
+                     getattr(self.runner.graphs, "builds", 0), defer=True)
 
     def commit_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append generated tokens (stopping at the first that ends the request); its output."""

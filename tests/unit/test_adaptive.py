@@ -11,12 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.engine import adaptive, adaptive_rates, speculative, warmup
+from specserve.engine import adaptive, adaptive_state, speculative, warmup
 from specserve.engine.adaptive import Adaptive
-from specserve.engine.adaptive_rates import choose
-from specserve.engine.adaptive_state import EMPTY, State
+from specserve.engine.adaptive_state import EMPTY, State, choose
 from specserve.engine.cost import CostModel, context_class, observe_step
-from specserve.engine.cost import size_class as cost_size_class
 from specserve.engine.sequence import Sequence
 from specserve.engine.speculative import Ask, Planned
 from specserve.spec import shapes
@@ -185,11 +183,11 @@ def test_a_requests_first_tree_is_not_a_steady_draft_and_a_new_draft_time_is_rea
         plans, _ = speculative.plan(seqs, drafter, 4096, 50)
         firsts.append([p.first for p in plans])
         observe_step(cost, plans, 16, 1e-3, draft_s, draft_rows=2)
-        drafts.append(policy.prices(2, 61, warmup.candidates(15))[-1][2])
+        drafts.append(policy.prices(2, 61, warmup.candidates(15))[1])
     assert firsts == [[True, True], [False, False], [False, False]]
     assert drafts == [0.0, 1.5e-3, 1.5e-3]  # none booked, then the steady ones
     cost.observe_draft(2, 61, 1.1e-3)  # cheaper now: the lower quartile moves
-    assert policy.prices(2, 61, warmup.candidates(15))[-1][2] == 1.1e-3
+    assert policy.prices(2, 61, warmup.candidates(15))[1] == 1.1e-3
     empty = speculative.plan([_seq("c", budget=0)], drafter, 4096, 50)[0]
     assert not empty[0].first and empty[0].seq.drafts == 0  # no tree: not a first one
 
@@ -370,13 +368,12 @@ def test_a_decision_moves_off_the_last_ones_rows_only_for_a_clear_gain():
     """Rows priced within STAY of the last decision's keep it (times a few per cent apart are
     noise); a clearly faster count, or no last decision, takes the best as priced."""
     def rated(gain):  # rows 16 and 64 at the same step time, 64 expecting `gain` × 16's tokens
-        return [(1, "off", 2.0, 1e-3, 0.0), (16, "tree", 8.0, 2e-3, 0.5e-3),
-                (64, "tree", 8.0 * gain, 2e-3, 0.5e-3)], 0.5e-3
+        return [(1, 2.0, 1e-3), (16, 8.0, 2e-3), (64, 8.0 * gain, 2e-3)], 0.5e-3
 
     for gain in (1.01, 1.04):
         assert choose(rated(gain), 2, True, 1.0, 63)[0] == 64
         assert choose(rated(gain), 2, True, 1.0, 63, held=16)[0] == 16
-    assert choose(rated(1.02 * adaptive_rates.STAY), 2, True, 1.0, 63, held=16)[0] == 64
+    assert choose(rated(1.02 * adaptive_state.STAY), 2, True, 1.0, 63, held=16)[0] == 64
     assert choose(rated(0.97), 2, True, 1.0, 63, held=64)[0] == 64
     assert choose(rated(0.9), 2, True, 1.0, 63, held=64)[0] == 16
 
@@ -406,9 +403,8 @@ def test_a_decision_repeating_the_last_holds_twice_as_long_up_to_a_cap():
 def test_a_held_chain_is_drafted_as_a_chain_but_on_the_holds_last_step():
     """A held chain is asked of the drafter as a chain (its argmax path, scored: no top-k
     tables, no heap), now and in the drafts sent ahead, and kept and booked as the chain it
-    holds; the hold's last step asks for the tree again (the next forecast's curve). The
-    drafter's tree stage of a step is booked by the size asked (chains apart), the rest of its
-    call as the drafting."""
+    holds; the hold's last step asks for the tree again (the next forecast's curve). A step
+    with a chain asked books no drafting time: the decisions price a tree's."""
     seq = _seq("a", budget=63)
     cost = _cost(draft_ms=0.3, verify_ms=(1.0, 1.1, 1.2, 1.4, 4.0, 8.0, 16.0))
     policy = Adaptive(cost, lambda rows: rows, redecide=4)
@@ -426,11 +422,10 @@ def test_a_held_chain_is_drafted_as_a_chain_but_on_the_holds_last_step():
         assert plan.choice.shape == "chain" and plan.tree.n == plan.choice.nodes <= st.nodes
         assert plan.tree.n == st.nodes or not asked.chain  # a tree's may hold less of it
         assert np.array_equal(plan.tree.depths, np.arange(1, plan.tree.n + 1))
-        stage = 2e-3 if asked.chain else 5e-3  # the drafter's report: its tree stage
-        observe_step(cost, [plan], 0, 1e-3, 9e-3, 0, stage_s=stage)
-        key = (1, 0 if asked.chain else cost_size_class(asked.budget))
-        assert cost.stage[key].recent[-1] == stage  # a chain's call: its own stage entry
-        assert cost.draft[(1, 6)].recent[-1] == pytest.approx(9e-3 - stage)  # the rest
+        before = {k: list(e.recent) for k, e in cost.draft.items()}
+        observe_step(cost, [plan], 0, 1e-3, 9e-3, 0)
+        after = {k: list(e.recent) for k, e in cost.draft.items()}
+        assert (after == before) == (step < 2)  # 9 ms booked from the tree's step only
         policy.observe(plan, [1, 2])
         assert st.own.real[("chain", st.nodes)] > 0
         ahead = policy.ahead([seq])
@@ -658,7 +653,7 @@ def test_a_decision_that_drafting_wins_widely_spares_the_next_forecast(monkeypat
         plans = [_plan(s, 3 + i, confident=True) for i, s in enumerate(seqs)]
         policy.shape(plans)
         rated = policy._rated(seqs, [policy.state[s.request_id] for s in seqs])
-        assert policy._wide == wide == (adaptive_rates.advantage(rated) >= adaptive.WIDE)
+        assert policy._wide == wide == (adaptive_state.advantage(rated) >= adaptive.WIDE)
         policy.observe_step([(p, [1], i) for i, p in enumerate(plans)], None, defer=True)
         reads = []
         policy._best = lambda *a, _best=policy._best, _reads=reads, **k: (
