@@ -11,7 +11,8 @@ case ${1:-} in
   prepare)
     base=${2:?"usage: bash bench/served_ab_h200.sh prepare <commit>"}
     rm -rf .baseline && mkdir .baseline || exit 1
-    git archive "$base" specserve services bench checkpoints/demo-target | tar -x -C .baseline \
+    git archive "$base" specserve services bench checkpoints/demo-target checkpoints/demo-drafter \
+      | tar -x -C .baseline \
       || exit 1
     ln -s ../.whl .baseline/.whl
     git rev-parse "$base" > .baseline/COMMIT

@@ -219,7 +219,7 @@ class DFlashDrafter(Drafter):
         if not live:
             return trees
         if not self.tree:
-            paths = np.split(torch.cat([logits[i] for i in live]).argmax(dim=-1).cpu().numpy(),
+            paths = np.split(_rows(logits, live).argmax(dim=-1).cpu().numpy(),
                              _ends(logits, live))  # [L_i] per request
             for i, path in zip(live, paths, strict=True):
                 trees[i] = chain_tree(path[: requests[i].budget])
@@ -236,6 +236,11 @@ class DFlashDrafter(Drafter):
         return trees
 
 
+def _rows(logits: list[torch.Tensor], idx: list[int]) -> torch.Tensor:
+    """The logits of the requests of `idx` laid end to end `[ΣL, V]` (one: no copy)."""
+    return logits[idx[0]] if len(idx) == 1 else torch.cat([logits[i] for i in idx])
+
+
 def _ends(logits: list[torch.Tensor], idx: list[int]) -> np.ndarray:
     """Where each next request's rows start in the rows of `idx` laid end to end."""
     return np.cumsum([logits[i].shape[0] for i in idx])[:-1]
@@ -246,8 +251,6 @@ def _tables(logits: list[torch.Tensor], idx: list[int], k: int):
     host copy for all of them."""
     if not idx:
         return []
-    parts = [logits[i] for i in idx]
-    rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [ΣL, V] float32
-    logprobs, token_ids = topk_logprobs(rows, k)  # [ΣL, k] each, on the host
+    logprobs, token_ids = topk_logprobs(_rows(logits, idx), k)  # [ΣL, k] each, on the host
     ends = _ends(logits, idx)
     return zip(idx, np.split(logprobs, ends), np.split(token_ids, ends), strict=True)
