@@ -6,7 +6,8 @@ tokenizer's 4096 and Qwen3's 151936), times with host clocks (synchronised), sid
 log-sum-exp alone and by chunks of V, `torch.topk` sorted / unsorted, a two-stage top-k (per
 chunk of V, then over the candidates; chunks of 512 … 16384), the whole `topk_logprobs`
 (top-k, log-probs, one packed host copy: since kernels/topk, its kernel from 16384 columns),
-torch's formula alone, the kernel alone, and the torch formula as one CUDA graph + the copy.
+torch's formula alone, the kernel alone, and the torch formula as one CUDA graph + the copy;
+a chain's costs (argmax + copy; a top-1 with its log-sum-exp) and one request's heap.
 Checks each variant's ids (and log-sum-exp) equal torch's. Medians in µs; writes JSON.
 
     PYTHONPATH=. python3 experiments/diag_topk.py [--rows 15,120,480] [--out F]
@@ -25,7 +26,7 @@ import torch
 
 from specserve.kernels.topk.kernel import topk_logprobs_triton
 from specserve.kernels.topk.ref import topk_logprobs_ref
-from specserve.spec.ddtree import topk_logprobs
+from specserve.spec.ddtree import build_ddtree, topk_logprobs
 
 
 def host_us(fn, reps: int) -> float:
@@ -98,7 +99,27 @@ def measure(x: torch.Tensor, k: int, reps: int) -> dict:
                 **{f"lse_chunked_{c}": host_us(lambda c=c: chunked_lse(x, c), reps)
                    for c in (2048, 8192, 16384)},
                 graph_and_copy=host_us(lambda: (graph.replay(), out.cpu()), reps),
-                copy_only=host_us(lambda: out.cpu(), reps))
+                copy_only=host_us(lambda: out.cpu(), reps),
+                **chain_and_heap(x, reps))
+
+
+def top1_lse(x: torch.Tensor) -> torch.Tensor:
+    """A chain's device part: each row's argmax and its log-prob, one packed host copy."""
+    best, ids = x.max(dim=-1)
+    lp = best - torch.logsumexp(x, dim=-1)
+    return torch.stack((lp.view(torch.int32), ids.to(torch.int32))).cpu()
+
+
+def chain_and_heap(x: torch.Tensor, reps: int) -> dict:
+    """What a chain costs (the chain drafter's argmax + copy; a chain ask's top-1 tables) and
+    the host's heap for one request's DDTree of 15 and 63 nodes (µs)."""
+    rows = x[:15]  # one request's block
+    lp, ids = topk_logprobs(rows, 63)
+    return dict(argmax_copy=host_us(lambda: x.argmax(-1).cpu(), reps),
+                topk_logprobs_k1=host_us(lambda: topk_logprobs(x, 1), reps),
+                top1_lse_copy=host_us(lambda: top1_lse(x), reps),
+                heap_15=host_us(lambda: build_ddtree(lp[:, :15], ids[:, :15], 15), reps),
+                heap_63=host_us(lambda: build_ddtree(lp, ids, 63), reps))
 
 
 def main() -> None:
