@@ -21,8 +21,9 @@ from specserve.drafters.base import Drafter, DraftRequest
 from specserve.drafters.dflash_cache import DFlashContextCache
 from specserve.drafters.dflash_graphs import DraftGraphs
 from specserve.drafters.dflash_step import CacheStep, StepItem
+from specserve.kernels.topk import graph_k
 from specserve.models.dflash import DFlashDraftModel
-from specserve.spec.ddtree import build_ddtree, topk_logprobs
+from specserve.spec.ddtree import build_ddtree, topk_logprobs, unpack_tables
 from specserve.spec.tree import DraftTree, chain_tree, check_budget
 
 
@@ -43,7 +44,8 @@ class DFlashDrafter(Drafter):
     def __init__(self, model: DFlashDraftModel, num_pages: int, page_size: int = 16, *,
                  sliding_num_pages: int | None = None, tree: bool = True,
                  poison: bool = False, graphs: bool | None = None,
-                 capture: bool | None = None, fused_layers: bool = True) -> None:
+                 capture: bool | None = None, fused_layers: bool = True,
+                 graph_tables: bool = True) -> None:
         weight = model.fc.weight
         self.model, self.tree = model.eval(), tree
         self.cache = DFlashContextCache(model.config, num_pages, page_size,
@@ -59,7 +61,13 @@ class DFlashDrafter(Drafter):
         # (DraftGraphs `fused`): a faster graph forward and decode step (BENCHMARKS.md, "DFlash
         # decode: the steps before max_tokens, and the fused-layer drafter", and "Figures
         # formerly in source comments")
-        self.graphs = DraftGraphs(self.model, self.cache, capture, fused_layers) if graphs else None
+        # graph_tables: the graphs also compute the top-k tables the trees are built from (a
+        # chain drafter's: the top-1), one host copy a replay (DraftGraphs `tables`)
+        tables = (graph_k(model.config.vocab_size) if tree else 1) if graph_tables else None
+        self.graphs = DraftGraphs(self.model, self.cache, capture, fused_layers, tables) \
+            if graphs else None
+        self._slots: dict[int, int] | None = None  # request → its block in the graphs' tables
+        self._stride = 0  # table rows per block there
         self.last_stats: DraftStats | None = None
 
     needs_context = True  # drafts from the target's tap-layer features
@@ -141,6 +149,7 @@ class DFlashDrafter(Drafter):
             if (why := self.problem(r)) is not None:
                 raise ValueError(why)
         num_new = [self._num_new(r) for r in requests]
+        self._slots = None  # set by a replay that computed tables
         graphed = self.graphs is not None and self.graphs.fits(block_lens)
         # the graphs run every block at the call's longest, a shorter one masked to its length
         run_lens = ([max(block_lens) if n else 0 for n in block_lens] if graphed
@@ -180,6 +189,8 @@ class DFlashDrafter(Drafter):
         valid = [block_lens[i] for i in idx]
         got = self.graphs.run(sub, [requests[i].bonus_token for i in idx], max(valid), contexts,
                               valid=valid)
+        if self.graphs.tables is not None:
+            self._slots, self._stride = {i: j for j, i in enumerate(idx)}, max(valid) - 1
         out = [empty] * len(requests)
         for i, n, lg in zip(idx, valid, got, strict=True):
             out[i] = lg[: n - 1]
@@ -207,33 +218,58 @@ class DFlashDrafter(Drafter):
 
     def _trees(self, requests: Sequence[DraftRequest], logits: list[torch.Tensor]
                ) -> list[DraftTree]:
-        """Each request's tree from its `[n_i − 1, V]` logits: one top-k (a chain: one argmax)
-        over the rows of every request and one host copy for the call, then a heap per request
-        (a top-k and a copy per request made the tree build most of a batch-8 draft step:
-        BENCHMARKS.md, "The DFlash drafter at batch 8: one replay a call, one top-k a call"). A
-        budget below the call's largest keeps the first columns of its rows (the top-k is
-        sorted). Requests asking for a chain take their argmax rows' log-probs (a top-1), no
-        heap."""
+        """Each request's tree from its `[n_i − 1, V]` logits: the top-k tables the graph
+        replay computed and copied (else one top-k — a chain drafter: one argmax — over the rows
+        of every request and one host copy for the call), then a heap per request (a top-k and
+        a copy per request made the tree build most of a batch-8 draft step: BENCHMARKS.md, "The
+        DFlash drafter at batch 8: one replay a call, one top-k a call"). A budget below the
+        call's largest keeps the first columns of its rows (the top-k is sorted). Requests
+        asking for a chain take their top-1 rows, no heap."""
         trees = [DraftTree.empty()] * len(requests)
         live = [i for i, r in enumerate(requests) if r.budget and logits[i].shape[0]]
         if not live:
             return trees
         if not self.tree:
-            paths = np.split(_rows(logits, live).argmax(dim=-1).cpu().numpy(),
-                             _ends(logits, live))  # [L_i] per request
-            for i, path in zip(live, paths, strict=True):
+            for i, path in self._paths(logits, live):  # [L_i] each
                 trees[i] = chain_tree(path[: requests[i].budget])
             return trees
         chains = [i for i in live if requests[i].chain]
-        for i, lp, ids in _tables(logits, chains, 1):  # [L_i, 1] each
+        for i, lp, ids in self._tables(logits, chains, 1):  # [L_i, 1] each
             n = min(requests[i].budget, lp.shape[0])
             trees[i] = chain_tree(ids[:n, 0], np.minimum(np.cumsum(lp[:n, 0]), 0.0))
         rest = [i for i in live if not requests[i].chain]
         k = min(max((requests[i].budget for i in rest), default=1), logits[live[0]].shape[1])
-        for i, lp, ids in _tables(logits, rest, k):  # [L_i, K] each
+        for i, lp, ids in self._tables(logits, rest, k):  # [L_i, K] each
             k_i = min(requests[i].budget, k)
             trees[i] = build_ddtree(lp[:, :k_i], ids[:, :k_i], requests[i].budget, lp.shape[0])
         return trees
+
+    def _graphed(self, k: int) -> bool:
+        """Whether the last replay's tables hold the top `k` of this call's rows."""
+        return self._slots is not None and k <= self.graphs.tables
+
+    def _paths(self, logits: list[torch.Tensor], idx: list[int]):
+        """(i, argmax path [L_i]) for each request i of `idx`: the graph's top-1, else one
+        argmax and one host copy for all of them."""
+        if self._graphed(1):
+            return [(i, ids[:, 0]) for i, _, ids in self._tables(logits, idx, 1)]
+        paths = _rows(logits, idx).argmax(dim=-1).cpu().numpy()
+        return zip(idx, np.split(paths, _ends(logits, idx)), strict=True)
+
+    def _tables(self, logits: list[torch.Tensor], idx: list[int], k: int):
+        """(i, log-probs [L_i, k], ids [L_i, k]) for each request i of `idx`: the graph's
+        tables where they are wide enough, else one top-k and one host copy for all of them."""
+        if not idx:
+            return []
+        if not self._graphed(k):
+            return _tables(logits, idx, k)
+        host = self.graphs.host_tables()  # [R · stride, 2K] int32
+        out = []
+        for i in idx:
+            at = self._slots[i] * self._stride
+            lp, ids = unpack_tables(host[at : at + logits[i].shape[0]], self.graphs.tables, k)
+            out.append((i, lp, ids))
+        return out
 
 
 def _rows(logits: list[torch.Tensor], idx: list[int]) -> torch.Tensor:

@@ -19,6 +19,11 @@ each group (taken from its free pages for good). The attention plan is made for 
 capacity (a fixed split count, device-side ranges), so one graph replays at every context.
 `capture=False` runs the same static path eagerly — the CPU twin the tests compare with the
 drafter's dynamic path.
+
+With `tables` the graph also computes the DDTree's per-depth top-k tables of its logits (the
+log-sum-exp, the top `tables` log-probs and ids, packed: spec/ddtree.py `pack_tables`) and a
+replay copies the call's rows to one pinned host buffer, so a draft's tree stage is one sync and
+the host's heap, not a dozen launches after the replay (`host_tables`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from specserve.attention.base import AttnBatch
 from specserve.cudagraph import BATCH_BUCKETS, Staging, bucket_of, capture_graph, planned_for
 from specserve.drafters.dflash_cache import DFlashContextCache
 from specserve.drafters.dflash_step import CacheStep, block_mask
+from specserve.spec.ddtree import pack_tables
 
 
 class _Static:
@@ -57,7 +63,7 @@ class _Static:
         self.views["cu"][1][:] = np.arange(bb + 1, dtype=np.int32) * n
         self.masks = {}  # group → (window, every request's full block mask [bb·n, W] int32)
         self.batches = {key: self._batch(graphs, *key) for key in graphs.batch_keys}
-        self.graph, self.logits = None, None
+        self.graph, self.logits, self.packed = None, None, None
 
     def _batch(self, graphs: DraftGraphs, group: str, causal: bool) -> AttnBatch:
         d = {k: v[0] for k, v in self.views.items()}
@@ -78,7 +84,9 @@ class DraftGraphs:
     """Padded static block forwards of a `DFlashDrafter`'s model over its context cache."""
 
     def __init__(self, model, cache: DFlashContextCache, capture: bool | None = None,
-                 fused: bool = False) -> None:
+                 fused: bool = False, tables: int | None = None) -> None:
+        if tables is not None and tables < 1:
+            raise ValueError(f"tables must be >= 1 (or None), got {tables}")
         self.model, self.cache, self.device = model, cache, cache.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.causal = model.config.causal
@@ -97,6 +105,14 @@ class DraftGraphs:
         self.fused = fused and all(model.fused_covers(g.pool.shape.dtype)
                                    for g in cache.groups.values())
         self._graphs: dict[tuple[int, int], _Static] = {}
+        # `tables`: top-k columns computed in each replay (None: logits only); the host copy of
+        # a call's packed rows [rows, 2 · tables] int32 (pinned on CUDA) and its event
+        self.tables = None if tables is None else min(tables, model.config.vocab_size)
+        rows, pin = BATCH_BUCKETS[-1] * (model.config.block_size - 1), self.device.type == "cuda"
+        self._host = None if tables is None else torch.zeros(rows, 2 * self.tables,
+                                                             dtype=torch.int32, pin_memory=pin)
+        self._copied = torch.cuda.Event() if self._host is not None and pin else None
+        self._rows = 0  # rows of the last call's tables in `_host`
         self._feats: dict[int, torch.Tensor] = {}
         self._pool = None
 
@@ -154,8 +170,21 @@ class DraftGraphs:
         for i, ctx in enumerate(contexts or ()):
             if ctx is not None and ctx.shape[0]:
                 st.feats[i * c : i * c + ctx.shape[0]].copy_(ctx, non_blocking=True)
-        logits = self._replay(st)  # [bb, n − 1, V], the graph's static output
+        logits, packed = self._replay(st)  # [bb, n − 1, V], the graph's static output
+        if packed is not None:  # [bb · (n − 1), 2K]: the call's rows to the host, in order
+            self._rows = len(bonus) * (n - 1)
+            self._host[: self._rows].copy_(packed[: self._rows], non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()
         return logits[: len(bonus)]
+
+    def host_tables(self) -> np.ndarray:
+        """The last `run`'s packed top-k tables `[R · (n − 1), 2 · tables]` int32 on the host
+        (request i's block rows from i · (n − 1), as its logits), once their copy has landed;
+        a view, valid until the next `run`."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host[: self._rows].numpy()
 
     def _fill(self, st: _Static, step: CacheStep | None, bonus: list[int],
               context: bool = False) -> None:
@@ -210,6 +239,14 @@ class DraftGraphs:
         self._graphs[(bb, n)] = st
         return st
 
+    def _outputs(self, st: _Static, batches: dict | None = None):
+        """(logits `[bb, n − 1, V]` float32, their packed top-k tables `[bb · (n − 1), 2K]` int32
+        or None without `tables`)."""
+        logits = self._forward(st, batches)
+        if self.tables is None:
+            return logits, None
+        return logits, pack_tables(logits.view(-1, logits.shape[-1]), self.tables)
+
     def _forward(self, st: _Static, batches: dict | None = None) -> torch.Tensor:
         batches = batches or st.batches
         cache = self.cache
@@ -242,19 +279,19 @@ class DraftGraphs:
     @torch.inference_mode()
     def _capture(self, st: _Static) -> None:
         with planned_for(self.cache, max(self.capacity.values())):
-            st.graph, st.logits, self._pool = capture_graph(partial(self._forward, st),
-                                                            self.device, self._pool)
+            st.graph, (st.logits, st.packed), self._pool = capture_graph(
+                partial(self._outputs, st), self.device, self._pool)
 
     @torch.inference_mode()
-    def _replay(self, st: _Static) -> torch.Tensor:
+    def _replay(self, st: _Static) -> tuple[torch.Tensor, torch.Tensor | None]:
         if st.graph is None:  # eager: backends that read host ctx_lens get the real ones
             batches = {}
             for (name, causal), batch in st.batches.items():
                 ctx = tuple(int(c) for c in st.views[f"ctx_{name}"][1])
                 batches[(name, causal)] = replace(batch, ctx_lens=ctx, memo={})
-            return self._forward(st, batches)
+            return self._outputs(st, batches)
         st.graph.replay()
-        return st.logits
+        return st.logits, st.packed
 
 
 __all__ = ["DraftGraphs"]

@@ -35,14 +35,25 @@ def topk_logprobs(draft_logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.nd
     vocab = draft_logits.shape[1]
     if not 1 <= k <= vocab:
         raise ValueError(f"k must be in [1, {vocab}], got {k}")
+    return unpack_tables(pack_tables(draft_logits, k).cpu().numpy(), k)
+
+
+def pack_tables(draft_logits: torch.Tensor, k: int) -> torch.Tensor:  # [L, 2K] int32
+    """`topk_logprobs`' device part: the tables packed for one host copy — the float32
+    log-probs bit-cast to int32 beside the ids (vocab ids < 2**31), so the round trip costs a
+    single sync instead of two. Capturable in a CUDA graph (drafters/dflash_graphs.py)."""
     top_lp, top_ids = topk_logprobs_device(draft_logits.float(), k)  # [L, K] float32, int64
-    # One device->host copy: bit-cast the float32 log-probs to int32 and pack them beside the ids
-    # (vocab ids < 2**31), so the round trip costs a single sync instead of two.
-    packed = torch.cat([top_lp.view(torch.int32), top_ids.to(torch.int32)], dim=1)  # [L, 2K]
-    host = packed.cpu().numpy()  # [L, 2K] int32
-    logprobs = np.ascontiguousarray(host[:, :k]).view(np.float32)  # [L, K] float32
-    token_ids = host[:, k:].astype(np.int64)  # [L, K] int64
-    return logprobs, token_ids
+    return torch.cat([top_lp.view(torch.int32), top_ids.to(torch.int32)], dim=1)
+
+
+def unpack_tables(host: np.ndarray, k: int, cols: int | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """`pack_tables`' rows `[L, 2k]` int32 on the host → their first `cols` (None: k) columns:
+    log-probs `[L, cols]` float32 and ids `[L, cols]` int64 (the tables are sorted, so these are
+    the top `cols`)."""
+    cols = k if cols is None else cols
+    logprobs = np.ascontiguousarray(host[:, :cols]).view(np.float32)  # [L, cols] float32
+    return logprobs, host[:, k : k + cols].astype(np.int64)
 
 
 def _check_tables(logprobs: np.ndarray, token_ids: np.ndarray) -> None:

@@ -222,3 +222,100 @@ def test_page_arrays_follow_the_pages_through_allocate_free_release():
     assert pages.dead > 0  # the window dropped leading pages
     cache.release("a")
     assert pages.table_array().tolist() == [] and pages.table() == []
+
+
+def lockstep(static: DFlashDrafter, asks: dict[str, tuple[int, bool]],
+             dynamic: DFlashDrafter | None = None):
+    """CALLS through `static.draft` and, with the same requests, another drafter's raw logits
+    (the CPU's tiny model, dynamic, unless given): [(request, its tree, its logits [L, V])] per
+    request drafted."""
+    dynamic = dynamic or DFlashDrafter(tiny_model(), num_pages=60, page_size=4, poison=True)
+    device = dynamic.cache.device
+    starts, seed, out = {}, 10, []
+    for call in CALLS:
+        batch = []
+        for rid, n_new, bonus, depth in call:
+            starts[rid] = starts.get(rid, 0) + n_new
+            seed += 1
+            ctx = torch.randn(n_new, 2 * HIDDEN, generator=torch.Generator().manual_seed(seed))
+            budget, chain = asks[rid]
+            batch.append(DraftRequest(rid, bonus, starts[rid], budget=budget, max_depth=depth,
+                                      context=ctx.to(device), chain=chain))
+        out += zip(batch, static.draft(batch),
+                   (lg.cpu() for lg in dynamic.draft_logits(batch)), strict=True)
+    return out
+
+
+def assert_oracle_tree(r: DraftRequest, tree, logits: torch.Tensor) -> None:
+    """`tree` is what torch's tables of `logits` give: the DDTree of r's budget, or for a chain
+    ask the argmax path scored with its log-softmax, summed."""
+    import numpy as np
+
+    from specserve.spec.ddtree import build_ddtree, topk_logprobs
+
+    if not r.chain:
+        want = build_ddtree(*topk_logprobs(logits, r.budget), r.budget, logits.shape[0])
+        for field in ("token_ids", "parents", "depths"):
+            assert np.array_equal(getattr(tree, field), getattr(want, field)), field
+        np.testing.assert_allclose(tree.scores, want.scores, rtol=1e-5, atol=1e-5)
+        return
+    best, ids = torch.log_softmax(logits.double(), dim=-1).max(dim=-1)  # [L] each
+    n = min(r.budget, logits.shape[0])
+    assert tree.token_ids.tolist() == ids[:n].tolist()
+    np.testing.assert_allclose(tree.scores, best.cumsum(0)[:n].numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_trees_come_from_the_tables_the_replay_computed(monkeypatch):
+    """With graphs, a call's trees and chain asks are built from the top-k tables the replay
+    computed and copied (no top-k after it: the eager `_tables` is never called) and equal what
+    torch's tables of the dynamic path's logits give — over CALLS (a bucket of 4 holding 3
+    requests, blocks cut short by max_depth), budgets 8 / 3 / 5, "b" asking for chains."""
+    import specserve.drafters.dflash as dflash
+
+    eager = []
+    monkeypatch.setattr(dflash, "_tables", lambda *a: eager.append(a) or [])
+    drafter = DFlashDrafter(tiny_model(), num_pages=60, page_size=4, poison=True, graphs=True,
+                            capture=False)
+    assert drafter.graphs.tables == tiny_model().config.vocab_size  # 37 < GRAPH_K
+    got = lockstep(drafter, {"a": (8, False), "b": (3, True), "c": (5, False)})
+    assert len(got) == 11 and not eager
+    for r, tree, logits in got:
+        assert tree.n == min(r.budget, logits.shape[0]) if r.chain else r.budget
+        assert_oracle_tree(r, tree, logits)
+    chains = DFlashDrafter(tiny_model(), num_pages=60, page_size=4, graphs=True, capture=False,
+                           tree=False)
+    assert chains.graphs.tables == 1
+    for _, path, logits in lockstep(chains, {rid: (4, False) for rid in "abc"}):
+        assert path.token_ids.tolist() == logits.argmax(-1)[:4].tolist()
+
+
+def test_a_budget_wider_than_the_replays_tables_takes_the_eager_top_k(monkeypatch):
+    """A graph computing the top 4 per row: a call asking for 8-node trees builds them from one
+    top-k after the replay (the trees torch's tables give), one asking for 3 from the graph's."""
+    import specserve.drafters.dflash as dflash
+
+    monkeypatch.setattr(dflash, "graph_k", lambda vocab: 4)
+    eager, tables = [], dflash._tables
+    monkeypatch.setattr(dflash, "_tables", lambda *a: eager.append(a[2]) or tables(*a))
+    drafter = DFlashDrafter(tiny_model(), num_pages=60, page_size=4, poison=True, graphs=True,
+                            capture=False)
+    got = lockstep(drafter, {"a": (8, False), "b": (3, False), "c": (3, False)})
+    assert eager == [8] * 5  # the five calls with "a" in them; "c" alone from the graph
+    for r, tree, logits in got:
+        assert_oracle_tree(r, tree, logits)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or bool(os.environ.get("TRITON_INTERPRET")),
+                    reason="needs a CUDA device (and TRITON_INTERPRET unset)")
+def test_captured_tables_give_the_trees_on_gpu():
+    """The tables computed inside the captured graphs and copied to pinned memory give the
+    trees torch's tables of the same graphs' logits give (another drafter's replays: bitwise
+    the same logits; scenario and asks as above)."""
+    model = tiny_model(head_dim=16).cuda()
+    drafter, twin = (DFlashDrafter(model, num_pages=60, page_size=4, poison=True, graphs=True)
+                     for _ in range(2))
+    got = lockstep(drafter, {"a": (8, False), "b": (3, True), "c": (5, False)}, twin)
+    assert all(st.graph is not None and st.packed is not None
+               for st in drafter.graphs._graphs.values())
+    for r, tree, logits in got:
+        assert_oracle_tree(r, tree, logits)

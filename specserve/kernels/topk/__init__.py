@@ -17,6 +17,7 @@ from specserve.kernels.topk.ref import topk_logprobs_ref
 # 15 rows its torch merge's launches cost more than it saves
 MIN_VOCAB = 16384
 MIN_ROWS = 64
+GRAPH_K = 64  # the widest top-k a drafter graph computes on a small vocabulary (`graph_k`)
 
 
 def topk_logprobs_device(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,6 +30,17 @@ def topk_logprobs_device(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
         if k <= MAX_K and logits.stride(-1) == 1:
             return topk_logprobs_triton(logits, k)
     return topk_logprobs_ref(logits, k)
+
+
+def graph_k(vocab: int) -> int:
+    """The top-k width a drafter's CUDA graph computes on every replay (drafters/dflash_graphs.py
+    `tables`): every DDTree budget up to GRAPH_K on a small vocabulary; on a large one (where the
+    kernel runs) the kernel's MAX_K, so that a replay never pays torch's top-k over it."""
+    if vocab >= MIN_VOCAB and triton_available():
+        from specserve.kernels.topk.kernel import MAX_K
+
+        return min(MAX_K, vocab)
+    return min(GRAPH_K, vocab)
 
 
 def warm_up(vocab: int, device: torch.device | str) -> bool:
@@ -46,4 +58,4 @@ def warm_up(vocab: int, device: torch.device | str) -> bool:
     return True
 
 
-__all__ = ["MIN_ROWS", "MIN_VOCAB", "topk_logprobs_device", "warm_up"]
+__all__ = ["GRAPH_K", "MIN_ROWS", "MIN_VOCAB", "graph_k", "topk_logprobs_device", "warm_up"]
