@@ -47,6 +47,8 @@ class StepBatch:
     # (chunk index, first logits row, rows): a prompt_logprobs chunk's rows, each predicting a
     # prompt token, after the rows above
     prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    # each logits row's argmax on the host when a tree is greedy (one for the step); else None
+    argmax: list[int] | None = None
 
 
 def chunk_input(w: Scheduled, pages: Pages) -> ForwardInput:
@@ -70,11 +72,15 @@ def run(runner: ModelRunner, pages: Pages, plans: list[Planned], chunks: list[Sc
     rows += [ends[len(plans) + i] - 1 for i in done]
     prompt_rows = _prompt_rows(chunks, ends[len(plans):], rows)
     logits, feats = runner.forward(inputs, rows, taps=taps)
+    # the greedy accept walks' argmax: one for the step, on its way to the host during the wait
+    argmax = logits.argmax(dim=-1).to("cpu", non_blocking=True) \
+        if any(p.seq.params.greedy for p in plans) else None  # [rows] int64
     if meanwhile is not None:
         meanwhile()
     if logits.is_cuda:  # the accept walk syncs anyway; syncing here makes verify_s true
         torch.cuda.synchronize(logits.device)
-    return StepBatch(plans, chunks, logits, feats, ends, done, prompt_rows)
+    return StepBatch(plans, chunks, logits, feats, ends, done, prompt_rows,
+                     None if argmax is None else argmax.tolist())
 
 
 def _prompt_rows(chunks: list[Scheduled], ends: list[int], rows: list[int]) -> list[tuple]:

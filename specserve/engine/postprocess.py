@@ -46,7 +46,7 @@ def commit_trees(engine: Engine, batch: StepBatch) -> Committed:
     for p, end in zip(batch.plans, batch.ends, strict=False):
         n = p.layout.num_rows
         try:
-            acc, out, s, d = _commit_tree(engine, p, batch.logits[row0 : row0 + n], batch, end)
+            acc, out, s, d = _commit_tree(engine, p, row0, batch, end)
         except Exception as e:  # this request's failure ends it alone: no copies for it
             c.outputs.append(isolation.fail(engine, p.seq, e))
         else:
@@ -74,10 +74,13 @@ def settle_trees(engine: Engine, batch: StepBatch, c: Committed, draft_s: float,
             engine.on_step(p.seq.request_id, step)
 
 
-def _commit_tree(engine: Engine, p: Planned, logits: torch.Tensor, batch: StepBatch, end: int):
-    """One tree's accept walk and commit: (acceptance, output, KV copy src and dst slots)."""
+def _commit_tree(engine: Engine, p: Planned, row0: int, batch: StepBatch, end: int):
+    """One tree's accept walk and commit (its logits from `row0`): (acceptance, output, KV copy
+    src and dst slots)."""
     seq, n, feats, sched = p.seq, p.layout.num_rows, batch.feats, engine.scheduler
-    acc = accept(logits, p.tree, seq.params, seq.generator)  # logits [n, V]
+    logits = batch.logits[row0 : row0 + n]  # [n, V]
+    argmax = None if batch.argmax is None else batch.argmax[row0 : row0 + n]
+    acc = accept(logits, p.tree, seq.params, seq.generator, argmax)
     s, d = speculative.compaction(p, acc)
     s, d = [sched.slot(seq, x) for x in s], [sched.slot(seq, x) for x in d]
     if feats is not None:

@@ -34,11 +34,11 @@ def accept(
     tree: DraftTree,
     params: SamplingParams,
     generator: torch.Generator | None,
+    argmax: list[int] | None = None,  # [n+1] the rows' argmax, when the caller has it
 ) -> Acceptance:
     children = child_rows(tree)
-    if params.greedy:  # one argmax for all rows, then a host walk
-        choice = logits.argmax(dim=-1).tolist()
-        pick = choice.__getitem__
+    if params.greedy:  # one argmax for all rows (the step's, or here), then a host walk
+        pick = (logits.argmax(dim=-1).tolist() if argmax is None else argmax).__getitem__
     else:  # sample lazily along the walk: one draw per committed token
         def pick(row: int) -> int:
             return sample_rows(logits[row : row + 1], params, generator)[0]

@@ -131,3 +131,35 @@ def test_drafter_is_released_and_budget_validated(greedy_case, make_engine):
     assert len(drafter.released) == 3 and drafter.released[-1] == "x"
     with pytest.raises(ValueError, match="budget must be in"):
         engine.add_request("y", prompts[0], SamplingParams(), budget=9)
+
+
+def test_greedy_walks_read_the_steps_one_argmax_beside_sampled_requests(
+        greedy_case, make_engine, monkeypatch):
+    """The step's forward takes one argmax of its logits rows to the host; each greedy tree's
+    accept walk reads its rows of it (equal to its rows' own argmax), while a sampled request
+    in the same steps still samples: the greedy outputs are transformers', the sampled one is
+    plain decoding's with the same seed."""
+    import specserve.engine.postprocess as post
+
+    path, hf, prompts, expected = greedy_case
+    seen, real = [], post.accept
+
+    def spy(logits, tree, params, generator, argmax=None):
+        if params.greedy:
+            seen.append(argmax == logits.argmax(-1).tolist())
+        return real(logits, tree, params, generator, argmax)
+
+    monkeypatch.setattr(post, "accept", spy)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, top_k=40, seed=3, ignore_eos=True)
+    want = make_engine(path).generate([prompts[1]], sampled)[0]
+    engine = make_engine(path, max_draft_tokens=16)
+    engine.set_drafter(RandomDDTreeDrafter(hf.config.vocab_size, depth=6, seed=7))
+    for i, q in enumerate((greedy, sampled, greedy)):
+        engine.add_request(f"r{i}", prompts[i], q, 16)
+    got = {f"r{i}": [] for i in range(3)}
+    while engine.has_unfinished:
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+    assert got["r0"] == expected[0][:24] and got["r2"] == expected[2][:24]
+    assert got["r1"] == want and len(seen) > 20 and all(seen)
