@@ -201,7 +201,6 @@ class RemoteDrafter(Drafter):
             self._resend(requests)
             raise
         trees = self.entries.trees(requests, reply, marks)
-        self.stage = (reply.tree_build_s, sum(t.n for t in trees))
         if self.entries.errors:
             self._check_ring(self.entries.errors.values())
         self.profile.update(draft_build=(stamps[2] - stamps[0]) * 1e-9,

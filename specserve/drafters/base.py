@@ -48,8 +48,6 @@ class Drafter(ABC):
     needs_context = False  # True: requests carry the target's tap-layer features
     graphs = None  # the drafter's CUDA-graph runner (warm-up captures it), or None
     asynchronous = False  # True: `submit` drafts while the caller works on (engine/overlap.py)
-    # the last call's tree stage as the drafter timed it: (seconds, nodes built); None: untold
-    stage: tuple[float, int] | None = None
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:

@@ -95,7 +95,6 @@ class DFlashDrafter(Drafter):
             context_rows=sum(self._num_new(r) for r in requests),
             block_rows=sum(lg.shape[0] + 1 for lg in logits if lg.shape[0]),
             forward_s=t1 - t0, tree_s=self._now() - t1)
-        self.stage = (self.last_stats.tree_s, sum(t.n for t in trees))
         return trees
 
     def feed(self, requests: Sequence[DraftRequest]) -> bool:

@@ -4,10 +4,7 @@ Owns two tables of recent samples, filled from the engine's own steps (the warm-
 first: one tree per rows bucket, for one request and for each batch bucket): the verify part of a
 decode step (batched forward + accept + commit, the time a step costs without drafting) keyed by
 (batch bucket, rows per request, context class), and the drafter call (its forward, trees and,
-for the drafter service, the round trip) keyed by (batch bucket, context class); and one more
-entry, the drafter's tree stage per node it built, as the drafter times its stage (its heaps:
-the tables come with its forward), so that a step is priced with the stage of the trees it
-asks for — (rows − 1) nodes per request — and the call's time without it. A context class
+for the drafter service, the round trip) keyed by (batch bucket, context class). A context class
 is the context's bit length (…, 1k, 2k, 4k, …). An entry's value is the lower quartile of its
 last WINDOW samples: step times are floored by the work and spiked by what else runs (a first
 launch's compile or graph capture, the host, a neighbour on the GPU), so a low quantile follows
@@ -69,7 +66,6 @@ class CostModel:
     epoch: int = 0  # bumped whenever the memo is dropped: callers may cache on it
     graph_builds: int = 0  # the runner's CUDA graph builds when a step was last observed
     pending: tuple | None = None  # a step `observe_step(defer=True)` left to `book_pending`
-    node: Samples | None = None  # the drafter's tree stage per node built (s)
 
     def observe_verify(self, n: int, rows: int, ctx: int, seconds: float) -> None:
         key = (batch_bucket(n), rows, context_class(ctx))
@@ -92,8 +88,6 @@ class CostModel:
         for table, chosen in ((self.verify, verify), (self.draft, draft)):
             if chosen:
                 table.clear()
-        if draft:
-            self.node = None
         self.pending = None
         self._memo.clear()
         self.epoch += 1
@@ -105,22 +99,6 @@ class CostModel:
         _add(self.draft, key, seconds)
         if key in self.draft and self.draft[key].value != before:
             self.epoch += 1
-
-    def observe_stage(self, seconds: float, nodes: int) -> None:
-        """Book a drafter call's tree stage: `seconds` for `nodes` built."""
-        if nodes <= 0 or seconds <= 0:
-            return
-        before = None if self.node is None else self.node.value
-        if self.node is None:
-            self.node = Samples(seconds / nodes)
-        else:
-            self.node.add(seconds / nodes)
-        if self.node.value != before:
-            self.epoch += 1
-
-    def node_s(self) -> float:
-        """The drafter's tree stage per node built (s); 0 while none is booked."""
-        return 0.0 if self.node is None else self.node.value
 
     def verify_s(self, n: int, rows: int, ctx: int) -> float | None:
         """Seconds of a decode step of `n` requests, `rows` rows each, longest context `ctx`."""
@@ -163,8 +141,6 @@ class CostModel:
                for (n, r, c), e in sorted(self.verify.items())}
         out.update({f"draft n={n} ctx<=2^{c}": e.value * 1e3
                     for (n, c), e in sorted(self.draft.items())})
-        if self.node is not None:
-            out["tree stage per node"] = self.node.value * 1e3
         return out
 
 
@@ -178,24 +154,20 @@ class StepPrices:
         self._memo: dict[tuple, tuple | None] = {}
 
     def __call__(self, n: int, ctx: int, rows: tuple[int, ...]) -> tuple | None:
-        """([(rows, step seconds)] for each of `rows`, drafting seconds) for `n` requests at
-        longest context `ctx`, or None while one of `rows` is unmeasured: a step's seconds are
-        its verify's and, drafted, the drafter's tree stage for n trees of rows − 1 nodes; the
-        drafting seconds the rest of a drafter call."""
+        """([(rows, verify seconds)] for each of `rows`, drafting seconds) for `n` requests at
+        longest context `ctx`, or None while one of `rows` is unmeasured."""
         key = (batch_bucket(n), context_class(ctx), rows, self.cost.epoch)
         if key not in self._memo:
             if len(self._memo) > 256:
                 self._memo.clear()
             verify = [(r, self.cost.verify_s(n, self.pad_rows(r), ctx)) for r in rows]
-            node = n * self.cost.node_s()
             self._memo[key] = None if any(t is None for _, t in verify) else \
-                ([(r, t + node * (r - 1)) for r, t in verify], self.cost.draft_s(n, ctx) or 0.0)
+                (verify, self.cost.draft_s(n, ctx) or 0.0)
         return self._memo[key]
 
 
 def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: float | None,
-                 draft_rows: int, graph_builds: int = 0, defer: bool = False,
-                 stage: tuple[float, int] | None = None) -> None:
+                 draft_rows: int, graph_builds: int = 0, defer: bool = False) -> None:
     """Book one decode-only engine step: its `plans` (engine.speculative.Planned), the rows
     each tree occupied (0: each its own), the verify + commit seconds, and the drafting
     seconds (None: not the step's own, as with overlap) with the context rows it carried. A
@@ -205,12 +177,10 @@ def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: fl
     was asked for (`Ask`: no tree stage; the price is a tree's, which decisions draft). A step
     that built a CUDA graph (the runner's count of builds, `graph_builds`, moved since the last
     step) timed the capture: nothing is booked (a shape booked once at its capture's cost was
-    never chosen again, so never measured). `defer`: kept for `CostModel.book_pending`.
-    `stage`: the drafter's tree stage in the call, (seconds, nodes built) — booked apart and
-    taken off the drafting seconds where it fits in them (not hidden by a draft sent ahead)."""
+    never chosen again, so never measured). `defer`: kept for `CostModel.book_pending`."""
     if defer:
         cost.book_pending()
-        cost.pending = (plans, rows, verify_s, draft_s, draft_rows, graph_builds, False, stage)
+        cost.pending = (plans, rows, verify_s, draft_s, draft_rows, graph_builds)
         return
     if graph_builds != cost.graph_builds:
         cost.graph_builds = graph_builds
@@ -220,9 +190,6 @@ def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: fl
     drafted = sum(1 for p in plans if p.budget and p.drafted)
     if drafted and draft_s is not None and draft_rows <= STEADY_ROWS * drafted \
             and not any(p.first or p.chain for p in plans):
-        if stage is not None and 0 < stage[0] < draft_s:
-            cost.observe_stage(*stage)
-            draft_s -= stage[0]
         cost.observe_draft(drafted, ctx, draft_s)
 
 

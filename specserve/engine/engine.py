@@ -51,7 +51,7 @@ class Engine:
         self.tokenizer = tokenizer if tokenizer is not None else _maybe_tokenizer(config)
         self.scheduler = Scheduler.of(config, self.runner.num_pages, self.model_config)
         self.requests: dict[str, Sequence] = {}
-        self._draft_rows, self._stage = 0, None  # the drafts' context rows, tree stage (cost)
+        self._draft_rows = 0  # context rows the step's drafts carried (adaptive cost model)
         self._arrivals = itertools.count()
 
     def set_drafter(self, drafter: Drafter | None) -> None:
@@ -217,9 +217,9 @@ class Engine:
         speculation, cut to (or skipped for) the step's choice."""
         args = (self.drafter, self.max_model_len, self.model_config.vocab_size)
         if self.adaptive is not None and self.drafter is not None:
-            sent = set() if self._ahead is None else self._ahead.sent()  # asked: it is verified
-            skip = [s for s in self.adaptive.to_draft([s for s in decoding if s.budget])[1]
-                    if s.request_id not in sent]
+            _, skip = self.adaptive.to_draft([s for s in decoding if s.budget])
+            sent = set() if self._ahead is None else self._ahead.sent()
+            skip = [s for s in skip if s.request_id not in sent]  # asked for: it is verified
             out = {s.request_id for s in skip}
             now = [s for s in decoding if s.request_id not in out]
             self._draft_rows = sum(x.shape[0] for s in now for x in s.pending_context)
@@ -227,7 +227,6 @@ class Engine:
             plans, draft_s = speculative.plan(now, *args, budgets) if self._ahead is None \
                 else self._ahead.plan(now, *args, budgets)
             plans += [self.adaptive.skipped(s) for s in skip]
-            self._stage = self.drafter.stage if plans and now else None
         elif self._ahead is not None:
             return self._ahead.plan(decoding, *args)
         elif self.config.overlap and self.drafter is not None and self.drafter.asynchronous:
@@ -249,7 +248,7 @@ class Engine:
         t = self.last_step
         observe_step(self.cost, batch.plans, span, (t.end_ns - t.draft_end_ns) / 1e9,
                      None if self.config.overlap else draft_s, self._draft_rows,
-                     getattr(self.runner.graphs, "builds", 0), defer=True, stage=self._stage)
+                     getattr(self.runner.graphs, "builds", 0), defer=True)
 
     def commit_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append generated tokens (stopping at the first that ends the request); its output."""

@@ -208,40 +208,6 @@ def test_a_deferred_step_is_booked_by_the_next_forwards_bookings_or_dropped_by_c
     assert not cost.verify and cost.pending is None
 
 
-def test_the_drafters_tree_stage_is_priced_by_the_nodes_a_step_asks_for():
-    """A drafter reporting its tree stage (seconds, nodes built) has its calls booked without
-    the stage and the stage per node apart (not where a draft sent ahead hid it: the stage
-    does not fit in the wait); a step of r rows per request is priced with n · (r − 1) nodes'
-    stage on top of its verify, so a heap as dear as verifying many more rows moves the
-    policy that took a big tree to a smaller one."""
-    drafter, cost = RandomDDTreeDrafter(50, depth=4, seed=7), CostModel()
-    seqs = [_seq("a", budget=15), _seq("b", budget=7, start=61)]
-    for rows in (1, 2, 4, 8, 16):
-        cost.observe_verify(2, rows, 61, (1.0 + rows / 16) * 1e-3)
-    calls = ((6e-3, (1e-3, 20)), (1.5e-3, (0.4e-3, 20)), (1.6e-3, (0.3e-3, 20)),
-             (0.2e-3, (0.3e-3, 20)))  # a first tree (not steady); two steady; one hidden
-    for draft_s, stage in calls:
-        plans, _ = speculative.plan(seqs, drafter, 4096, 50)
-        observe_step(cost, plans, 16, 1e-3, draft_s, draft_rows=2, stage=stage)
-    assert cost.node_s() == pytest.approx(15e-6)  # the lower quartile of 20 and 15 µs
-    assert sorted(cost.draft[(2, context_class(61))].recent) == pytest.approx(
-        [0.2e-3, 1.1e-3, 1.3e-3])  # the calls less their stage; the hidden one whole
-    verify, draft = Adaptive(cost, lambda r: r).prices(2, 61, (1, 4, 16))
-    assert draft == pytest.approx(0.2e-3)
-    assert [t for _, t in verify] == pytest.approx(
-        [cost.verify_s(2, r, 61) + 2 * (r - 1) * 15e-6 for r in (1, 4, 16)])
-
-    seq = _seq("c", budget=63)
-    free, dear = (Adaptive(_cost(draft_ms=0.3), lambda rows: rows) for _ in range(2))
-    dear.cost.observe_stage(63 * 40e-6, 63)  # 40 µs a node: 63 nodes cost 2.5 ms
-    chosen = []
-    for policy in (free, dear):
-        plan = _plan(seq, 1, confident=True)
-        policy.shape([plan])
-        chosen.append(plan.choice.nodes)
-    assert chosen[0] >= 31 and 0 < chosen[1] < chosen[0]
-
-
 def _seq(rid: str, budget: int, start: int = 40) -> Sequence:
     seq = Sequence(request_id=rid, prompt_ids=list(range(1, start + 1)),
                    params=SamplingParams(max_tokens=64), stop_ids=frozenset(), max_len=4096,
