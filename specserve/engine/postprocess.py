@@ -42,22 +42,35 @@ def commit_trees(engine: Engine, batch: StepBatch) -> Committed:
     every tree of the step: after this, each request's next draft can be asked for (`Engine`
     may send it before `settle_trees`; the verifier's GPU work is all launched by then)."""
     t0 = time.perf_counter()
-    c, row0, src, dst = Committed([], [], 0.0), 0, [], []
+    c, row0, src, dst, keep = Committed([], [], 0.0), 0, [], [], []
     for p, end in zip(batch.plans, batch.ends, strict=False):
         n = p.layout.num_rows
         try:
-            acc, out, s, d = _commit_tree(engine, p, row0, batch, end)
+            acc, out, s, d = _commit_tree(engine, p, row0, batch)
         except Exception as e:  # this request's failure ends it alone: no copies for it
             c.outputs.append(isolation.fail(engine, p.seq, e))
         else:
             if not out.finished:  # a finished request's pages are already free
                 src, dst = src + s, dst + d
+                keep.append((p.seq, [end - n + r for r in (0, *acc.rows)]))
             c.done.append((p, acc, out, len(out.new_token_ids) < len(acc.token_ids), row0))
             c.outputs.append(out)
         row0 += n
     engine.runner.kv.copy_slots(src, dst)  # host lists: one transfer, no sync
+    _next_context(batch.feats, keep)
     c.seconds = time.perf_counter() - t0
     return c
+
+
+def _next_context(feats: torch.Tensor | None, keep: list[tuple]) -> None:
+    """The drafter's next context rows of the committed trees: the features of each one's root
+    and accepted rows (`keep`: (sequence, flat rows) each) — one gather for the step."""
+    if feats is None or not keep:
+        return
+    rows = torch.tensor([r for _, rs in keep for r in rs], device=feats.device)
+    parts = feats.index_select(0, rows).split([len(rs) for _, rs in keep])  # [1 + accepted, F]
+    for (seq, _), part in zip(keep, parts, strict=True):
+        seq.pending_context.append(part)
 
 
 def settle_trees(engine: Engine, batch: StepBatch, c: Committed, draft_s: float,
@@ -74,18 +87,15 @@ def settle_trees(engine: Engine, batch: StepBatch, c: Committed, draft_s: float,
             engine.on_step(p.seq.request_id, step)
 
 
-def _commit_tree(engine: Engine, p: Planned, row0: int, batch: StepBatch, end: int):
+def _commit_tree(engine: Engine, p: Planned, row0: int, batch: StepBatch):
     """One tree's accept walk and commit (its logits from `row0`): (acceptance, output, KV copy
     src and dst slots)."""
-    seq, n, feats, sched = p.seq, p.layout.num_rows, batch.feats, engine.scheduler
+    seq, n, sched = p.seq, p.layout.num_rows, engine.scheduler
     logits = batch.logits[row0 : row0 + n]  # [n, V]
     argmax = None if batch.argmax is None else batch.argmax[row0 : row0 + n]
     acc = accept(logits, p.tree, seq.params, seq.generator, argmax)
     s, d = speculative.compaction(p, acc)
     s, d = [sched.slot(seq, x) for x in s], [sched.slot(seq, x) for x in d]
-    if feats is not None:
-        keep = torch.tensor([0, *acc.rows], device=feats.device) + (end - n)
-        seq.pending_context.append(feats.index_select(0, keep))  # [1 + accepted, F]
     seq.num_computed = p.start + 1 + acc.accepted_depth
     lps = None
     if seq.params.logprobs is not None:  # token k was chosen by the row of path node k - 1
