@@ -27,18 +27,23 @@ CALLS = [[("a", 23, 5, 99)], [("a", 4, 7, 99), ("b", 9, 11, 3)],
          [("c", 7, 9, 99), ("a", 2, 3, 99), ("b", 1, 8, 99)], [("c", 1, 6, 99)]]
 
 
-def run_calls(drafter: DFlashDrafter, device: str = "cpu") -> list[torch.Tensor]:
-    starts, seed, out = {}, 10, []
+def batches(device: str = "cpu", asks: dict[str, tuple[int, bool]] | None = None):
+    """CALLS as request batches, each request asking for `asks[rid]` (budget, chain) or 8."""
+    starts, seed = {}, 10
     for call in CALLS:
         batch = []
         for rid, n_new, bonus, depth in call:
             starts[rid] = starts.get(rid, 0) + n_new
             seed += 1
             ctx = torch.randn(n_new, 2 * HIDDEN, generator=torch.Generator().manual_seed(seed))
-            batch.append(DraftRequest(rid, bonus, starts[rid], budget=8, max_depth=depth,
-                                      context=ctx.to(device)))
-        out += drafter.draft_logits(batch)
-    return out
+            budget, chain = (asks or {}).get(rid, (8, False))
+            batch.append(DraftRequest(rid, bonus, starts[rid], budget=budget, max_depth=depth,
+                                      context=ctx.to(device), chain=chain))
+        yield batch
+
+
+def run_calls(drafter: DFlashDrafter, device: str = "cpu") -> list[torch.Tensor]:
+    return [lg for batch in batches(device) for lg in drafter.draft_logits(batch)]
 
 
 def scaled(model):  # a checkpoint that scales its input embeddings (both paths must)
@@ -230,17 +235,8 @@ def lockstep(static: DFlashDrafter, asks: dict[str, tuple[int, bool]],
     (the CPU's tiny model, dynamic, unless given): [(request, its tree, its logits [L, V])] per
     request drafted."""
     dynamic = dynamic or DFlashDrafter(tiny_model(), num_pages=60, page_size=4, poison=True)
-    device = dynamic.cache.device
-    starts, seed, out = {}, 10, []
-    for call in CALLS:
-        batch = []
-        for rid, n_new, bonus, depth in call:
-            starts[rid] = starts.get(rid, 0) + n_new
-            seed += 1
-            ctx = torch.randn(n_new, 2 * HIDDEN, generator=torch.Generator().manual_seed(seed))
-            budget, chain = asks[rid]
-            batch.append(DraftRequest(rid, bonus, starts[rid], budget=budget, max_depth=depth,
-                                      context=ctx.to(device), chain=chain))
+    out = []
+    for batch in batches(dynamic.cache.device.type, asks):
         out += zip(batch, static.draft(batch),
                    (lg.cpu() for lg in dynamic.draft_logits(batch)), strict=True)
     return out
