@@ -18,8 +18,15 @@ import torch
 if not torch.cuda.is_available():  # CPU: the Triton interpreter (set before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from specserve.kernels.topk import MIN_ROWS, MIN_VOCAB, topk_logprobs_device, warm_up  # noqa: E402
-from specserve.kernels.topk.kernel import BLOCK, MAX_K, topk_logprobs_triton  # noqa: E402
+from specserve.kernels.topk import (  # noqa: E402
+    GRAPH_K,
+    MIN_ROWS,
+    MIN_VOCAB,
+    graph_k,
+    topk_logprobs_device,
+    warm_up,
+)
+from specserve.kernels.topk.kernel import BLOCK, MAX_K, ROUNDS, topk_logprobs_triton  # noqa: E402
 from specserve.kernels.topk.ref import topk_logprobs_ref  # noqa: E402
 from specserve.spec.ddtree import topk_logprobs  # noqa: E402
 
@@ -77,3 +84,11 @@ def test_warm_up_compiles_only_where_the_kernel_runs():
     assert warm_up(MIN_VOCAB - 1, DEV) is False
     assert warm_up(MIN_VOCAB, "cpu") is False
     assert warm_up(MIN_VOCAB, DEV) is (DEV == "cuda")
+
+
+def test_a_drafter_graphs_table_width_keeps_the_kernels_smaller_compile_on_a_large_vocabulary():
+    """`graph_k`: every size class up to GRAPH_K − 1 nodes on a small vocabulary (all of a tiny
+    one), the kernel's first round on a large one (its work for the default budget 15), so a
+    replay's tables never double the kernel's rounds."""
+    assert (graph_k(37), graph_k(4096), GRAPH_K) == (37, 64, 64)
+    assert graph_k(151936) == graph_k(MIN_VOCAB) == ROUNDS[0] == 16 < MAX_K

@@ -35,11 +35,12 @@ def topk_logprobs_device(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
 def graph_k(vocab: int) -> int:
     """The top-k width a drafter's CUDA graph computes on every replay (drafters/dflash_graphs.py
     `tables`): every DDTree budget up to GRAPH_K on a small vocabulary; on a large one (where the
-    kernel runs) the kernel's MAX_K, so that a replay never pays torch's top-k over it."""
+    kernel runs) its smaller compile's width, the default budget's (15) — a wider table would
+    double the kernel's rounds on every replay; wider budgets take the top-k after it."""
     if vocab >= MIN_VOCAB and triton_available():
-        from specserve.kernels.topk.kernel import MAX_K
+        from specserve.kernels.topk.kernel import ROUNDS
 
-        return min(MAX_K, vocab)
+        return min(ROUNDS[0], vocab)
     return min(GRAPH_K, vocab)
 
 
