@@ -262,7 +262,7 @@ class DFlashDrafter(Drafter):
         if not idx:
             return []
         if not self._graphed(k):
-            return _tables(logits, idx, k)
+            return _topk_tables(logits, idx, k)
         host = self.graphs.host_tables()  # [R · stride, 2K] int32
         out = []
         for i in idx:
@@ -282,7 +282,7 @@ def _ends(logits: list[torch.Tensor], idx: list[int]) -> np.ndarray:
     return np.cumsum([logits[i].shape[0] for i in idx])[:-1]
 
 
-def _tables(logits: list[torch.Tensor], idx: list[int], k: int):
+def _topk_tables(logits: list[torch.Tensor], idx: list[int], k: int):
     """(i, log-probs [L_i, k], ids [L_i, k]) for each request i of `idx`: one top-k and one
     host copy for all of them."""
     if not idx:

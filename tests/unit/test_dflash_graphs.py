@@ -263,13 +263,13 @@ def assert_oracle_tree(r: DraftRequest, tree, logits: torch.Tensor) -> None:
 
 def test_trees_come_from_the_tables_the_replay_computed(monkeypatch):
     """With graphs, a call's trees and chain asks are built from the top-k tables the replay
-    computed and copied (no top-k after it: the eager `_tables` is never called) and equal what
+    computed and copied (no top-k after it: the eager `_topk_tables` is never called) and equal what
     torch's tables of the dynamic path's logits give — over CALLS (a bucket of 4 holding 3
     requests, blocks cut short by max_depth), budgets 8 / 3 / 5, "b" asking for chains."""
     import specserve.drafters.dflash as dflash
 
     eager = []
-    monkeypatch.setattr(dflash, "_tables", lambda *a: eager.append(a) or [])
+    monkeypatch.setattr(dflash, "_topk_tables", lambda *a: eager.append(a) or [])
     drafter = DFlashDrafter(tiny_model(), num_pages=60, page_size=4, poison=True, graphs=True,
                             capture=False)
     assert drafter.graphs.tables == tiny_model().config.vocab_size  # 37 < GRAPH_K
@@ -291,8 +291,8 @@ def test_a_budget_wider_than_the_replays_tables_takes_the_eager_top_k(monkeypatc
     import specserve.drafters.dflash as dflash
 
     monkeypatch.setattr(dflash, "graph_k", lambda vocab: 4)
-    eager, tables = [], dflash._tables
-    monkeypatch.setattr(dflash, "_tables", lambda *a: eager.append(a[2]) or tables(*a))
+    eager, tables = [], dflash._topk_tables
+    monkeypatch.setattr(dflash, "_topk_tables", lambda *a: eager.append(a[2]) or tables(*a))
     drafter = DFlashDrafter(tiny_model(), num_pages=60, page_size=4, poison=True, graphs=True,
                             capture=False)
     got = lockstep(drafter, {"a": (8, False), "b": (3, False), "c": (3, False)})
