@@ -15,8 +15,10 @@ not priced by another measured elsewhere (the warm-up's steps run without a requ
 work). A shape never measured is estimated from the
 nearest ones measured: at a context class already seen, the rows count measured there scaled
 by how another class grew between the two rows counts; else linear in rows, flat when nothing
-larger is known (optimistic: the policy then tries it and measures it). No policy here
-(engine/adaptive.py).
+larger is known (optimistic: the policy then tries it and measures it). A third table keeps,
+by batch bucket, the rest of a step's cycle (`StepCycle`: scheduling, the policy's host work,
+the outputs' delivery between steps), which every shape pays, plain decoding too; the prices
+add it to each verify time. No policy here (engine/adaptive.py).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Samples:
 class CostModel:
     verify: dict[tuple[int, int, int], Samples] = field(default_factory=dict)  # (n, rows, cls)
     draft: dict[tuple[int, int], Samples] = field(default_factory=dict)  # (n, cls)
+    overhead: dict[int, Samples] = field(default_factory=dict)  # n: the rest of a step's cycle
     # envelopes of measured shapes, capped estimates of the others; recomputed after a new
     # shape or REFRESH observations
     _memo: dict[tuple[int, int, int], float | None] = field(default_factory=dict)
@@ -85,7 +88,8 @@ class CostModel:
     def clear(self, verify: bool = True, draft: bool = True) -> None:
         """Forget the measured times, a step's not yet booked too (callers caching on `epoch`
         see it move)."""
-        for table, chosen in ((self.verify, verify), (self.draft, draft)):
+        for table, chosen in ((self.verify, verify), (self.overhead, verify),
+                              (self.draft, draft)):
             if chosen:
                 table.clear()
         self.pending = None
@@ -94,10 +98,16 @@ class CostModel:
 
     def observe_draft(self, n: int, ctx: int, seconds: float) -> None:
         """Book a drafter call; callers caching on `epoch` see it move with the entry's value."""
-        key = (batch_bucket(n), context_class(ctx))
-        before = self.draft[key].value if key in self.draft else None
-        _add(self.draft, key, seconds)
-        if key in self.draft and self.draft[key].value != before:
+        self._book(self.draft, (batch_bucket(n), context_class(ctx)), seconds)
+
+    def observe_overhead(self, n: int, seconds: float) -> None:
+        """Book the rest of a step's cycle (`StepCycle`) for a batch of `n`."""
+        self._book(self.overhead, batch_bucket(n), seconds)
+
+    def _book(self, table: dict, key, seconds: float) -> None:
+        before = table[key].value if key in table else None
+        _add(table, key, seconds)
+        if key in table and table[key].value != before:
             self.epoch += 1
 
     def verify_s(self, n: int, rows: int, ctx: int) -> float | None:
@@ -135,19 +145,26 @@ class CostModel:
             return classes[c]
         return None
 
+    def overhead_s(self, n: int) -> float:
+        """Seconds of a step's cycle outside drafting and verify for `n` requests (0: none
+        measured)."""
+        near = _nearest(batch_bucket(n), set(self.overhead))
+        return self.overhead[near[0]].value if near else 0.0
+
     def table(self) -> dict[str, float]:
         """Every measured entry in ms, for Stats / benchmarks: "verify n=1 rows=16 ctx<=2^11"."""
         out = {f"verify n={n} rows={r} ctx<=2^{c}": e.value * 1e3
                for (n, r, c), e in sorted(self.verify.items())}
         out.update({f"draft n={n} ctx<=2^{c}": e.value * 1e3
                     for (n, c), e in sorted(self.draft.items())})
+        out.update({f"overhead n={n}": e.value * 1e3 for n, e in sorted(self.overhead.items())})
         return out
 
 
 class StepPrices:
-    """A decode step's price by the model: verify seconds by rows per request (padded as the
-    runner pads a tree) and the drafting seconds, cached until the model moves (the adaptive
-    policy reads them at each of its decisions)."""
+    """A decode step's price by the model: seconds by rows per request (padded as the runner
+    pads a tree: its verify and the rest of the step's cycle) and the drafting seconds, cached
+    until the model moves (the adaptive policy reads them at each of its decisions)."""
 
     def __init__(self, cost: CostModel, pad_rows) -> None:
         self.cost, self.pad_rows = cost, pad_rows  # pad_rows(rows) → rows a tree occupies
@@ -161,13 +178,39 @@ class StepPrices:
             if len(self._memo) > 256:
                 self._memo.clear()
             verify = [(r, self.cost.verify_s(n, self.pad_rows(r), ctx)) for r in rows]
+            rest = self.cost.overhead_s(n)
             self._memo[key] = None if any(t is None for _, t in verify) else \
-                (verify, self.cost.draft_s(n, ctx) or 0.0)
+                ([(r, t + rest) for r, t in verify], self.cost.draft_s(n, ctx) or 0.0)
         return self._memo[key]
 
 
+class StepCycle:
+    """The rest of an engine step's cycle: from the last step's end to this one's, less this
+    step's drafting and its verify part (forward, accept, commit) — the schedule, the policy's
+    host work and, between steps, the outputs' delivery (through the services, the stream to
+    the gateway). Measured only across steps that share a request: a wait for work between
+    two batches is not a step's."""
+
+    def __init__(self) -> None:
+        self._end: int | None = None  # the last step's end (time.time_ns())
+        self._ids: frozenset = frozenset()  # its requests
+
+    def rest(self, times, batch, draft_s: float | None) -> float | None:
+        """Seconds of this step's cycle (`times`: its StepTimes; `batch`: its StepBatch)
+        outside drafting and verify, or None: no last step sharing a request, or no drafting
+        time of the step's own."""
+        ids = frozenset(p.seq.request_id for p in batch.plans) | {
+            w.seq.request_id for w in batch.chunks}
+        end, shared = self._end, bool(ids & self._ids)
+        self._end, self._ids = times.end_ns, ids
+        if end is None or not shared or draft_s is None:
+            return None
+        return (times.draft_end_ns - end) / 1e9 - draft_s
+
+
 def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: float | None,
-                 draft_rows: int, graph_builds: int = 0, defer: bool = False) -> None:
+                 draft_rows: int, graph_builds: int = 0, defer: bool = False,
+                 overhead_s: float | None = None) -> None:
     """Book one decode-only engine step: its `plans` (engine.speculative.Planned), the rows
     each tree occupied (0: each its own), the verify + commit seconds, and the drafting
     seconds (None: not the step's own, as with overlap) with the context rows it carried. A
@@ -177,14 +220,18 @@ def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: fl
     was asked for (`Ask`: no tree stage; the price is a tree's, which decisions draft). A step
     that built a CUDA graph (the runner's count of builds, `graph_builds`, moved since the last
     step) timed the capture: nothing is booked (a shape booked once at its capture's cost was
-    never chosen again, so never measured). `defer`: kept for `CostModel.book_pending`."""
+    never chosen again, so never measured). `defer`: kept for `CostModel.book_pending`;
+    `overhead_s`: the rest of the step's cycle (`StepCycle`; None: not measured)."""
     if defer:
         cost.book_pending()
-        cost.pending = (plans, rows, verify_s, draft_s, draft_rows, graph_builds)
+        cost.pending = (plans, rows, verify_s, draft_s, draft_rows, graph_builds, False,
+                        overhead_s)
         return
     if graph_builds != cost.graph_builds:
         cost.graph_builds = graph_builds
         return
+    if overhead_s is not None:
+        cost.observe_overhead(len(plans), overhead_s)
     ctx = max(p.start for p in plans)
     cost.observe_verify(len(plans), rows or max(p.layout.num_rows for p in plans), ctx, verify_s)
     drafted = sum(1 for p in plans if p.budget and p.drafted)

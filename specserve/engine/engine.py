@@ -20,7 +20,7 @@ from specserve.config import EngineConfig
 from specserve.drafters.base import Drafter
 from specserve.engine import isolation, overlap, postprocess, speculative
 from specserve.engine.adaptive import Adaptive
-from specserve.engine.cost import CostModel, observe_step
+from specserve.engine.cost import CostModel, StepCycle, observe_step
 from specserve.engine.runner import ModelRunner
 from specserve.engine.scheduler import Scheduled, Scheduler
 from specserve.engine.sequence import Sequence, Status
@@ -44,6 +44,7 @@ class Engine:
         self.last_step: StepTimes | None = None  # wall-clock marks of the latest step (traces)
         self.runner = ModelRunner(config, model)
         self.cost = CostModel()  # with adaptive: measured on every decode step (warm-up's first)
+        self._cycle = StepCycle()  # the rest of each step's cycle, for the cost model
         self.adaptive = Adaptive(self.cost, self._pad_rows) if config.adaptive else None
         self.set_drafter(drafter)
         self.model_config = self.runner.model.config
@@ -119,10 +120,8 @@ class Engine:
             bad = [t for t in ids if not 0 <= t < vocab]
             raise InvalidRequest(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:8]}")
         if len(ids) + max_tokens > self.max_model_len:
-            raise InvalidRequest(
-                f"prompt has {len(ids)} tokens and max_tokens is {max_tokens}; the model's "
-                f"context is {self.max_model_len} tokens"
-            )
+            raise InvalidRequest(f"prompt has {len(ids)} tokens and max_tokens is {max_tokens}; "
+                                 f"the model's context is {self.max_model_len} tokens")
         return ids
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
@@ -243,12 +242,14 @@ class Engine:
     def _observe_cost(self, batch, draft_s: float, span: int) -> None:
         """Book a decode-only step's times in the cost model (a prefill chunk's would not say
         what a tree costs) — in the next forward's wait, with the policy's bookings."""
-        if self.adaptive is None or batch.chunks or not batch.plans or self.last_step is None:
+        if self.adaptive is None or self.last_step is None:
             return
-        t = self.last_step
-        observe_step(self.cost, batch.plans, span, (t.end_ns - t.draft_end_ns) / 1e9,
-                     None if self.config.overlap else draft_s, self._draft_rows,
-                     getattr(self.runner.graphs, "builds", 0), defer=True)
+        t, draft_s = self.last_step, None if self.config.overlap else draft_s
+        rest = self._cycle.rest(t, batch, draft_s)
+        if not batch.chunks and batch.plans:
+            observe_step(self.cost, batch.plans, span, (t.end_ns - t.draft_end_ns) / 1e9,
+                         draft_s, self._draft_rows, getattr(self.runner.graphs, "builds", 0),
+                         defer=True, overhead_s=rest)
 
     def commit_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append generated tokens (stopping at the first that ends the request); its output."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,13 +15,13 @@ import torch
 from specserve.engine import adaptive, adaptive_state, speculative, warmup
 from specserve.engine.adaptive import Adaptive
 from specserve.engine.adaptive_state import EMPTY, State, choose
-from specserve.engine.cost import CostModel, context_class, observe_step
+from specserve.engine.cost import CostModel, StepCycle, context_class, observe_step
 from specserve.engine.sequence import Sequence
 from specserve.engine.speculative import Ask, Planned
 from specserve.spec import shapes
 from specserve.spec.accept import accept
 from specserve.spec.ddtree import build_ddtree, topk_logprobs
-from specserve.spec.metrics import reason_kind
+from specserve.spec.metrics import StepTimes, reason_kind
 from specserve.spec.tree import DraftTree, chain_tree, verify_layout
 from specserve.types import SamplingParams
 from tests.fakes import RandomDDTreeDrafter
@@ -206,6 +207,49 @@ def test_a_deferred_step_is_booked_by_the_next_forwards_bookings_or_dropped_by_c
     cost.clear()
     policy.book_pending()
     assert not cost.verify and cost.pending is None
+
+
+def test_the_rest_of_a_steps_cycle_is_measured_across_steps_that_share_a_request():
+    """From one step's end to the next one's drafts, less the drafting: the schedule, the
+    policy's host work, the outputs' delivery. A wait for work between two batches (no request
+    in common) is not a step's, nor is a step whose drafting was not its own."""
+    def batch(*ids):
+        plans = [SimpleNamespace(seq=SimpleNamespace(request_id=i)) for i in ids]
+        return SimpleNamespace(plans=plans, chunks=[])
+
+    def times(start_ms, draft_end_ms, end_ms):
+        return StepTimes(*(int(t * 1e6) for t in (start_ms, draft_end_ms, end_ms, end_ms)))
+
+    cycle = StepCycle()
+    assert cycle.rest(times(0.0, 2.0, 5.0), batch("a"), 1.5e-3) is None  # no step before it
+    got = cycle.rest(times(5.7, 8.1, 11.0), batch("a", "b"), 1.9e-3)
+    assert got == pytest.approx((8.1 - 5.0) / 1e3 - 1.9e-3)  # 0.7 before + 0.5 beside drafting
+    assert cycle.rest(times(400.0, 402.0, 405.0), batch("c"), 1.0e-3) is None  # after a wait
+    assert cycle.rest(times(405.4, 407.0, 409.0), batch("c"), None) is None  # overlap's drafts
+    assert cycle.rest(times(409.3, 411.0, 414.0), batch("c"), 1.2e-3) == pytest.approx(0.8e-3)
+
+
+def test_every_shape_plain_decoding_too_pays_the_rest_of_the_steps_cycle():
+    """The prices add the measured rest of a step's cycle to every rows count's verify time:
+    through the services (the stream to the gateway between steps) a drafter that plain
+    decoding beats by the margin on verify times alone is worth its call, and it is drafted."""
+    seq, costs = _seq("a", budget=63), []
+    for overhead_ms in (None, 5.0):
+        cost = _cost(draft_ms=20.0)
+        if overhead_ms is not None:
+            cost.observe_overhead(1, overhead_ms / 1e3)
+        costs.append(cost)
+        policy = Adaptive(cost, lambda rows: rows)
+        verify, draft = policy.prices(1, 40, warmup.candidates(63))
+        rest = 0.0 if overhead_ms is None else overhead_ms / 1e3
+        assert [t for _, t in verify] == pytest.approx(
+            [cost.verify_s(1, r, 40) + rest for r, _ in verify]) and draft == 20e-3
+        policy.shape([_plan(seq, 1, confident=True)])
+        now, skip = policy.to_draft([seq])
+        assert (skip, now) == (([seq], []) if overhead_ms is None else ([], [seq]))
+    assert "overhead n=1" in costs[1].table() and costs[1].overhead_s(4) == 5e-3
+    costs[1].clear(draft=False)
+    assert costs[1].overhead_s(1) == 0.0
 
 
 def _seq(rid: str, budget: int, start: int = 40) -> Sequence:
@@ -868,6 +912,23 @@ def test_the_engine_books_a_steps_times_during_the_next_forward(tiny_target, mak
     assert len({id(p) for p, _ in pending}) == 3  # a new one each step
     assert [n for _, n in pending] == [0, 1, 2]  # the one before it booked by its forward
     engine.abort("d")
+
+
+def test_the_engine_books_the_rest_of_each_steps_cycle_not_its_wait_for_work(tiny_target,
+                                                                             make_engine):
+    path, vocab = tiny_target
+    engine = make_engine(path, max_draft_tokens=7, adaptive=True)
+    engine.set_drafter(RandomDDTreeDrafter(vocab, depth=3, seed=4))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine.generate(random_prompts(1, vocab, [29], seed=5), params, budget=7)
+    first = list(engine.cost.overhead[1].recent)
+    assert first and all(0 < s < 0.2 for s in first)
+    time.sleep(0.3)  # no request: the engine waits for work
+    engine.generate(random_prompts(1, vocab, [31], seed=6), params, budget=7)
+    recent = engine.cost.overhead[1].recent
+    assert recent[-1] != first[-1] and max(recent) < 0.2
+    assert engine.adaptive.prices(1, 40, warmup.candidates(7))[0][0][1] == pytest.approx(
+        engine.cost.verify_s(1, 1, 40) + engine.cost.overhead_s(1))
 
 
 def test_a_step_that_builds_a_cuda_graph_is_not_booked(tiny_target, make_engine):
