@@ -128,7 +128,7 @@ def main() -> None:
     table = TABLES[own.table]
     cost = Believed(own.believe, own.drop_above) if own.believe else FrozenCost(table)
     engines["adaptive"].cost = engines["adaptive"].adaptive.cost = cost
-    engines["adaptive"].adaptive._times.clear()
+    engines["adaptive"].adaptive.prices.cost = cost  # its prices read the frozen model
     clock: list = [0.0, Counter()]
     for e in engines.values():
         instrument(e, table, clock)
