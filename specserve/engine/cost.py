@@ -87,9 +87,10 @@ class CostModel:
 
     def clear(self, verify: bool = True, draft: bool = True) -> None:
         """Forget the measured times, a step's not yet booked too (callers caching on `epoch`
-        see it move)."""
-        for table, chosen in ((self.verify, verify), (self.overhead, verify),
-                              (self.draft, draft)):
+        see it move); the rest of the cycle goes with the drafting times (the warm-up's steps
+        run in its own loop, not the one that serves)."""
+        for table, chosen in ((self.verify, verify), (self.draft, draft),
+                              (self.overhead, draft)):
             if chosen:
                 table.clear()
         self.pending = None

@@ -249,6 +249,8 @@ def test_every_shape_plain_decoding_too_pays_the_rest_of_the_steps_cycle():
         assert (skip, now) == (([seq], []) if overhead_ms is None else ([], [seq]))
     assert "overhead n=1" in costs[1].table() and costs[1].overhead_s(4) == 5e-3
     costs[1].clear(draft=False)
+    assert costs[1].overhead_s(1) == 5e-3
+    costs[1].clear(verify=False)  # as after the warm-up: its own loop is not the serving one
     assert costs[1].overhead_s(1) == 0.0
 
 
@@ -833,6 +835,7 @@ def test_engine_stops_calling_a_drafter_that_cannot_pay(tiny_target, make_engine
     plain = make_engine(path, max_draft_tokens=15).generate(prompts, params)
     engine = make_engine(path, max_draft_tokens=15, adaptive=True, max_num_seqs=2)
     warm_up_engine(engine)  # the verify costs, as the services measure them
+    assert engine.cost.verify and not engine.cost.overhead  # its own loop's cycle: not kept
     drafter = _SlowDrafter(vocab)
     engine.set_drafter(drafter)
     steps = []
