@@ -210,8 +210,8 @@ class StepCycle:
 
 
 def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: float | None,
-                 draft_rows: int, graph_builds: int = 0, defer: bool = False,
-                 overhead_s: float | None = None) -> None:
+                 draft_rows: int, graph_builds: int = 0, overhead_s: float | None = None,
+                 defer: bool = False) -> None:
     """Book one decode-only engine step: its `plans` (engine.speculative.Planned), the rows
     each tree occupied (0: each its own), the verify + commit seconds, and the drafting
     seconds (None: not the step's own, as with overlap) with the context rows it carried. A
@@ -221,12 +221,11 @@ def observe_step(cost: CostModel, plans, rows: int, verify_s: float, draft_s: fl
     was asked for (`Ask`: no tree stage; the price is a tree's, which decisions draft). A step
     that built a CUDA graph (the runner's count of builds, `graph_builds`, moved since the last
     step) timed the capture: nothing is booked (a shape booked once at its capture's cost was
-    never chosen again, so never measured). `defer`: kept for `CostModel.book_pending`;
-    `overhead_s`: the rest of the step's cycle (`StepCycle`; None: not measured)."""
+    never chosen again, so never measured). `overhead_s`: the rest of the step's cycle
+    (`StepCycle`; None: not measured). `defer`: kept for `CostModel.book_pending`."""
     if defer:
         cost.book_pending()
-        cost.pending = (plans, rows, verify_s, draft_s, draft_rows, graph_builds, False,
-                        overhead_s)
+        cost.pending = (plans, rows, verify_s, draft_s, draft_rows, graph_builds, overhead_s)
         return
     if graph_builds != cost.graph_builds:
         cost.graph_builds = graph_builds

@@ -249,7 +249,7 @@ class Engine:
         if not batch.chunks and batch.plans:
             observe_step(self.cost, batch.plans, span, (t.end_ns - t.draft_end_ns) / 1e9,
                          draft_s, self._draft_rows, getattr(self.runner.graphs, "builds", 0),
-                         defer=True, overhead_s=rest)
+                         overhead_s=rest, defer=True)
 
     def commit_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append generated tokens (stopping at the first that ends the request); its output."""
