@@ -1,0 +1,1 @@
+"""The three gRPC services (gateway, verifier, drafter), their shared plumbing and the CLI."""

@@ -23,7 +23,7 @@ class RequestRows:
     num_rows: int = 0  # context rows seen: positions [0, num_rows)
     rows_sent: int = 0  # context rows the drafter holds
     history_sent: int = 0  # history tokens the drafter holds
-    epoch: int = -1  # the connection the drafter's copy was built on
+    epoch: int | None = None  # the connection the drafter's copy was built on (None: none yet)
     resend: bool = False  # the drafter's copy is unknown: release it, send everything
     sent_once: bool = False
     lost: bool = False  # its rows are gone on both sides: no more DFlash drafts

@@ -5,7 +5,7 @@ A chunk of C new tokens over a P-token prefix is two attention calls whose resul
 log-sum-exps (`specserve.kernels.tree_attention.combine.merge_pair`): the chunk over itself
 under the causal mask, and the chunk over its prefix with no mask. Their K/V are the request's pages
 gathered into one contiguous buffer per pool and layer (one `index_select`: (P + C)·Hkv·D
-elements, ~1 % of the attention's time at 128k), passed as strided views — no transposes. On
+elements, small beside the attention itself), passed as strided views — no transposes. On
 CUDA the calls are cuDNN's fused attention (torch's `_scaled_dot_product_cudnn_attention`, the op
 behind SDPA's cuDNN backend, which also returns the LSE; grouped-query heads natively), well
 ahead of our kernel on a long chunk (`bench/diag_sdpa.py`; BENCHMARKS.md, "Prefill attention
@@ -48,13 +48,13 @@ SPLIT_ROWS = 64  # see PrefillPlan.causal_rest
 # (bench/diag_sdpa.py --first-calls: BENCHMARKS.md, "cuDNN plans per shape" in the section
 # above), i.e. on almost every request of a serving workload.
 # torch's opt-in ragged path keys its plans on the lengths rounded up to powers of two (a few
-# dozen plans for any workload, ≈ 5-10 % slower); torch reads the variable once, at its first
-# cuDNN attention call (`use_ragged_plans` sets it before that), and takes that path only when
-# q, k, v and out are all BSHD-contiguous.
-# So a call still gets a plan of its own shape by passing q head-major (one copy of q, ~1 % of
-# the call). We do that for the regular shapes of chunked prefill — a power-of-two chunk of
+# dozen plans for any workload, each slower than a plan of its own shape); torch reads the
+# variable once, at its first cuDNN attention call (`use_ragged_plans` sets it before that), and
+# takes that path only when q, k, v and out are all BSHD-contiguous.
+# So a call still gets a plan of its own shape by passing q head-major (one copy of q, cheap
+# beside the call). We do that for the regular shapes of chunked prefill — a power-of-two chunk of
 # ≥ 2048 rows over a whole number of such chunks — which recur at every long prompt, are few
-# (one per chunk of the longest context) and run 5-10 % faster per shape (BENCHMARKS.md,
+# (one per chunk of the longest context) and run faster on a plan of their own (BENCHMARKS.md,
 # "Prefill: per-shape cuDNN plans for the regular chunks"); at most DENSE_PLANS_MAX of them, the
 # rest stay ragged.
 DENSE_PLANS_MAX = 64  # chunk shapes (two plans each: the chunk's causal call, its prefix call)

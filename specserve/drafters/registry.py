@@ -28,6 +28,11 @@ class DrafterSpec:
     page_size: int = 16
     graphs: bool | None = None  # block forwards from CUDA graphs; None = on for CUDA
 
+    def __post_init__(self) -> None:
+        if self.num_pages <= 0 or self.page_size <= 0:
+            raise ValueError(f"num_pages and page_size must be positive, got "
+                             f"{self.num_pages}, {self.page_size}")
+
 
 def _dflash(spec: DrafterSpec) -> Drafter:
     from specserve.drafters.dflash import DFlashDrafter

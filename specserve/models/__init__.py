@@ -1,0 +1,1 @@
+"""Target and drafter models: configs, checkpoint loading, the decoder and its fused layers."""

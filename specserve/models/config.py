@@ -218,6 +218,14 @@ class GenerationDefaults:
     top_p: float = 1.0
     top_k: int | None = None
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+
 
 def load_generation_defaults(model_dir: str | Path) -> GenerationDefaults:
     path = Path(model_dir) / "generation_config.json"

@@ -62,7 +62,7 @@ def _ptrs(layer) -> tuple[int, ...]:
     out = []
     for m in (attn["q_proj"], attn["k_proj"], attn["v_proj"], mlp["gate_proj"], mlp["up_proj"]):
         for t in m._parameters.values():
-            out.append(-1 if t is None else t.data_ptr())
+            out.append(None if t is None else t.data_ptr())
     for name in ("q_norm", "k_norm"):
         m = attn.get(name)  # absent (a plain None attribute) without q/k norm
         if m is not None:

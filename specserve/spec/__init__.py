@@ -1,0 +1,1 @@
+"""Speculation independent of models: trees, DDTree, acceptance, shapes, per-step metrics."""

@@ -34,6 +34,8 @@ def test_registry_builds_by_name_and_refuses_unknown_names():
         registry.build("medusa", registry.DrafterSpec())
     with pytest.raises(ValueError, match="needs its checkpoint"):
         registry.build(registry.DFLASH, registry.DrafterSpec())
+    with pytest.raises(ValueError, match="must be positive, got 0, 16"):
+        registry.DrafterSpec(num_pages=0)
     with pytest.raises(TypeError):  # the contract's one abstract method
         Drafter()
 

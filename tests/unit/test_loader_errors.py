@@ -175,3 +175,16 @@ def test_generation_config_sampling_defaults(tmp_path):
     got = sampling_from_pb(mine, qwen)
     assert (got.temperature, got.top_p, got.top_k, got.greedy) == (0.0, 1.0, None, True)
     assert sampling_from_pb(unset).greedy  # no defaults: greedy
+
+
+@pytest.mark.parametrize("bad", [{"temperature": -0.3}, {"top_p": 1.7}, {"top_p": 0},
+                                 {"temperature": float("inf")}])
+def test_generation_config_out_of_range_is_refused(tmp_path, bad):
+    """A generation_config.json whose sampling values no request could take is refused at
+    load, naming the file and the value, not carried into every request that leaves them unset."""
+    from specserve.models.config import load_generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, **bad}))
+    key = next(iter(bad))
+    with pytest.raises(ModelError, match=f"generation_config.json is not valid: {key}"):
+        load_generation_defaults(tmp_path)

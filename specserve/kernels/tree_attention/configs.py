@@ -102,8 +102,8 @@ def combine_block_s(parts: int, head_dim: int, fixed: bool = True) -> tuple[int,
     warps: up to 64 parts at D = 128 load in one round trip).
 
     `fixed` (GPU): LSE_BLOCK is COMBINE_LSE_BLOCK for every split count up to it, so the kernel
-    compiles once per head_dim, not once per context class (each new split count cost a
-    ≈ 0.3 s compile inside a request's step). The CPU interpreter keeps the tight blocks."""
+    compiles once per head_dim, not once per context class (each new split count cost
+    a compile inside a request's step). The CPU interpreter keeps the tight blocks."""
     lse_block = max(2, 1 << (parts - 1).bit_length())
     if fixed:
         lse_block = max(lse_block, COMBINE_LSE_BLOCK)
