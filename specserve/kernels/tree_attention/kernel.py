@@ -252,7 +252,14 @@ def tree_attention_triton(
         plan = batch.memo[key] = plan_launch(q, k_pool, batch, sliding_window, num_splits,
                                              max_ctx_len, config, dict(opts))
     o_part, lse_part = scratch(batch, plan.parts, t, hq, d, q.device)
-    cfg, hkv, tree = plan.config, plan.hkv, plan.tree
+    _launch(plan, q, k_pool, v_pool, batch, scale, o_part, lse_part, sliding_window)
+    merge(plan, o_part, lse_part, out)
+    return out
+
+
+def _launch(plan, q, k_pool, v_pool, batch, scale, o_part, lse_part, sliding_window) -> None:
+    """The attention kernel's launch over the plan's grid, partial results into the parts."""
+    (_, hq, d), cfg, hkv, tree = q.shape, plan.config, plan.hkv, plan.tree
     LAST_LAUNCH["attn"] = _tree_attn_kernel[plan.grid](
         q, k_pool, v_pool, batch.block_table, batch.cu_q, batch.ctx_lens_t, batch.positions,
         tree, o_part, lse_part,
@@ -267,8 +274,6 @@ def tree_attention_triton(
         DOT_PREC=plan.dot_prec, ROW_WORDS=plan.row_words, USE_PDL=plan.use_pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=plan.use_pdl,
     )
-    merge(plan, o_part, lse_part, out)
-    return out
 
 
 def merge(plan, o_part, lse_part, out) -> None:
