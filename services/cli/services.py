@@ -13,7 +13,7 @@ import shutil
 import sys
 
 from services.cli import usage
-from services.cli.supervise import supervise
+from services.cli.supervise import stop_all, supervise
 from services.common.settings import HOST, add_flags
 
 SERVICES = ("drafter", "verifier", "gateway")  # the start order of `up`
@@ -182,6 +182,7 @@ async def _start(name: str, addr: str, flags: list[str], timeout_s: float, procs
     """Spawn `specserve serve NAME` into `procs`; wait for SERVING (fail fast if it exits)."""
     import asyncio
 
+    from services.common.security import Security
     from services.common.server import wait_serving
 
     proc = await asyncio.create_subprocess_exec(
@@ -192,7 +193,8 @@ async def _start(name: str, addr: str, flags: list[str], timeout_s: float, procs
     pumps.append(asyncio.ensure_future(_pump(name, proc.stdout)))
     # the named service: a server reports "" SERVING as soon as it starts, before models load
     service = f"specserve.v1.{name.capitalize()}"
-    ready = asyncio.ensure_future(wait_serving(addr, service, timeout_s))
+    # the children read SPECSERVE_TLS_* as we do: under TLS they are dialed over TLS
+    ready = asyncio.ensure_future(wait_serving(addr, service, timeout_s, Security.from_env()))
     died = asyncio.ensure_future(proc.wait())
     try:
         await asyncio.wait({ready, died}, return_when=asyncio.FIRST_COMPLETED)
@@ -207,21 +209,6 @@ async def _start(name: str, addr: str, flags: list[str], timeout_s: float, procs
         proc.kill()  # not SERVING in time: it must not hold its ports for the next try
         await proc.wait()
         raise
-
-
-async def _stop_all(procs: dict, grace_s: float = 15.0) -> None:
-    import asyncio
-
-    for name in reversed(list(procs)):  # gateway first: it drains, then the verifier, drafter
-        proc = procs[name]
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), grace_s)
-            except TimeoutError:
-                print(f"specserve up: {name} did not stop in {grace_s} s; killing", flush=True)
-                proc.kill()
-                await proc.wait()
 
 
 async def _up_run(args, plan) -> int:
@@ -256,7 +243,7 @@ async def _up_run(args, plan) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: [p.kill() for p in procs.values()
                                                   if p.returncode is None])
-        await _stop_all(procs)
+        await stop_all(procs)
         await asyncio.gather(*pumps, return_exceptions=True)
         if args.http_port_file:
             shutil.rmtree(os.path.dirname(args.http_port_file), ignore_errors=True)
@@ -281,8 +268,14 @@ def _up(args) -> int:
 
 def _check_up(args, plan) -> None:
     """Usage errors found before anything starts: model directories, two listeners on one
-    port, a port another process holds."""
+    port, a port another process holds, a TLS setting that names no file."""
+    from services.common.security import Security
     from services.common.server import check_bindable
+
+    try:
+        Security.from_env()
+    except ValueError as e:
+        raise usage.UsageError(f"SPECSERVE_* security settings: {e}") from None
 
     for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
         if path:

@@ -1,4 +1,5 @@
-"""`specserve up` once all three services are SERVING: a service that exits is started again.
+"""`specserve up` once all three services are SERVING: a service that exits is started again;
+at the end every one is stopped (`stop_all`).
 
 As docker-compose.yml's `restart: unless-stopped`: the one service is restarted after 1, 2, 4 …
 30 s on its own ports while the others keep serving (the verifier decodes without a drafter
@@ -62,3 +63,17 @@ async def _again(name: str, start, failures: dict, delay_s: float, procs: dict) 
         return True
     _say(f"{name} failed {MAX_FAILURES} restarts in a row; stopping")
     return False
+
+
+async def stop_all(procs: dict, grace_s: float = 15.0) -> None:
+    """Stop every running process of `procs`, the last started first (SIGTERM, then SIGKILL)."""
+    for name in reversed(list(procs)):  # gateway first: it drains, then the verifier, drafter
+        proc = procs[name]
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), grace_s)
+            except TimeoutError:
+                _say(f"{name} did not stop in {grace_s} s; killing")
+                proc.kill()
+                await proc.wait()

@@ -12,7 +12,9 @@ adds to each call. PEM files are read once, at start.
 
 from __future__ import annotations
 
+import argparse
 import hmac
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +71,13 @@ class Security:
                    args.peer_tls_ca or None, args.auth_token or None, args.peer_token or None,
                    args.reflection == "on")
 
+    @classmethod
+    def from_env(cls, environ=None) -> Security:
+        """From the SECURITY_FLAGS' variables alone (os.environ by default). Raises ValueError."""
+        env = os.environ if environ is None else environ
+        return cls.from_args(argparse.Namespace(
+            **{f.dest: env.get(f.env, f.default) for f in SECURITY_FLAGS}))
+
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """TLS for this server's port (None: plaintext)."""
         if not self.tls_cert:
@@ -83,6 +92,15 @@ class Security:
             return None
         return grpc.ssl_channel_credentials(_read(self.peer_tls_ca), _read(self.tls_key),
                                             _read(self.tls_cert))
+
+    def own_credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS to this process's own port (its health check; None: plaintext): trusting its
+        client CA, else its peer's CA, else the system's roots; presenting its own certificate,
+        which its mutual TLS admits when that CA signed it."""
+        if not self.tls_cert:
+            return None
+        return grpc.ssl_channel_credentials(_read(self.tls_client_ca or self.peer_tls_ca),
+                                            _read(self.tls_key), _read(self.tls_cert))
 
     def peer_metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.peer_token}"),) if self.peer_token else ()

@@ -122,8 +122,11 @@ def channel(address: str, security: Security = NONE,
             options: list[tuple] | None = None) -> grpc.aio.Channel:
     """An aio channel to a peer with the shared limits and keepalive (`options` instead); TLS
     when `security` names the peer's CA."""
-    options = CHANNEL_OPTIONS if options is None else options
-    creds = security.channel_credentials()
+    return _dial(address, security.channel_credentials(),
+                 CHANNEL_OPTIONS if options is None else options)
+
+
+def _dial(address: str, creds: grpc.ChannelCredentials | None, options) -> grpc.aio.Channel:
     if creds is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, creds, options=options)
@@ -183,13 +186,16 @@ async def mark_serving(health_servicer: health.aio.HealthServicer, names: Sequen
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-async def wait_serving(address: str, service: str = "", timeout_s: float = 60.0) -> None:
-    """Block until `address` reports SERVING for `service` (raises TimeoutError)."""
+async def wait_serving(address: str, service: str = "", timeout_s: float = 60.0,
+                       own: Security = NONE) -> None:
+    """Block until `address` reports SERVING for `service` (raises TimeoutError). `own`: the
+    security the server there was started with (under TLS it is dialed as it would dial itself:
+    `Security.own_credentials`)."""
     import asyncio
     import time
 
     deadline = time.monotonic() + timeout_s
-    async with channel(address) as ch:
+    async with _dial(address, own.own_credentials(), CHANNEL_OPTIONS) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             try:

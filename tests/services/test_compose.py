@@ -316,8 +316,9 @@ def test_verifier_and_drafter_share_what_the_same_host_path_needs(monkeypatch):
 
 def test_secure_override(monkeypatch):
     """docker/compose.secure.yml: valid, every variable a flag of its service, each link under
-    TLS (verifier and drafter require a client certificate), tokens, no reflection; it refuses
-    to render without the tokens."""
+    TLS (verifier and drafter require a client certificate), tokens, no reflection, health
+    checks that read the service's own port and TLS variables; it refuses to render without the
+    tokens."""
     files = ("docker-compose.yml", SECURE_OVERRIDE)
     missing = _compose("config", "-q", files=files)
     assert missing.returncode != 0  # it names the first missing token it meets (either)
@@ -335,3 +336,7 @@ def test_secure_override(monkeypatch):
     assert parsed["verifier"].peer_token == parsed["drafter"].auth_token == "peer-token"
     assert parsed["verifier"].tls_client_ca and parsed["drafter"].tls_client_ca
     assert parsed["gateway"].peer_tls_ca and parsed["verifier"].peer_tls_ca
+    for name in SERVICES:  # one health check for plain and TLS (tests/services/test_security.py)
+        assert services[name]["healthcheck"]["test"] == [
+            "CMD", "python", "-m", "services.common.health", name], name
+        assert PORT_ENV[name] in services[name]["environment"], name

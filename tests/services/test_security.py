@@ -1,6 +1,7 @@
 """Security options, off by default, over real gRPC on 127.0.0.1: mutual TLS between verifier and
 drafter (a verifier without a certificate the drafter's CA signed gets nothing from it), bearer
-tokens (UNAUTHENTICATED without the right one; gRPC health stays open), reflection switched off.
+tokens (UNAUTHENTICATED without the right one; gRPC health stays open), reflection switched off,
+the containers' health check under TLS.
 Speculation still works through all of it (the drafter's n-gram trees are accepted)."""
 
 from __future__ import annotations
@@ -177,3 +178,76 @@ async def test_gateway_tls_and_token_with_the_cli(target, pki, tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert len(json.loads(ok.stdout)["token_ids"]) == 12
     assert denied.returncode == 2 and "UNAUTHENTICATED" in denied.stderr
+
+
+@aio
+async def test_the_containers_health_check_under_tls(pki):
+    """`python -m services.common.health ROLE` (docker-compose.yml's healthcheck) reads the
+    service's own SPECSERVE_* variables: it finds a drafter under mutual TLS SERVING, as
+    docker/compose.secure.yml sets it up, and one under one-way TLS with only a peer CA (as the
+    gateway there); dialed in plaintext the first is never SERVING."""
+    from services.common.health import check
+
+    mutual = {"SPECSERVE_TLS_CERT": str(pki["drafter"]),
+              "SPECSERVE_TLS_KEY": str(pki["drafter-key"]),
+              "SPECSERVE_TLS_CLIENT_CA": str(pki["ca"])}
+    drafter, port = await serve_drafter(DrafterConfig(
+        port=0, security=Security.from_env(mutual)), core=DrafterCore())
+    one_way = {"SPECSERVE_TLS_CERT": str(pki["verifier"]),
+               "SPECSERVE_TLS_KEY": str(pki["verifier-key"]),
+               "SPECSERVE_PEER_TLS_CA": str(pki["ca"])}
+    other, oport = await serve_drafter(DrafterConfig(
+        port=0, security=Security.from_env(one_way)), core=DrafterCore())
+    try:
+        runs = []
+        for env in ({**mutual, "SPECSERVE_DRAFTER_PORT": str(port)},
+                    {**one_way, "SPECSERVE_DRAFTER_PORT": str(oport)},
+                    {"SPECSERVE_DRAFTER_PORT": str(port)}):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "services.common.health", "drafter",
+                env={"PATH": "", **env}, stderr=asyncio.subprocess.PIPE)
+            runs.append((await proc.wait(), (await proc.stderr.read()).decode()))
+        with pytest.raises(ValueError, match="SPECSERVE_VERIFIER_PORT is not set"):
+            check("verifier", environ=mutual)
+    finally:
+        await drafter.stop(0)
+        await other.stop(0)
+    assert runs[0] == (0, "") and runs[1] == (0, ""), runs
+    assert runs[2][0] == 1 and "not SERVING after 5.0 s" in runs[2][1], runs[2]
+
+
+def test_up_under_tls_from_the_environment(target, pki):
+    """`specserve up` with SPECSERVE_TLS_* set (every service on TLS, each dialing its peer
+    over TLS) waits for its children over TLS and serves `generate --tls-ca`; a TLS variable
+    naming no file is a usage error before anything starts."""
+    from tests.e2e.test_services import ENV, ROOT, _free_ports
+
+    save_tokenizer(target, vocab_size=211)
+    g, v, d = _free_ports(3)
+    env = {**ENV, "SPECSERVE_TLS_CERT": str(pki["verifier"]),
+           "SPECSERVE_TLS_KEY": str(pki["verifier-key"]), "SPECSERVE_PEER_TLS_CA": str(pki["ca"])}
+    up = [sys.executable, "-m", "services.cli", "up", "--model", str(target), "--device", "cpu",
+          "--gateway-port", str(g), "--verifier-port", str(v), "--drafter-port", str(d),
+          "--no-drafter", "--startup-timeout-s", "60"]
+    bad = subprocess.run(up, env={**env, "SPECSERVE_TLS_KEY": str(pki["ca"]) + ".missing"},
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and "--tls-key: no such file" in bad.stderr, bad.stderr
+    proc = subprocess.Popen(up, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=ROOT)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("specserve up: ready") or proc.poll() is not None:
+                break
+        assert lines and lines[-1].startswith("specserve up: ready"), "".join(lines)
+        out = subprocess.run(
+            [sys.executable, "-m", "services.cli", "generate", "--gateway", f"127.0.0.1:{g}",
+             "--token-ids", ",".join(map(str, PROMPT)), "--max-tokens", "9", "--ignore-eos",
+             "--tls-ca", str(pki["ca"]), "--json"],
+            capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=60)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["token_ids"]) == 9
