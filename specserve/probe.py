@@ -14,12 +14,19 @@ continued the predictable text (its continuation is known), whether the same req
 speculation gives the same tokens (the losslessness spot check), how often the drafter could not
 serve, and where along the tree the drafts fail (`accepted_per_position`). The gateway calls are
 `services/cli/probe_client.py`'s, the plot `probe_plot.py`'s; this module imports no grpc.
+
+A row the server can never run (its prompt and new tokens need more KV pages than the verifier's
+whole pool: the verifier refuses it with INVALID_ARGUMENT, the gateway passes the message on) is
+kept as an unmeasured row: its figures are None, its verdict `UNFIT`, and `refused` says why
+(`unfit`: the server's message and the page counts it names).
 """
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 PREDICTABLE = "The cat sat on the mat. "
@@ -35,6 +42,9 @@ NO_DRAFTER = "drafter unavailable (fallbacks)"
 NOTHING_DRAFTED = "no speculation (nothing drafted)"
 PLAIN = "adaptive chose plain decoding (drafts did not pay)"
 FEW_STEPS = "too few decode steps to judge"
+UNFIT = "does not fit this server"
+# the verifier's refusal of a request larger than its KV pool (engine/scheduler.py, check_fits)
+_NEVER_FITS = re.compile(r"needs (\d+) KV pages\b.*?\bthe pool has only (\d+)\b", re.S)
 
 
 @dataclass(frozen=True)
@@ -64,11 +74,37 @@ class ProbeRow:
     device: str = ""  # where the verifier ran the target
     verifier: str = ""  # the verifier replica that served it (its address)
     plain: float | None = None  # share of steps adaptive speculation decoded plainly (None: off)
+    refused: dict | None = None  # the server can never run this row: `unfit`'s (None: measured)
 
     @property
     def ttft_other_s(self) -> float:
-        """TTFT beyond the prefill compute: queueing, transport, the gateway."""
-        return max(0.0, self.ttft_s - self.prefill_s)
+        """TTFT beyond the prefill compute: queueing, transport, the gateway (NaN: unmeasured)."""
+        other = self.ttft_s - self.prefill_s
+        return other if math.isnan(other) else max(0.0, other)
+
+
+def unfit(message: str) -> dict | None:
+    """A refusal that says the request can never fit the server's KV pool, as {"reason": the
+    message, "kv_pages_needed", "kv_pages_total"}; None for any other message."""
+    match = _NEVER_FITS.search(message)
+    if match is None:
+        return None
+    return {"reason": message, "kv_pages_needed": int(match[1]),
+            "kv_pages_total": int(match[2])}
+
+
+def unfit_row(text: str, context: int, refused: dict) -> ProbeRow:
+    """The row of a request the server refused as never fitting (`unfit`): nothing measured."""
+    nan = {f.name: math.nan for f in fields(ProbeRow) if f.type == "float"}
+    return ProbeRow(**nan, text=text, context=context, new_tokens=None, steps=None,
+                    fallbacks=None, verdict=UNFIT, refused=refused)
+
+
+def unfit_text(row: ProbeRow) -> str:
+    """'does not fit this server: needs 8,201 KV pages, the pool has 8,192'."""
+    r = row.refused
+    return (f"{UNFIT}: needs {r['kv_pages_needed']:,} KV pages, the pool has "
+            f"{r['kv_pages_total']:,}")
 
 
 def verdict(row: ProbeRow, hard_below: float = 2.0) -> str:
@@ -158,23 +194,35 @@ def prompt_ids(tokenizer, text: str, n: int) -> list[int]:
     return ids[:n]
 
 
+def measured(rows: list[ProbeRow]) -> list[ProbeRow]:
+    """The rows the server ran (not refused as never fitting)."""
+    return [r for r in rows if r.refused is None]
+
+
 def table(rows: list[ProbeRow]) -> str:
     """The markdown table; a `plain` column when adaptive speculation chose the shapes, a
-    `verifier` column when the rows were served by several replicas."""
-    several = len({r.verifier for r in rows}) > 1
-    adaptive = any(r.plain is not None for r in rows)
+    `verifier` column when the rows were served by several replicas; a row that does not fit
+    the server has '-' for every figure and says so (with the page counts) as its verdict."""
+    ran = measured(rows)
+    several = len({r.verifier for r in ran}) > 1
+    adaptive = any(r.plain is not None for r in ran)
     extra = (" plain |" if adaptive else "") + (" verifier |" if several else "")
     head = ("| text | context | commit len | depth | drafts | followed | lossless | fails at "
             "| prefill s | TTFT other s | 1st step ms | steady step ms | fallbacks | verdict |"
             + extra + "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
             + "---|" * extra.count("|"))
-    lines = [f"| {r.text} | {r.context:,} | {r.commit_len:.2f} | {r.depth:.2f} | "
-             f"{r.drafts:.2f} | {_opt(r.followed)} | {_yes(r.lossless)} | "
-             f"{r.fail_position or '-'} | {r.prefill_s:.2f} | {r.ttft_other_s:.2f} | "
-             f"{r.first_step_ms:.1f} | {r.steady_step_ms:.1f} | {r.fallbacks} | {r.verdict} |"
-             + (f" {_opt(r.plain)} |" if adaptive else "") + (f" {r.verifier} |" if several else "")
-             for r in rows]
-    return "\n".join([head, *lines])
+    return "\n".join([head, *(_line(r, adaptive, several) for r in rows)])
+
+
+def _line(r: ProbeRow, adaptive: bool, several: bool) -> str:
+    if r.refused is not None:
+        return (f"| {r.text} | {r.context:,} |" + " - |" * 11 + f" {unfit_text(r)} |"
+                + " - |" * (adaptive + several))
+    return (f"| {r.text} | {r.context:,} | {r.commit_len:.2f} | {r.depth:.2f} | "
+            f"{r.drafts:.2f} | {_opt(r.followed)} | {_yes(r.lossless)} | "
+            f"{r.fail_position or '-'} | {r.prefill_s:.2f} | {r.ttft_other_s:.2f} | "
+            f"{r.first_step_ms:.1f} | {r.steady_step_ms:.1f} | {r.fallbacks} | {r.verdict} |"
+            + (f" {_opt(r.plain)} |" if adaptive else "") + (f" {r.verifier} |" if several else ""))
 
 
 def _opt(x: float | None) -> str:
@@ -186,6 +234,7 @@ def _yes(x: bool | None) -> str:
 
 
 def rows_as_json(rows: list[ProbeRow]) -> list[dict]:
-    """The rows as plain JSON values: a figure with no samples (NaN) is null."""
+    """The rows as plain JSON values: a figure with no samples (NaN) is null, as is every
+    figure of a row that does not fit the server (its `refused`: the reason and page counts)."""
     return [{k: None if isinstance(v, float) and v != v else v
              for k, v in {**asdict(r), "ttft_other_s": r.ttft_other_s}.items()} for r in rows]

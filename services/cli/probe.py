@@ -1,4 +1,10 @@
 """`specserve probe`: the commit probe client (predictable vs novel text by context).
+
+A context the server can never run (more KV pages than the verifier's pool: its refusal says so)
+is a row of its own, reported and not measured; the other rows still run. Exit codes: 0 when a
+row was measured and none changed tokens; 3 when speculation changed tokens; 4 when no row fit
+the server (nothing measured); 2 on a usage error or any other failed request (the rows so far
+are printed); 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from services.cli.client import add_gateway_flags, gateway_channel, rpc_error_te
 from specserve import probe
 from specserve.drafters import registry
 
+NOTHING_MEASURED = 4  # the exit code when no row fit the server
+
 
 def add(sub) -> None:
     p = sub.add_parser("probe", help="the commit probe: predictable vs novel text by context",
@@ -21,7 +29,11 @@ def add(sub) -> None:
                        description="Send predictable text ('The cat sat on the mat.' repeated) "
                                    "and novel text at several context lengths through the "
                                    "gateway; print commit_len, depth, drafts, timings and a "
-                                   "verdict per row (exit 3 if speculation changed tokens).")
+                                   "verdict per row. A context that can never fit the server's KV "
+                                   "pool is reported as such and the other rows still run. Exit "
+                                   "0: rows measured; 3: speculation changed tokens; 4: no row "
+                                   "fit the server (nothing measured); 2: a usage error or a "
+                                   "failed request.")
     add_gateway_flags(p)
     p.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL"),
                    help="target checkpoint dir (its tokenizer.json sizes the prompts) "
@@ -69,15 +81,19 @@ def _probe(args) -> int:
     except KeyboardInterrupt:  # keep what was measured
         print(f"specserve probe: interrupted after {len(rows)} rows", file=sys.stderr)
         failed = 130
+    measured = probe.measured(rows)
     if rows:
         print(probe.table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(probe.rows_as_json(rows), indent=2))
-    if args.plot and rows:
-        probe_plot.plot(rows, args.plot, args.budget, Path(args.model).name)
+    if args.plot and measured:
+        probe_plot.plot(measured, args.plot, args.budget, Path(args.model).name)
         print(f"plot: {args.plot}", file=sys.stderr)
     if failed:
         return failed
+    if not measured:
+        print("specserve probe: no context fit this server: nothing measured", file=sys.stderr)
+        return NOTHING_MEASURED
     return 3 if any(r.lossless is False for r in rows) else 0
 
 
@@ -102,7 +118,8 @@ def _check(args) -> None:
 
 
 def _run(args, source: dict, rows: list) -> int:
-    """Probe each text × context into `rows` (printing each); 2 when a request failed."""
+    """Probe each text × context into `rows` (printing each); 2 when a request failed. A row the
+    server can never run is kept unmeasured (`probe.unfit_row`) and the rest still run."""
     import grpc
 
     from services.cli import probe_client
@@ -124,9 +141,12 @@ def _run(args, source: dict, rows: list) -> int:
                                                  args.drafter, args.budget, args.timeout_s,
                                                  metadata, args.lossless_check == "on")
                 except grpc.RpcError as e:
-                    print(f"specserve probe: {text} @ {n}: {rpc_error_text(e, args.gateway)}",
-                          file=sys.stderr)
-                    return 2
+                    refused = probe_client.refusal(e)
+                    if refused is None:
+                        print(f"specserve probe: {text} @ {n}: "
+                              f"{rpc_error_text(e, args.gateway)}", file=sys.stderr)
+                        return 2
+                    row = probe.unfit_row(text, n, refused)
                 rows.append(row)
                 _print_row(row)
     return 0
@@ -141,6 +161,10 @@ def _sources(novel_text: str | None) -> dict:
 
 
 def _print_row(row) -> None:
+    if row.refused is not None:
+        print(f"  {row.text} @ {row.context:,}: {probe.unfit_text(row)} (not measured)",
+              file=sys.stderr)
+        return
     print(f"  {row.text} @ {row.context:,}: commit_len {row.commit_len:.2f}, "
           f"steps {row.first_step_ms:.1f} ms then {row.steady_step_ms:.1f} ms, "
           f"wall {row.wall_s:.1f} s: {row.verdict}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """The commit probe's gateway calls: one probe row from a speculative request, its losslessness
-spot check (the same request, speculation off, must give the same tokens) and the row's verdict.
+spot check (the same request, speculation off, must give the same tokens), the row's verdict, and
+which failures mean the row can never run on this server (`refusal`).
 
 grpc is imported lazily (this module is part of the grpc-free core's namespace); the messages are
 built and read by `services.cli.wire` (no torch).
@@ -105,6 +106,16 @@ def probe_row(stub, ids: list[int], expected: list[int] | None, text: str, new_t
         lossless = plain.ids == g.ids[:n]
     row = _row(g, text, len(ids), expected, lossless)
     return replace(row, verdict=probe.verdict(row))
+
+
+def refusal(error) -> dict | None:
+    """A request the server can never run (`probe.unfit`: INVALID_ARGUMENT naming its KV pool),
+    from the gateway's error; None for any other failure."""
+    import grpc
+
+    if error.code() != grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    return probe.unfit(error.details() or "")
 
 
 def _row(g: Generation, text: str, context: int, expected, lossless) -> probe.ProbeRow:

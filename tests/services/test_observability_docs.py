@@ -49,6 +49,6 @@ def test_every_registered_metric_is_in_its_service_s_row(service):
 
 
 @pytest.mark.parametrize("verdict", [probe.HEALTHY, probe.HARD, probe.TARGET, probe.BROKEN,
-                                     probe.NO_DRAFTER])
+                                     probe.NO_DRAFTER, probe.UNFIT])
 def test_the_probe_verdicts_are_quoted_as_printed(verdict):
     assert f'"{verdict}"' in " ".join(DOC.split()), verdict

@@ -1,16 +1,18 @@
 """`specserve probe` without services: what it refuses before any request (a context no model
 here takes, past the model's positions, a results path it could not write, a text file with no
-text), its JSON (no NaN), its verdicts on rows that cannot be judged, and Ctrl-C keeping the
-rows measured so far."""
+text), its JSON (no NaN), its verdicts on rows that cannot be judged, Ctrl-C keeping the
+rows measured so far, and a context the server's KV pool can never hold: a row of its own (the
+verifier's own refusal, as the gateway passes it on), the other rows still measured."""
 
 from __future__ import annotations
 
 import json
 import math
 
+import grpc
 import pytest
 
-from services.cli import main
+from services.cli import main, probe_client
 from services.cli import probe as probe_cli
 from specserve import probe
 from specserve.demo import default_pair
@@ -102,3 +104,105 @@ def test_a_row_reads_the_plain_share_from_the_final_stats(shapes, plain):
                                                  0.02, 0.3))
     row = probe_client._row(g, "novel", 40, None, True)
     assert row.plain == plain and row.steps == 8 and row.drafts == pytest.approx(11 / 8)
+
+
+class _Refused(grpc.RpcError):
+    def __init__(self, details: str, code=grpc.StatusCode.INVALID_ARGUMENT) -> None:
+        self._details, self._code = details, code
+
+    def code(self):
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+POOL, PAGE, SCRATCH = 64, 16, 16  # a verifier's KV pool of 1,024 tokens
+
+
+def _pool_refusal(prompt_tokens: int, new_tokens: int, pages: int = POOL) -> str | None:
+    """The verifier scheduler's own message for a request its pool of `pages` can never hold
+    (None: it fits)."""
+    from specserve.engine.scheduler import Scheduler
+    from specserve.engine.sequence import Sequence
+    from specserve.errors import InvalidRequest
+    from specserve.types import SamplingParams
+
+    sched = Scheduler(pages, PAGE, max_num_seqs=1, max_num_batched_tokens=PAGE, scratch=SCRATCH)
+    seq = Sequence("r", list(range(prompt_tokens)), SamplingParams(max_tokens=new_tokens),
+                   frozenset(), max_len=1 << 20)
+    try:
+        sched.check_fits(seq)
+    except InvalidRequest as e:
+        return str(e)
+    return None
+
+
+def _serve(monkeypatch, pages: int = POOL, other_error: _Refused | None = None) -> list[int]:
+    """probe_row as the gateway of a verifier with `pages` KV pages answers (or failing with
+    `other_error`); returns the contexts asked for."""
+    asked = []
+
+    def row(stub, ids, expected, text, new_tokens, *args):
+        asked.append(len(ids))
+        if other_error is not None:
+            raise other_error
+        if (refusal := _pool_refusal(len(ids), new_tokens, pages)) is not None:
+            raise _Refused(refusal)
+        return _row(text=text, context=len(ids), new_tokens=new_tokens, verdict=probe.HEALTHY)
+
+    monkeypatch.setattr(probe_client, "probe_row", row)
+    return asked
+
+
+def _probe(tmp_path, contexts: str, *extra) -> int:
+    return main(["probe", "--model", TARGET, "--gateway", "127.0.0.1:9", "--texts",
+                 "predictable", "--contexts", contexts, "--new-tokens", "32", "--json",
+                 str(tmp_path / "rows.json"), "--plot", str(tmp_path / "rows.png"), *extra])
+
+
+def test_a_context_past_the_kv_pool_is_reported_and_the_rest_still_run(monkeypatch, tmp_path,
+                                                                        capsys):
+    asked = _serve(monkeypatch)
+    code = _probe(tmp_path, "512,2048,256")
+    out, err = capsys.readouterr()
+    assert code == 0 and asked == [512, 2048, 256], err
+    needs = -(-(2048 + 32 + SCRATCH) // PAGE)  # pages for prompt + new tokens + scratch
+    said = f"does not fit this server: needs {needs:,} KV pages, the pool has {POOL}"
+    assert f"predictable @ 2,048: {said} (not measured)" in err
+    lines = out.splitlines()
+    assert lines[3] == "| predictable | 2,048 |" + " - |" * 11 + f" {said} |"
+    assert lines[2].startswith("| predictable | 512 | 3.56 |") and "| 256 | 3.56 |" in lines[4]
+    assert {line.count("|") for line in lines} == {15}  # every row has every column
+    rows = json.loads((tmp_path / "rows.json").read_text(), parse_constant=pytest.fail)
+    assert [(r["context"], r["verdict"]) for r in rows] == [
+        (512, probe.HEALTHY), (2048, probe.UNFIT), (256, probe.HEALTHY)]
+    refused = rows[1]["refused"]
+    assert (refused["kv_pages_needed"], refused["kv_pages_total"]) == (needs, POOL)
+    assert "can never run on this server" in refused["reason"]
+    assert rows[1]["commit_len"] is None and rows[1]["steps"] is None
+    assert rows[1]["ttft_other_s"] is None and rows[0]["refused"] is None
+    assert (tmp_path / "rows.png").stat().st_size > 0  # the measured rows are plotted
+
+
+def test_nothing_measured_when_no_context_fits_exit_4(monkeypatch, tmp_path, capsys):
+    _serve(monkeypatch, pages=8)
+    code = _probe(tmp_path, "128,1k")
+    out, err = capsys.readouterr()
+    assert code == probe_cli.NOTHING_MEASURED == 4
+    assert "no context fit this server: nothing measured" in err
+    assert out.count("does not fit this server") == 2
+    assert [r["refused"]["kv_pages_total"] for r in
+            json.loads((tmp_path / "rows.json").read_text())] == [8, 8]
+    assert not (tmp_path / "rows.png").exists()  # nothing to plot
+
+
+@pytest.mark.parametrize("error", [
+    _Refused("unknown drafter kind 9; expected one of [...]"),  # no pool named: not a row's fit
+    _Refused(_pool_refusal(4096, 32), grpc.StatusCode.INTERNAL),
+])
+def test_any_other_failure_still_stops_the_probe_exit_2(monkeypatch, tmp_path, capsys, error):
+    asked = _serve(monkeypatch, other_error=error)
+    assert _probe(tmp_path, "512,256") == 2 and asked == [512]
+    assert f"predictable @ 512: {error.code().name}: {error.details()}" in capsys.readouterr().err
+    assert json.loads((tmp_path / "rows.json").read_text()) == []
