@@ -7,7 +7,8 @@ its own certificate as the client's when it has one), a bearer token its callers
 (`token`: the gateway's clients; between services, the shared secret) and the one it sends to
 its peer (`peer_token`), and whether gRPC reflection is served. `TokenAuth` is the server
 interceptor (gRPC health stays open: orchestrators probe it); `peer_metadata` is what a client
-adds to each call. PEM files are read once, at start.
+adds to each call; `bearer_ok` checks an Authorization value (the gRPC interceptor's and the HTTP
+API's check). PEM files are read once, at start.
 """
 
 from __future__ import annotations
@@ -112,17 +113,30 @@ class Security:
 NONE = Security()
 
 
+def bearer_ok(authorization: str | bytes, want: bytes) -> bool:
+    """Whether an Authorization value carries the bearer token `want`: the scheme "Bearer" in any
+    case (RFC 7235: auth schemes are case-insensitive), one or more spaces, then the token, which
+    is compared exactly and in constant time (hmac.compare_digest); an empty `want` matches
+    nothing."""
+    if isinstance(authorization, str):
+        authorization = authorization.encode()
+    scheme, _, token = authorization.partition(b" ")
+    same = hmac.compare_digest(token.lstrip(b" "), want)
+    return same and bool(want) and scheme.lower() == b"bearer"
+
+
 class TokenAuth(grpc.aio.ServerInterceptor):
-    """Every RPC but gRPC health needs 'authorization: Bearer <token>' (UNAUTHENTICATED)."""
+    """Every RPC but gRPC health needs 'authorization: Bearer <token>' (UNAUTHENTICATED); the
+    scheme in any case (`bearer_ok`)."""
 
     def __init__(self, token: str) -> None:
-        self._want = f"Bearer {token}".encode()
+        self._want = token.encode()
 
     async def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(HEALTH_PREFIX):
             return await continuation(handler_call_details)
         sent = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(sent.encode(), self._want):
+        if bearer_ok(sent, self._want):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         return _denied(handler) if handler is not None else None

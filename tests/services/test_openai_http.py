@@ -158,7 +158,8 @@ async def test_bad_requests_auth_and_health(model_dir, tmp_path):  # noqa: F811
             while (await _call(port, "/health", method="GET"))[0] != 200:  # open, no token
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
-            for headers in ({}, {"authorization": "Bearer nope"}):
+            for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "bearer nope"},
+                            {"authorization": "s3cret"}, {"authorization": "Basic s3cret"}):
                 status, _, raw = await _call(port, "/v1/completions", BODY, headers)
                 assert status == 401 and _error(raw)["type"] == "authentication_error"
             assert (await _call(port, "/v1/models", headers={}, method="GET"))[0] == 401

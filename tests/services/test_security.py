@@ -1,6 +1,7 @@
 """Security options, off by default, over real gRPC on 127.0.0.1: mutual TLS between verifier and
 drafter (a verifier without a certificate the drafter's CA signed gets nothing from it), bearer
-tokens (UNAUTHENTICATED without the right one; gRPC health stays open), reflection switched off,
+tokens (UNAUTHENTICATED without the right one; the scheme "Bearer" in any case, as RFC 7235 has
+it; gRPC health stays open), reflection switched off,
 the containers' health check under TLS.
 Speculation still works through all of it (the drafter's n-gram trees are accepted)."""
 
@@ -16,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2_grpc
 
-from services.common.security import NONE, Security
+from services.common.security import NONE, Security, bearer_ok
 from services.common.server import channel
 from services.drafter.core import DrafterCore
 from services.drafter.server import DrafterConfig
@@ -107,12 +108,16 @@ async def test_bearer_tokens_and_open_health(target):
         Security(token="verifier-secret", peer_token="drafter-secret"))
     address = f"127.0.0.1:{vport}"
     try:
-        for metadata in ((), (("authorization", "Bearer wrong"),),
-                         (("authorization", "verifier-secret"),)):
+        for sent in (None, "Bearer wrong", "bearer wrong", "verifier-secret",
+                     "Basic verifier-secret", "Bearer Verifier-secret"):
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await _generate(address, metadata=metadata)
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                await _generate(address, metadata=(("authorization", sent),) if sent else ())
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, sent
         good = await _generate(address, metadata=(("authorization", "Bearer verifier-secret"),))
+        for scheme in ("bearer", "BEARER"):  # RFC 7235: the scheme is case-insensitive
+            lower = await _generate(address, metadata=(("authorization",
+                                                        f"{scheme} verifier-secret"),))
+            assert [e.token_ids for e in lower] == [e.token_ids for e in good], scheme
         async with channel(address) as ch:
             health = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=10)
@@ -126,6 +131,19 @@ async def test_bearer_tokens_and_open_health(target):
         await drafter.stop(0)
     assert _speculated(good) and health.status == health_pb2.HealthCheckResponse.SERVING
     assert all(e.commit_len == 1 and e.fallback for e in refused[1:])
+
+
+@pytest.mark.parametrize("sent, ok", [
+    ("Bearer s3cret", True), ("bearer s3cret", True), ("BeArEr s3cret", True),
+    ("Bearer   s3cret", True),  # RFC 6750: one or more spaces after the scheme
+    (b"bearer s3cret", True),
+    ("bearer S3cret", False), ("Bearer s3cre", False), ("Bearer s3cret2", False),
+    ("Bearers3cret", False), ("Basic s3cret", False), ("s3cret", False), ("bearer", False),
+    ("", False), ("Bear s3cret", False),
+])
+def test_the_bearer_scheme_in_any_case_the_token_exactly(sent, ok):
+    assert bearer_ok(sent, b"s3cret") is ok
+    assert bearer_ok("Bearer ", b"") is False  # an empty token authenticates nothing
 
 
 @aio
