@@ -10,6 +10,7 @@ import grpc
 
 from specserve.errors import (
     CapacityExhausted,
+    DeadlineExceeded,
     InvalidRequest,
     ModelError,
     RequestAborted,
@@ -22,6 +23,7 @@ STATUS_FOR: dict[type[SpecServeError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     CapacityExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     RequestAborted: grpc.StatusCode.CANCELLED,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     ModelError: grpc.StatusCode.INTERNAL,
 }
 

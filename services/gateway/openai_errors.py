@@ -36,6 +36,9 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = \
             status, message, type_, param, code
 
+    def __reduce__(self):  # raised in the prompt worker process, it crosses back whole
+        return ApiError, (self.status, self.message, self.type, self.param, self.code)
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}

@@ -82,6 +82,9 @@ class TooLong:
         return f"<an integer of {self.digits} digits>"
 
 
+OFF_LOOP_BYTES = 256 << 10  # a larger body is parsed and checked off the event loop
+
+
 def loads(raw: bytes):
     """The request body's JSON; ApiError 400 if it is not JSON. An integer too long to convert
     is a TooLong, which the check of the field holding it refuses."""

@@ -22,7 +22,6 @@ response carries the trace id in the `x-specserve-trace-id` header.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 
@@ -34,17 +33,19 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from services.common import telemetry
+from services.common.security import bearer_ok
 from services.gateway import openai_responses as out
 from services.gateway import tokenize_api as tokens
 from services.gateway.choices import Choices
 from services.gateway.convert import TRACE_ID_KEY, GatewayFinal
 from services.gateway.openai_api import ApiRequest, parse
 from services.gateway.openai_errors import ApiError
-from services.gateway.openai_fields import loads
+from services.gateway.openai_fields import OFF_LOOP_BYTES, loads
 from services.gateway.pipeline import GenerationFailed, Pipeline
 
 API = "openai"  # the `api` label of specserve_gateway_requests_total
 SHUTTING_DOWN = "the gateway is shutting down"
+OFF_LOOP_IDS = 4096  # /tokenize's token texts of more ids are made in a thread
 log = logging.getLogger("specserve.gateway")
 
 
@@ -56,7 +57,7 @@ class OpenAIFront:
     def __init__(self, pipeline: Pipeline, model: str, template, *, token: str | None = None,
                  max_body_bytes: int = 64 << 20, serving=lambda: True, created: int = 0) -> None:
         self.pipeline, self.model, self.template = pipeline, model, template
-        self._want = f"Bearer {token}".encode() if token else None
+        self._want = token.encode() if token else None
         self.max_body_bytes, self.serving, self.created = max_body_bytes, serving, created
 
     def app(self) -> Starlette:
@@ -99,19 +100,22 @@ class OpenAIFront:
         if (denied := self._denied(request)) is not None:
             return denied
         try:
-            text, strs = tokens.prompt_text(await _read_json(request, self.max_body_bytes),
-                                            self.template, self.model)
+            text, strs = await _off_loop(await _read_body(request, self.max_body_bytes),
+                                         tokens.prompt_text, self.template, self.model)
             ids = await self.pipeline.prompts.encode(text)  # a long one off the event loop
         except ApiError as e:
             return _error(e)
-        return JSONResponse(tokens.tokenized(self.pipeline.tokenizer, ids, strs))
+        tokenizer = self.pipeline.tokenizer
+        if strs and len(ids) > OFF_LOOP_IDS:  # each token's text: Python work per token
+            return JSONResponse(await asyncio.to_thread(tokens.tokenized, tokenizer, ids, strs))
+        return JSONResponse(tokens.tokenized(tokenizer, ids, strs))
 
     async def _detokenize(self, request: Request) -> JSONResponse:
         if (denied := self._denied(request)) is not None:
             return denied
         try:
-            return JSONResponse(tokens.detokenize(
-                await _read_json(request, self.max_body_bytes), self.pipeline.tokenizer,
+            return JSONResponse(await tokens.detokenized(
+                await _read_body(request, self.max_body_bytes), self.pipeline.prompts,
                 self.model))
         except ApiError as e:
             return _error(e)
@@ -123,8 +127,8 @@ class OpenAIFront:
         return await self._generate(request, chat=True)
 
     def _denied(self, request: Request) -> JSONResponse | None:
-        sent = request.headers.get("authorization", "").encode()
-        if self._want is None or hmac.compare_digest(sent, self._want):
+        sent = request.headers.get("authorization", "")
+        if self._want is None or bearer_ok(sent, self._want):
             return None
         return _error(ApiError(401, "missing or wrong bearer token (Authorization: Bearer …)",
                                "authentication_error", code="invalid_api_key"))
@@ -132,8 +136,8 @@ class OpenAIFront:
     async def _parse(self, request: Request, chat: bool) -> ApiRequest | ApiError:
         """The request, or the error for a body that is refused or was not sent whole."""
         try:
-            body = await _read_json(request, self.max_body_bytes)
-            return parse(body, chat, self.model, self.template, self.pipeline.defaults)
+            return await _off_loop(await _read_body(request, self.max_body_bytes), parse, chat,
+                                   self.model, self.template, self.pipeline.defaults)
         except ApiError as e:
             self._count("NOT_FOUND" if e.status == 404 else "INVALID_ARGUMENT")
             return e
@@ -240,8 +244,16 @@ def _failed(e: Exception, headers: dict, api: ApiRequest) -> JSONResponse:
     return _error(ApiError(499, "client disconnected", "cancelled"), headers)
 
 
-async def _read_json(request: Request, limit: int):
-    """The body as JSON; ApiError 413 past `limit` bytes, 400 if it is not JSON."""
+async def _off_loop(raw: bytes, fn, *args):
+    """`fn(body, *args)` of the JSON body `raw` (ApiError 400 if it is not JSON); a large body's
+    in a thread, so that checking it element by element does not hold the event loop."""
+    if len(raw) <= OFF_LOOP_BYTES:
+        return fn(loads(raw), *args)
+    return await asyncio.to_thread(lambda: fn(loads(raw), *args))
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body's bytes; ApiError 413 past `limit` bytes."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
         raise ApiError(413, f"request body of {int(size)} bytes is over the limit of {limit}")
@@ -251,7 +263,7 @@ async def _read_json(request: Request, limit: int):
         if total > limit:
             raise ApiError(413, f"request body is over the limit of {limit} bytes")
         chunks.append(chunk)
-    return loads(b"".join(chunks))
+    return b"".join(chunks)
 
 
 async def _unless_disconnect(request: Request, awaitable):

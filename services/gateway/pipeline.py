@@ -43,7 +43,7 @@ from services.gateway.convert import GatewayFinal, GatewayRequest, Step
 from services.gateway.prompt_encoder import PromptEncoder
 from services.gateway.replicas import Replica, Replicas
 from services.gateway.request_state import RequestState
-from specserve.errors import InvalidRequest, SpecServeError
+from specserve.errors import InvalidRequest, SpecServeError, check_context
 from specserve.tokenizer import Tokenizer
 from specserve.types import FinishReason
 from specserve.v1 import verifier_pb2
@@ -51,6 +51,7 @@ from specserve.v1 import verifier_pb2
 log = logging.getLogger("specserve.gateway")
 STOP_FLAGS = ("--max-stop-strings", "--max-stop-bytes")  # what sets StopLimits
 STOP_TIMEOUT_S = 1.0  # the verifier's Stop reply; past it the call is cancelled anyway
+DEADLINE = "the request's deadline passed (the client's timeout, else --request-timeout-s)"
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,7 @@ class Pipeline:
         self.metrics = metrics  # GatewayMetrics | None
         self._tracer = telemetry.tracer("specserve.gateway")
         self._calls: set = set()  # the verifier calls in flight
-        self._stopping: set[asyncio.Task] = set()  # `_stop`s not done
-        self._encoding: dict[str, asyncio.Future] = {}  # prompt texts being encoded
+        self._stopping: dict[str, asyncio.Task] = {}  # request id -> its `_stop`, not done
         self._aborting: str | None = None  # abort_all's message, once called
 
     def abort_all(self, message: str) -> None:
@@ -123,7 +123,7 @@ class Pipeline:
         try:
             try:
                 req = parse()
-                prompt_ids = await self._admit(req, span)
+                prompt_ids = await self._admit(req, span, deadline)
                 replica = self._pick(span)
             except SpecServeError as e:
                 code, detail = status_for(e), str(e)
@@ -151,12 +151,14 @@ class Pipeline:
                 self.replicas.release(replica)
             self._finish(span, code, state, time.perf_counter() - t0, api, detail, deadline)
 
-    async def _admit(self, req: GatewayRequest, span) -> list[int]:
+    async def _admit(self, req: GatewayRequest, span, deadline: float) -> list[int]:
         """The validated request's prompt ids (raises InvalidRequest)."""
         span.set_attribute("request.id", req.request_id)
         check_stop(req.params.stop, self._stop_limits.max_strings, self._stop_limits.max_bytes,
                    STOP_FLAGS)
-        prompt_ids = await self._prompt_ids(req)
+        prompt_ids = await self._prompt_ids(req, deadline)
+        if (stopping := self._stopping.get(req.request_id)) is not None:
+            await asyncio.wait({stopping})  # its id's last request, cut at a stop string
         span.set_attributes({"prompt_tokens": len(prompt_ids),
                              "max_tokens": req.params.max_tokens,
                              "drafter": req.drafter or "default"})
@@ -204,11 +206,12 @@ class Pipeline:
                   state: RequestState) -> None:
         """Cancel the verifier call; one cut at a stop string is first stopped there — in the
         background, the response does not wait — so the verifier frees the request at once
-        and counts it finished, not cancelled."""
+        and counts it finished, not cancelled; a request reusing the id waits for it (`_admit`)."""
         if state.cut and not call.done() and self._aborting is None:
-            task = asyncio.ensure_future(self._stop(call, replica, req))
-            self._stopping.add(task)
-            task.add_done_callback(self._stopping.discard)
+            rid = req.request_id
+            task = self._stopping[rid] = asyncio.ensure_future(self._stop(call, replica, req))
+            task.add_done_callback(lambda t: self._stopping.pop(rid) if self._stopping.get(
+                rid) is t else None)
         else:
             call.cancel()
             self._calls.discard(call)
@@ -225,7 +228,7 @@ class Pipeline:
 
     async def drain(self) -> None:
         """Until the verifier calls being stopped have ended (at most STOP_TIMEOUT_S)."""
-        await asyncio.gather(*self._stopping, return_exceptions=True)
+        await asyncio.gather(*self._stopping.values(), return_exceptions=True)
 
     def _failed(self, e: BaseException, req: GatewayRequest,
                 replica: Replica) -> GenerationFailed | None:
@@ -250,21 +253,26 @@ class Pipeline:
             self.replicas.mark_down(replica, f"UNAVAILABLE: {e.details()}")
             return "verifier unavailable"
         log.info("request %s: verifier %s: %s", req.request_id, e.code().name, e.details())
+        if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return DEADLINE
         return e.details() or e.code().name
 
-    async def _prompt_ids(self, req: GatewayRequest) -> list[int]:
-        """The prompt's ids; a text being encoded for another request (the choices of one HTTP
-        request) waits for that encoding instead of queueing its own."""
+    def _check_context(self, prompt_tokens: int, req: GatewayRequest) -> None:
+        """Refuse a prompt no verifier could take before it is checked id by id and sent."""
+        if (limit := self.replicas.max_model_len) is not None:
+            check_context(prompt_tokens, req.params.max_tokens, limit)
+
+    async def _prompt_ids(self, req: GatewayRequest, deadline: float) -> list[int]:
+        """The prompt's ids, refused if no verifier could take them; a text being encoded for
+        another request (the choices of one HTTP request) waits for that encoding
+        (`PromptEncoder.shared`), until `deadline` (time.monotonic)."""
         if req.token_ids is not None:
+            self._check_context(len(req.token_ids), req)
             return self.tokenizer.check_ids(req.token_ids)
-        if (encoding := self._encoding.get(req.text)) is None:
-            encoding = self._encoding[req.text] = asyncio.ensure_future(
-                self.prompts.encode(req.text))
-            encoding.add_done_callback(lambda f, t=req.text: (
-                self._encoding.pop(t, None), f.cancelled() or f.exception()))  # retrieved
-        ids = list(await asyncio.shield(encoding))  # a cancelled waiter leaves it to the rest
+        ids = await self.prompts.shared(req.text, deadline - time.monotonic())
         if not ids:
             raise InvalidRequest("prompt text encodes to no tokens")
+        self._check_context(len(ids), req)
         return ids
 
     def _finish(self, span, code: grpc.StatusCode, state: RequestState | None, wall_s: float,

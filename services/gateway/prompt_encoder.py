@@ -1,4 +1,4 @@
-"""The gateway's prompt tokenization, kept off its event loop.
+"""The gateway's prompt tokenization (and /detokenize's long decodes), kept off its event loop.
 
 A short text is encoded inline. A long one goes to one worker process: HF `tokenizers` holds
 the GIL through much of a long encode, so in a thread of this process it stalls the event loop
@@ -6,6 +6,11 @@ the GIL through much of a long encode, so in a thread of this process it stalls 
 4 MB prompt: seconds). One worker bounds what long prompts can take: they queue there, and
 short prompts never wait for them. A worker that dies is replaced; the prompt it held is encoded
 in a thread instead (correct, only slower for the others).
+
+`shared` is what requests call: requests with the same text (the choices of one HTTP request)
+wait for one encoding; an encoding nobody waits for any more (its clients gone or out of time)
+is cancelled, so a queued long prompt whose client left is never encoded; a wait past the
+request's deadline raises DeadlineExceeded.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+from specserve.errors import DeadlineExceeded
 from specserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -32,8 +38,12 @@ def _init_worker(model_dir: str) -> None:
     _worker_tokenizer = Tokenizer.from_dir(model_dir)
 
 
-def _encode_in_worker(text: str) -> list[int]:
-    return _worker_tokenizer.encode(text)
+def _with_tokenizer(fn, *args):
+    return fn(_worker_tokenizer, *args)
+
+
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text)
 
 
 class PromptEncoder:
@@ -43,16 +53,46 @@ class PromptEncoder:
                  inline_chars: int = INLINE_CHARS) -> None:
         self.tokenizer, self.model_dir, self.inline_chars = tokenizer, model_dir, inline_chars
         self._pool: ProcessPoolExecutor | None = None
+        self._shared: dict[str, list] = {}  # text -> [its encoding task, requests waiting]
+
+    async def shared(self, text: str, timeout_s: float) -> list[int]:
+        """`encode(text)`, one encoding for every request waiting on the same text; cancelled
+        when the last of them stops waiting. Raises DeadlineExceeded after `timeout_s`."""
+        entry = self._shared.get(text)
+        if entry is None:
+            entry = self._shared[text] = [asyncio.ensure_future(self.encode(text)), 0]
+            entry[0].add_done_callback(lambda f, t=text, e=entry: (
+                self._shared.pop(t) if self._shared.get(t) is e else None,
+                f.cancelled() or f.exception()))  # retrieved
+        entry[1] += 1
+        try:
+            return list(await asyncio.wait_for(asyncio.shield(entry[0]), max(timeout_s, 0.0)))
+        except TimeoutError:
+            raise DeadlineExceeded("the request's deadline passed while its prompt was being "
+                                   "tokenized (the client's timeout, else the gateway's "
+                                   "--request-timeout-s)") from None
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:  # nobody waits: a queued encode is dropped
+                entry[0].cancel()
+                self._shared.pop(text) if self._shared.get(text) is entry else None
 
     async def encode(self, text: str) -> list[int]:
-        if not isinstance(text, str) or len(text) <= self.inline_chars or self.model_dir is None:
+        if not isinstance(text, str) or len(text) <= self.inline_chars:
             return self.tokenizer.encode(text)
+        return await self.run(_encode, text)
+
+    async def run(self, fn, *args):
+        """`fn(tokenizer, *args)` in the worker process (`fn` a module's function; its
+        arguments, result and exceptions pickle), inline when there is none."""
+        if self.model_dir is None:
+            return fn(self.tokenizer, *args)
         try:
-            return await asyncio.wrap_future(self._worker().submit(_encode_in_worker, text))
+            return await asyncio.wrap_future(self._worker().submit(_with_tokenizer, fn, *args))
         except BrokenProcessPool:
-            log.warning("prompt tokenizer process died; encoding this prompt in a thread")
+            log.warning("prompt tokenizer process died; doing its work in a thread")
             self._pool = None
-            return await asyncio.to_thread(self.tokenizer.encode, text)
+            return await asyncio.to_thread(fn, self.tokenizer, *args)
 
     def _worker(self) -> ProcessPoolExecutor:
         if self._pool is None:  # spawned: a fork would copy gRPC's threads' state
@@ -65,7 +105,7 @@ class PromptEncoder:
         """Start the worker now (it imports and loads the tokenizer: about a second), so the
         first long prompt does not wait for it."""
         if self.model_dir is not None:
-            self._worker().submit(_encode_in_worker, "warm")
+            self._worker().submit(_with_tokenizer, _encode, "warm")
 
     def close(self) -> None:
         if self._pool is not None:

@@ -40,6 +40,7 @@ class Replica:
     open: int = 0  # this gateway's calls in flight on it
     queue: int = 0  # running + waiting requests at its last Stats
     kv_fill: float = 0.0  # KV pages used / total at its last Stats
+    max_model_len: int | None = None  # its longest prompt + max_tokens (None: no Stats yet)
     last_pick: int = -1
 
     def __post_init__(self) -> None:
@@ -72,6 +73,11 @@ class Replicas:
     @property
     def any_healthy(self) -> bool:
         return any(r.healthy for r in self.replicas)
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The longest prompt + max_tokens any replica takes (None: none has told yet)."""
+        return max((r.max_model_len for r in self.replicas if r.max_model_len), default=None)
 
     def pick(self) -> Replica:
         """The least-loaded healthy replica (none healthy: the least loaded); counts the
@@ -121,6 +127,7 @@ class Replicas:
             return
         replica.queue = s.active_requests + s.waiting_requests
         replica.kv_fill = s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0
+        replica.max_model_len = s.max_model_len or None
 
     async def follow(self, period_s: float, timeout_s: float,
                      on_change: Callable[[bool], object] | None = None) -> None:

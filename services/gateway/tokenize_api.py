@@ -11,7 +11,7 @@ naming the field.
 from __future__ import annotations
 
 from services.gateway.openai_errors import ApiError
-from services.gateway.openai_fields import check_model, check_text, typed
+from services.gateway.openai_fields import OFF_LOOP_BYTES, check_model, check_text, loads, typed
 from specserve.chat_template import ChatTemplate, normalize_messages
 from specserve.errors import InvalidRequest
 from specserve.tokenizer import Tokenizer
@@ -54,6 +54,18 @@ def tokenized(tokenizer: Tokenizer, ids: list[int], strs: bool) -> dict:
     if strs:
         body["token_strs"] = [tokenizer.decode([i]) for i in ids]
     return body
+
+
+async def detokenized(raw: bytes, prompts, model: str) -> dict:
+    """`detokenize` of a raw body; a large one in the prompt worker process (`prompts`, a
+    PromptEncoder): a long decode holds the GIL throughout, a thread would stall the loop."""
+    if len(raw) <= OFF_LOOP_BYTES:
+        return _detokenize_raw(prompts.tokenizer, raw, model)
+    return await prompts.run(_detokenize_raw, raw, model)
+
+
+def _detokenize_raw(tokenizer: Tokenizer, raw: bytes, model: str) -> dict:
+    return detokenize(loads(raw), tokenizer, model)
 
 
 def detokenize(body, tokenizer: Tokenizer, model: str) -> dict:

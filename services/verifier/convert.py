@@ -122,7 +122,7 @@ def stats_to_pb(stats, drafter_connected: bool, transport: str = "",
         kv_pages_reserved=stats.pages_reserved, preempted=stats.preempted,
         kv_pages_total=stats.pages_total, active_requests=stats.active,
         waiting_requests=stats.waiting, drafter_connected=drafter_connected,
-        fallbacks=dict(stats.fallbacks), steps=stats.steps)
+        fallbacks=dict(stats.fallbacks), steps=stats.steps, max_model_len=stats.max_model_len)
 
 
 # ---- the drafter stream ----------------------------------------------------------------------

@@ -29,3 +29,4 @@ class LoopStats:
     waiting: int
     fallbacks: dict[str, int]  # fallback kind (metrics.FALLBACK_KINDS) -> steps, since start
     steps: int
+    max_model_len: int  # the longest prompt + max_tokens a request may have

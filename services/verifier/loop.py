@@ -115,7 +115,8 @@ class StepLoop:
         return LoopStats(pages_used=blocks.num_used_pages, pages_free=blocks.num_free_pages,
                          pages_total=blocks.num_pages, pages_reserved=blocks.num_reserved_pages,
                          preempted=sched.num_preempted, active=len(sched.running),
-                         waiting=len(sched.waiting), fallbacks=fallbacks, steps=steps)
+                         waiting=len(sched.waiting), fallbacks=fallbacks, steps=steps,
+                         max_model_len=self.engine.max_model_len)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Abort what is left, end the thread (blocking: call via asyncio.to_thread)."""

@@ -24,7 +24,7 @@ from specserve.engine.cost import CostModel, StepCycle, observe_step
 from specserve.engine.runner import ModelRunner
 from specserve.engine.scheduler import Scheduled, Scheduler
 from specserve.engine.sequence import Sequence, Status
-from specserve.errors import InvalidRequest
+from specserve.errors import InvalidRequest, check_context
 from specserve.models.decoder import DecoderModel
 from specserve.sampling import make_generator
 from specserve.spec.metrics import RequestSpecStats, StepTimes
@@ -119,9 +119,7 @@ class Engine:
         if min(ids) < 0 or max(ids) >= vocab:
             bad = [t for t in ids if not 0 <= t < vocab]
             raise InvalidRequest(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:8]}")
-        if len(ids) + max_tokens > self.max_model_len:
-            raise InvalidRequest(f"prompt has {len(ids)} tokens and max_tokens is {max_tokens}; "
-                                 f"the model's context is {self.max_model_len} tokens")
+        check_context(len(ids), max_tokens, self.max_model_len)
         return ids
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:

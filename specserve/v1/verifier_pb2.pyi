@@ -72,7 +72,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("kv_pages_used", "kv_pages_free", "kv_pages_total", "active_requests", "waiting_requests", "drafter_connected", "fallbacks", "steps", "drafter_transport", "context_rows", "profile", "kv_pages_reserved", "preempted", "cost_ms")
+    __slots__ = ("kv_pages_used", "kv_pages_free", "kv_pages_total", "active_requests", "waiting_requests", "drafter_connected", "fallbacks", "steps", "drafter_transport", "context_rows", "profile", "kv_pages_reserved", "preempted", "cost_ms", "max_model_len")
     class FallbacksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class StatsReply(_message.Message):
     KV_PAGES_RESERVED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     COST_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     kv_pages_used: int
     kv_pages_free: int
     kv_pages_total: int
@@ -129,4 +130,5 @@ class StatsReply(_message.Message):
     kv_pages_reserved: int
     preempted: int
     cost_ms: _containers.ScalarMap[str, float]
-    def __init__(self, kv_pages_used: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., drafter_connected: _Optional[bool] = ..., fallbacks: _Optional[_Mapping[str, int]] = ..., steps: _Optional[int] = ..., drafter_transport: _Optional[str] = ..., context_rows: _Optional[_Mapping[str, int]] = ..., profile: _Optional[_Mapping[str, float]] = ..., kv_pages_reserved: _Optional[int] = ..., preempted: _Optional[int] = ..., cost_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, kv_pages_used: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., drafter_connected: _Optional[bool] = ..., fallbacks: _Optional[_Mapping[str, int]] = ..., steps: _Optional[int] = ..., drafter_transport: _Optional[str] = ..., context_rows: _Optional[_Mapping[str, int]] = ..., profile: _Optional[_Mapping[str, float]] = ..., kv_pages_reserved: _Optional[int] = ..., preempted: _Optional[int] = ..., cost_ms: _Optional[_Mapping[str, float]] = ..., max_model_len: _Optional[int] = ...) -> None: ...

@@ -119,11 +119,13 @@ async def until_status(address: str, want: int, within_s: float) -> float:
     return time.monotonic() - t0
 
 
-async def generate(address: str, prompt, stop=(), timeout: float = RPC_S) -> list:
+async def generate(address: str, prompt, stop=(), timeout: float = RPC_S,
+                   request_id: str = "") -> list:
     params = SamplingParams(max_tokens=9, ignore_eos=True, stop=tuple(stop))
     async with channel(address) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
-        msgs = stub.Generate(convert.generate_request_to_pb(prompt, params), timeout=timeout)
+        msgs = stub.Generate(convert.generate_request_to_pb(prompt, params, request_id=request_id),
+                             timeout=timeout)
         return [convert.response_from_pb(m) async for m in msgs]
 
 

@@ -165,6 +165,8 @@ async def test_bad_requests_auth_and_health(model_dir, tmp_path):  # noqa: F811
             assert (await _call(port, "/v1/models", headers={}, method="GET"))[0] == 401
             status, _, raw = await _call(port, "/v1/models", headers=ok, method="GET")
             assert status == 200 and json.loads(raw)["data"][0]["id"] == model_dir.name
+            lower = {"authorization": "bearer s3cret"}  # RFC 7235: the scheme in any case
+            assert (await _call(port, "/v1/models", headers=lower, method="GET"))[0] == 200
             cases = [(b"{not json", 400), ({"prompt": "x" * 5000}, 413),
                      ({**BODY, "n": 65}, 400), ({**BODY, "model": "other"}, 404),
                      ({"messages": [{"role": "user", "content": "x"}]}, 400)]

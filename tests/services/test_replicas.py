@@ -12,9 +12,11 @@ from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
 
 class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, active: int, waiting: int, used: int, total: int = 100) -> None:
+    def __init__(self, active: int, waiting: int, used: int, total: int = 100,
+                 max_model_len: int = 0) -> None:
         self.reply = verifier_pb2.StatsReply(active_requests=active, waiting_requests=waiting,
-                                             kv_pages_used=used, kv_pages_total=total)
+                                             kv_pages_used=used, kv_pages_total=total,
+                                             max_model_len=max_model_len)
 
     async def Stats(self, request, context):  # noqa: N802
         return self.reply
@@ -53,10 +55,14 @@ def test_addresses_parse_from_lists_and_commas_and_bad_ones_are_refused():
 
 def test_the_least_loaded_healthy_replica_is_picked_and_open_calls_count():
     async def main():
-        servers, reps = await _replicas(FakeVerifier(3, 2, 10), FakeVerifier(1, 0, 90),
+        servers, reps = await _replicas(FakeVerifier(3, 2, 10, max_model_len=4096),
+                                        FakeVerifier(1, 0, 90, max_model_len=32768),
                                         FakeVerifier(0, 0, 0), serving=[True, True, False])
         busy, light, down = reps.replicas
         assert (busy.healthy, light.healthy, down.healthy) == (True, True, False)
+        # the longest context of any replica (one without Stats yet tells nothing)
+        assert (busy.max_model_len, down.max_model_len, reps.max_model_len) == (4096, None,
+                                                                                32768)
         assert (busy.queue, light.queue, light.kv_fill) == (5, 1, 0.9)
         got = [reps.pick() for _ in range(6)]
         # light: queue 1 → open 1..: it takes requests until its open count passes busy's 5

@@ -20,15 +20,16 @@ pytestmark = [pytest.mark.asyncio,
 
 
 class Front:
-    """What OpenAIFront uses of the pipeline for these routes: the tokenizer and its encoder."""
+    """What OpenAIFront uses of the pipeline for these routes: the tokenizer and its encoder
+    (`worker`: with its worker process, which takes a long prompt and a large body's decode)."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker: bool = False) -> None:
         self.tokenizer = Tokenizer.from_dir(TARGET)
-        self.prompts = PromptEncoder(self.tokenizer, None)
+        self.prompts = PromptEncoder(self.tokenizer, TARGET if worker else None)
         self.metrics = None
 
 
-async def _call(method: str, path: str, body=None) -> tuple[int, dict]:
+async def _call(method: str, path: str, body=None, front=None) -> tuple[int, dict]:
     raw = json.dumps(body).encode() if body is not None else b""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
              "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
@@ -45,7 +46,7 @@ async def _call(method: str, path: str, body=None) -> tuple[int, dict]:
         else:
             out.append(message.get("body", b""))
 
-    front = OpenAIFront(Front(), "demo-target", ChatTemplate.from_dir(TARGET))
+    front = OpenAIFront(front or Front(), "demo-target", ChatTemplate.from_dir(TARGET))
     await front.app()(scope, receive, send)
     return status[0], json.loads(b"".join(out))
 
@@ -84,3 +85,26 @@ async def test_one_model_by_its_id():
     assert status == 200 and body["id"] == "demo-target" and body["object"] == "model"
     status, body = await _call("GET", "/v1/models/gpt-4o")
     assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+
+async def test_large_bodies_take_the_same_answers_off_the_event_loop():
+    """Bodies over OFF_LOOP_BYTES are parsed in a thread and /detokenize's decode runs in the
+    prompt worker process: the same text, the same 400 (its error crosses back whole)."""
+    from services.gateway.openai_fields import OFF_LOOP_BYTES
+
+    tok, front = Tokenizer.from_dir(TARGET), Front(worker=True)
+    text = "The cat sat on the mat, and then it slept. " * (OFF_LOOP_BYTES // 40)
+    try:
+        status, got = await _call("POST", "/tokenize", {"prompt": text,
+                                                        "return_token_strs": True}, front)
+        ids = tok.encode(text)
+        assert status == 200 and got["tokens"] == ids and got["count"] == len(ids) > 4096
+        assert got["token_strs"][:9] == [tok.decode([i]) for i in ids[:9]]
+        status, back = await _call("POST", "/detokenize", {"tokens": ids}, front)
+        assert status == 200 and back == {"prompt": tok.decode(ids)}
+        status, err = await _call("POST", "/detokenize", {"tokens": ids + [-3]}, front)
+        assert status == 400 and err["error"]["param"] == "tokens"
+        assert front.prompts._pool is not None  # the worker process did the long ones
+    finally:
+        front.prompts.close()

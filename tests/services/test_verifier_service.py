@@ -109,7 +109,7 @@ async def test_streams_equal_engine_generate(plain, expected):
 @aio
 @pytest.mark.parametrize("prompt,sampling,spec,message", [
     ([], None, {}, "prompt is empty"),
-    ([1] * MAX_POS, None, {}, "the model's context is 512"),
+    ([1] * MAX_POS, None, {}, f"prompt has {MAX_POS} tokens; the model's context is 512"),
     ([4, 9, 2], common_pb2.SamplingParams(max_tokens=MAX_POS - 2), {},
      "prompt has 3 tokens and max_tokens is 510; the model's context is 512 tokens"),
     ([1, 2], common_pb2.SamplingParams(max_tokens=4, stop=["ab", "c"] * 8 + ["d"]), {},
@@ -144,6 +144,7 @@ async def test_the_page_gauges_hold_the_pool_before_the_first_request(target):
                                                                    timeout=RPC_S)
         value = server.metrics.registry.get_sample_value
         assert stats.kv_pages_free == stats.kv_pages_total > 0
+        assert stats.max_model_len == MAX_POS  # what the gateway refuses longer prompts by
         assert value("specserve_kv_pages_free") == stats.kv_pages_free  # was 0 until a step
         assert value("specserve_kv_pages_used") == 0
     finally:
