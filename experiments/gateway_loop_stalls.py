@@ -3,7 +3,8 @@ request's chunks stop (its largest gap between chunks, and a `/health` call's ti
 heavy request is handled — 10M prompt ids over the context, a 10M-id /detokenize, a 5 MB
 /tokenize with token texts —; how long a 20k-character prompt waits after ten 2.7 MB prompts
 whose clients left at once; and how often a gRPC request id cut at a stop string fails when
-reused at once (of 30).
+reused at once (of 30). `--deadline-only`: how long a 13.8 MB prompt takes to be answered
+(start the stack with SPECSERVE_REQUEST_TIMEOUT_S=3: tokenizing counts against the deadline).
 
     specserve up --ports P --http-port H --metrics-ports M     # a stack on the demo pair
     PYTHONPATH=. python experiments/gateway_loop_stalls.py --http H --grpc P [--json OUT]
@@ -113,7 +114,17 @@ def reuse(port: int, rounds: int = 30) -> dict:
     return {"reuse_failures": fails, "rounds": rounds}
 
 
+async def deadline(port: int) -> dict:
+    body = json.dumps({"prompt": "The cat sat on the mat. " * 575_000, "max_tokens": 3}).encode()
+    took, status = await _post(port, "/v1/completions", body)
+    return {"prompt_mb": round(len(body) / 1e6, 1), "status": status, "answered_s": round(took, 2)}
+
+
 async def main(args) -> dict:
+    if args.deadline_only:
+        out = {"deadline": await deadline(args.http)}
+        print(out, flush=True)
+        return out
     ids = json.dumps({"prompt": [5, 6, 7, 8, 9] * 2_000_000, "max_tokens": 1}).encode()
     detok = json.dumps({"tokens": [5, 6, 7, 8, 9] * 2_000_000}).encode()
     text = json.dumps({"prompt": "The cat sat on the mat. " * 210_000,
@@ -136,6 +147,7 @@ if __name__ == "__main__":
     p.add_argument("--http", type=int, required=True)
     p.add_argument("--grpc", type=int, required=True)
     p.add_argument("--json")
+    p.add_argument("--deadline-only", action="store_true")
     a = p.parse_args()
     result = asyncio.run(main(a))
     if a.json:
