@@ -1,7 +1,7 @@
 """`specserve serve NAME` (one service in this process) and `specserve up` (all three as
 subprocesses, health-checked, logs prefixed, a service that exits started again
-(services/cli/supervise.py), stopped together; their gRPC and metrics ports both follow
-`--ports`).
+(services/cli/supervise.py), stopped together; their gRPC, metrics and HTTP ports all follow
+`--ports`: services/cli/up_ports.py).
 """
 
 from __future__ import annotations
@@ -14,10 +14,16 @@ import sys
 
 from services.cli import usage
 from services.cli.supervise import stop_all, supervise
+from services.cli.up_ports import (
+    SERVICES,
+    all_ports,
+    base_port,
+    http_port,
+    http_port_of,
+    metrics_ports,
+    service_ports,
+)
 from services.common.settings import HOST, add_flags
-
-SERVICES = ("drafter", "verifier", "gateway")  # the start order of `up`
-OFFSET = {"gateway": 0, "verifier": 1, "drafter": 2}  # ports from a base: --ports, --metrics-ports
 
 
 def add_serve(sub) -> None:
@@ -50,7 +56,7 @@ def add_up(sub) -> None:
                    help="torch device of verifier and drafter: auto, cpu, cuda or cuda:N "
                         "(default: the services' own, auto)")
     add_flags(p, [dataclasses.replace(HOST, help="address every service binds")])
-    p.add_argument("--ports", type=_base_port, default=None,
+    p.add_argument("--ports", type=base_port, default=None,
                    help="base port: gateway BASE, verifier BASE+1, drafter BASE+2 (default: "
                         "each service's SPECSERVE_*_PORT, else 50051..)")
     for name in SERVICES:
@@ -60,10 +66,10 @@ def add_up(sub) -> None:
                    help="Prometheus ports: gateway BASE, verifier BASE+1, drafter BASE+2; 0 = "
                         "none (default: each service's SPECSERVE_*_METRICS_PORT, else 9101.. "
                         "moved by as much as --ports is from 50051)")
-    p.add_argument("--http-port", type=_http_port,
-                   default=os.environ.get("SPECSERVE_GATEWAY_HTTP_PORT", "8000"),
-                   help="the gateway's OpenAI HTTP API port (0 = any free, off = none) "
-                        "[env SPECSERVE_GATEWAY_HTTP_PORT]")
+    p.add_argument("--http-port", type=http_port, default=None,
+                   help="the gateway's OpenAI HTTP API port (0 = any free, off = none) [env "
+                        "SPECSERVE_GATEWAY_HTTP_PORT; default: 8000 moved by as much as --ports "
+                        "is from 50051]")
     p.add_argument("--adaptive", choices=("on", "off"), default=None,
                    help="the verifier's adaptive speculation (default: the verifier's own, "
                         "SPECSERVE_ADAPTIVE, else off)")
@@ -78,58 +84,14 @@ def add_up(sub) -> None:
     p.set_defaults(func=_up)
 
 
-def _base_port(value: str) -> int:
-    n = usage.port(value)
-    if n > 65533:
-        raise argparse.ArgumentTypeError(f"must leave room for BASE+2 (at most 65533), got {n}")
-    return n
 
 
-def _http_port(value: str) -> str:
-    http = str(value).strip().lower()
-    if http != "off" and not (http.isdigit() and int(http) <= 65535):
-        raise argparse.ArgumentTypeError(f"must be a port number or off, got {value!r}")
-    return http
 
 
-def _service_ports(args) -> dict[str, int]:
-    """Each service's port: --NAME-port, else --ports BASE + offset, else the service's
-    SPECSERVE_NAME_PORT, else 50051 + offset (`args.ports` is set to the base used)."""
-    env = {n: os.environ.get(f"SPECSERVE_{n.upper()}_PORT") for n in SERVICES}
-    base = args.ports if args.ports is not None else 50051
-    ports = {}
-    for n in SERVICES:
-        given = getattr(args, f"{n}_port")
-        if given is None and args.ports is None and env[n] is not None:
-            try:
-                given = usage.port(env[n])
-            except argparse.ArgumentTypeError as e:
-                raise usage.UsageError(f"SPECSERVE_{n.upper()}_PORT: {e}") from None
-        ports[n] = given or base + OFFSET[n]
-    args.ports = base
-    return ports
 
 
-def _metrics_ports(args) -> dict[str, int]:
-    """Each service's Prometheus port (0 = none): --metrics-ports, else the service's
-    SPECSERVE_*_METRICS_PORT, else its default moved with --ports (so two `up`s with different
-    --ports do not share one)."""
-    from services.common.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
 
-    base = args.metrics_ports
-    if base is not None and base != 0 and not 1 <= base <= 65533:
-        raise usage.UsageError(f"--metrics-ports must be 0 or in [1, 65533], got {base}")
-    env = {n: os.environ.get(f"SPECSERVE_{n.upper()}_METRICS_PORT") for n in SERVICES}
-    if base is None:
-        base = GATEWAY_METRICS_PORT + args.ports - GATEWAY_PORT
-        if not 1 <= base <= 65533 and None in env.values():
-            raise usage.UsageError(f"--ports {args.ports} moves the metrics ports ({base}.."
-                                   f"{base + 2}) out of range; give --metrics-ports BASE (0 = "
-                                   "none)")
-        if not all(v is None or v.strip().isdigit() for v in env.values()):
-            raise usage.UsageError(f"SPECSERVE_*_METRICS_PORT must be port numbers, got {env}")
-        return {n: int(env[n]) if env[n] is not None else base + OFFSET[n] for n in SERVICES}
-    return {n: base and base + OFFSET[n] for n in SERVICES}
+
 
 
 def _up_plan(args) -> list[tuple[str, str, list[str]]]:
@@ -142,8 +104,9 @@ def _up_plan(args) -> list[tuple[str, str, list[str]]]:
     if not args.model:
         raise usage.UsageError("--model (or SPECSERVE_MODEL) is required (no demo pair under "
                                "checkpoints/)")
-    port = _service_ports(args)
-    metrics = _metrics_ports(args)
+    port = service_ports(args)
+    metrics = metrics_ports(args)
+    args.http_port = http_port_of(args)
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     addr = {n: f"{local}:{port[n]}" for n in SERVICES}
     flags = {n: ["--host", args.host, "--port", str(port[n]), "--model", args.model,
@@ -249,13 +212,6 @@ async def _up_run(args, plan) -> int:
             shutil.rmtree(os.path.dirname(args.http_port_file), ignore_errors=True)
 
 
-def _ports(args, plan) -> list[int]:
-    """Every port `up` will bind: each service's gRPC and /metrics, the HTTP API's."""
-    ports = [int(addr.rsplit(":", 1)[1]) for _n, addr, _f in plan]
-    ports += [int(f[f.index("--metrics-port") + 1]) for _n, _a, f in plan]
-    if str(args.http_port).lower() not in ("off", "0"):
-        ports.append(int(args.http_port))
-    return [p for p in ports if p]
 
 
 def _up(args) -> int:
@@ -280,7 +236,7 @@ def _check_up(args, plan) -> None:
     for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
         if path:
             usage.model_config(path, flag)
-    ports = _ports(args, plan)
+    ports = all_ports(args, plan)
     if dup := sorted({p for p in ports if ports.count(p) > 1}):
         raise usage.UsageError(f"two of the stack's listeners would share port {dup[0]} (its "
                                "gRPC, metrics and HTTP ports must all differ)")

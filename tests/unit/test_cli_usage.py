@@ -147,6 +147,23 @@ def test_up_moves_the_metrics_ports_with_ports(monkeypatch):
     assert _ports("--ports", "60051", "--metrics-ports", "7000")["verifier"] == (60052, 7001)
 
 
+def test_up_moves_the_http_port_with_ports(monkeypatch):
+    def http(*argv: str) -> str:
+        plan = {n: f for n, _a, f in _up_plan(_parse("up", "--model", "m", *argv))}
+        return plan["gateway"][plan["gateway"].index("--http-port") + 1]
+
+    monkeypatch.delenv("SPECSERVE_GATEWAY_HTTP_PORT", raising=False)
+    assert (http(), http("--ports", "60051"), http("--ports", "60051", "--http-port", "off")) \
+        == ("8000", "18000", "off")  # two `up`s with different --ports: two HTTP ports
+    with pytest.raises(usage.UsageError, match="moves the HTTP API's port .-40051. out of range"):
+        http("--ports", "2000", "--metrics-ports", "0")
+    monkeypatch.setenv("SPECSERVE_GATEWAY_HTTP_PORT", "8123")  # the gateway's own setting wins
+    assert http("--ports", "60051") == "8123" and http("--http-port", "0") == "0"
+    monkeypatch.setenv("SPECSERVE_GATEWAY_HTTP_PORT", "x")
+    with pytest.raises(usage.UsageError, match="SPECSERVE_GATEWAY_HTTP_PORT: must be a port"):
+        http()
+
+
 def test_up_takes_each_services_port_variable_unless_ports_are_given(monkeypatch):
     for n in ("GATEWAY", "VERIFIER", "DRAFTER"):
         monkeypatch.delenv(f"SPECSERVE_{n}_PORT", raising=False)
