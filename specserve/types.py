@@ -20,6 +20,20 @@ GREEDY_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's _SAMPLING_EPS)
 # the wire's ranges (proto/specserve/v1/common.proto: int32, float, uint64, int64 fields)
 INT32_MAX, INT64_MAX, UINT64_MAX = 2**31 - 1, 2**63 - 1, 2**64 - 1
 FLOAT32_MAX = 3.4028234663852886e38
+# a request id travels in every drafter message of its request: bounded, as vLLM's and
+# OpenAI's ids are short
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_request_id(request_id) -> str:
+    """`request_id`, or InvalidRequest unless it is a non-empty str of at most
+    MAX_REQUEST_ID_CHARS characters."""
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequest(f"request id must be a non-empty string, got {request_id!r:.40}")
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request id of {len(request_id)} characters; at most "
+                             f"{MAX_REQUEST_ID_CHARS} are allowed")
+    return request_id
 MAX_LOGPROBS = 20  # most alternatives a token's logprobs list (as vLLM's default cap)
 
 

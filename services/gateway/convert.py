@@ -25,7 +25,7 @@ from services.common.convert import (
 from specserve.errors import InvalidRequest
 from specserve.spec.metrics import RequestSpecStats
 from specserve.spec.tree import check_budget
-from specserve.types import FinishReason, SamplingParams, TokenLogprob
+from specserve.types import FinishReason, SamplingParams, TokenLogprob, check_request_id
 from specserve.v1 import common_pb2, gateway_pb2, verifier_pb2
 
 DRAFTER_KINDS = {name: kind for kind, name in DRAFTER_NAMES.items() if name is not None}
@@ -87,7 +87,8 @@ def request_from_pb(msg: gateway_pb2.GenerateRequest, defaults=None) -> GatewayR
     params = sampling_from_pb(msg.sampling, defaults) if msg.HasField("sampling") else \
         sampling_from_pb(common_pb2.SamplingParams(max_tokens=SamplingParams().max_tokens),
                          defaults)
-    return GatewayRequest(msg.request_id or uuid.uuid4().hex, text, ids, params,
+    rid = check_request_id(msg.request_id) if msg.request_id else uuid.uuid4().hex
+    return GatewayRequest(rid, text, ids, params,
                           DRAFTER_NAMES[msg.spec.drafter], budget, msg.keep_special_tokens)
 
 

@@ -24,7 +24,7 @@ from services.common.convert import (
 from specserve.drafters.base import DraftRequest
 from specserve.errors import InvalidRequest
 from specserve.spec.tree import DraftTree, check_trees
-from specserve.types import SamplingParams
+from specserve.types import SamplingParams, check_request_id
 from specserve.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 DRAFTER_KINDS = {name: kind for kind, name in DRAFTER_NAMES.items()}  # "ngram" -> pb enum
@@ -67,7 +67,7 @@ def generate_args_from_pb(msg: verifier_pb2.VerifyRequest, limits: SpecLimits,
         raise InvalidRequest(f"budget must be >= 0, got {asked}")
     speculates = kind != "none" and limits.has_drafter
     return GenerateArgs(
-        request_id=msg.request_id or fallback_id,
+        request_id=check_request_id(msg.request_id) if msg.request_id else fallback_id,
         prompt_ids=list(msg.prompt_ids),  # ints already
         params=params,
         budget=min(asked, limits.max_draft_tokens) if speculates else 0,

@@ -28,7 +28,7 @@ from specserve.errors import InvalidRequest, check_context
 from specserve.models.decoder import DecoderModel
 from specserve.sampling import make_generator
 from specserve.spec.metrics import RequestSpecStats, StepTimes
-from specserve.types import FinishReason, RequestOutput, SamplingParams
+from specserve.types import FinishReason, RequestOutput, SamplingParams, check_request_id
 
 
 class Engine:
@@ -83,7 +83,7 @@ class Engine:
         Raises InvalidRequest / CapacityExhausted; on error nothing is queued and other requests
         are unaffected."""
         params = params or SamplingParams()
-        if request_id in self.requests:
+        if check_request_id(request_id) in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         if not 0 <= budget <= self.config.max_draft_tokens:
             raise InvalidRequest(f"budget must be in [0, {self.config.max_draft_tokens}] "

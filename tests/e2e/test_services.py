@@ -316,6 +316,9 @@ async def test_client_cancel_frees_the_verifier_pages_within_1s(stack, prompts):
 
 BAD_REQUESTS = {
     "empty prompt": (dict(text=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+    # it would travel in every drafter message of the request (a 1 MB one blocked the lane)
+    "request id of 100k characters": (dict(text="hi", request_id="r" * 100_000),
+                           grpc.StatusCode.INVALID_ARGUMENT, "at most 256 are allowed"),
     "prompt too long": (dict(token_ids=gateway_pb2.TokenIds(ids=[5] * 600)),
                         grpc.StatusCode.INVALID_ARGUMENT, "context"),
     "token out of vocab": (dict(token_ids=gateway_pb2.TokenIds(ids=[5, VOCAB + 3])),

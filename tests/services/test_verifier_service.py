@@ -123,6 +123,7 @@ async def test_streams_equal_engine_generate(plain, expected):
     ([1, 2], common_pb2.SamplingParams(max_tokens=4, temperature=-1), {}, "temperature"),
     ([1, 2], common_pb2.SamplingParams(max_tokens=4, top_p=0.0), {}, "top_p must be in"),
     ([1, 2], None, {"budget": -1}, "budget must be >= 0"),
+    ([1, 2], None, {"rid": "v" * 300}, "request id of 300 characters; at most 256"),
 ])
 async def test_bad_requests_are_invalid_argument(plain, expected, prompt, sampling, spec,
                                                  message):

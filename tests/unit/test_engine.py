@@ -147,6 +147,10 @@ def test_bad_input_rejected_others_unaffected(checkpoint_cache, make_engine):
     assert err.value.param == "stop_token_ids"
     with pytest.raises(InvalidRequest, match="already in use"):
         engine.add_request("g0", good[0], params)
+    for rid, msg in (("", "non-empty string"), (123, "non-empty string, got 123"),
+                     ("x" * 257, "request id of 257 characters; at most 256")):
+        with pytest.raises(InvalidRequest, match=msg):
+            engine.add_request(rid, good[0], params)
     with pytest.raises(InvalidRequest, match="needs a tokenizer"):
         engine.add_request("t", "hello", params)
     got = {f"g{i}": [] for i in range(3)}
