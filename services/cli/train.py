@@ -54,6 +54,23 @@ def add(sub) -> None:
     p.set_defaults(func=_train)
 
 
+def _check_writable(out: Path) -> None:
+    """UsageError unless `out` can be made (its missing parents too) and written into."""
+    import tempfile
+
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise usage.UsageError(f"--out {out}: cannot write there ({e.strerror})") from None
+    finally:
+        for p in made:  # leave no empty directory behind: training makes them again
+            if p.exists() and not any(p.iterdir()):
+                p.rmdir()
+
+
 def _train(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -61,6 +78,7 @@ def _train(args) -> int:
     if out.exists() and not args.force and any(out.iterdir()):
         raise usage.UsageError(f"--out {args.out} already exists and is not empty; pass --force "
                                "to overwrite it or --out a new directory")
+    _check_writable(out)  # before the training, not after it
     from specserve.demo.train import run_from_args
 
     return run_from_args(args)

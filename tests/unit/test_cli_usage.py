@@ -68,6 +68,8 @@ def test_stop_strings_are_unescaped():
     (["train-demo", "--drafter-copy-frac", "2"], "must be a number in [0, 1]"),
     (["train-demo", "--seed", "-1"], "argument --seed: must be an integer in [0, 4294967295]"),
     (["train-demo", "--out", "README.md"], "--out README.md is a file, not a directory"),
+    (["train-demo", "--out", "/proc/specserve-demo"], "--out /proc/specserve-demo: cannot write "
+                                                      "there"),
     (["up", "--ports", "70000"], "argument --ports: must be a port in [1, 65535]"),
     (["up", "--model", "/nonexistent"], "argument --model: '/nonexistent' is not a model "
                                         "directory (no config.json)"),
