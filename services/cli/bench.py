@@ -12,6 +12,9 @@ from pathlib import Path
 
 from services.cli import usage
 
+# the flag that lets a GPU benchmark run on the CPU ("": none does)
+CPU_FLAG = {"kernel": "--sm120-check", "e2e": "--tiny", "prefill-attention": "", "draft": "--tiny",
+            "served": "--tiny"}
 BENCHES = {  # name: (script, where it runs)
     "kernel": ("bench_kernel.py", "GPU; --sm120-check on CPU"),  # tree-verify kernel vs floor
     "e2e": ("bench_e2e.py", "GPU; --tiny on CPU"),  # verify, prefill, decode vs floors / peers
@@ -46,6 +49,18 @@ def _bench(args) -> int:
     if not script.exists():
         raise SystemExit(f"specserve bench: {script} not found (benchmarks live in a source "
                          "checkout of specserve)")
+    _check_device(args.name, args.args)
     path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
     return subprocess.call([sys.executable, str(script), *args.args],
                            env={**os.environ, "PYTHONPATH": path})
+
+
+def _check_device(name: str, argv: list[str]) -> None:
+    """UsageError for a GPU benchmark asked of a machine without a CUDA device (unless its CPU
+    flag or --help is among `argv`)."""
+    flag = CPU_FLAG.get(name)
+    if flag is None or (flag and flag in argv) or {"-h", "--help"} & set(argv):
+        return
+    if usage.cuda_devices() == 0:
+        on_cpu = f"; on the CPU pass {flag}" if flag else ""
+        raise usage.UsageError(f"bench {name} needs a CUDA GPU, and torch sees none here{on_cpu}")

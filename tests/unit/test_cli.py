@@ -45,6 +45,22 @@ def test_bench_dispatches_to_the_script():
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 
+def test_a_gpu_benchmark_without_a_gpu_is_a_usage_error(monkeypatch):
+    from services.cli import bench, usage
+
+    monkeypatch.setattr(usage, "cuda_devices", lambda: 0)
+    with pytest.raises(usage.UsageError, match="bench served needs a CUDA GPU, and torch sees "
+                                               "none here; on the CPU pass --tiny"):
+        bench._check_device("served", ["--out", "x.json"])
+    with pytest.raises(usage.UsageError, match="prefill-attention needs a CUDA GPU.*here$"):
+        bench._check_device("prefill-attention", [])
+    for name, argv in (("served", ["--tiny"]), ("kernel", ["--sm120-check"]),
+                       ("draft", ["--help"]), ("adaptive", []), ("tracing", [])):
+        bench._check_device(name, argv)  # the CPU flag, --help or a CPU benchmark: it runs
+    monkeypatch.setattr(usage, "cuda_devices", lambda: 1)
+    bench._check_device("served", [])
+
+
 # ---- the gateway client: torch-free, its wire = the gateway's, errors on one line --------------
 VOCAB = 4096
 
