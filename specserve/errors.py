@@ -1,8 +1,11 @@
-"""The error hierarchy of the specserve core.
+"""The error hierarchy of the specserve core, and the request checks the engine and the services
+share (a request id, prompt ids, the context).
 
 Core code raises these and nothing else for expected failures; each service maps them to gRPC
 status codes in one table (services/*/servicer.py). The core never imports grpc.
 """
+
+import operator
 
 
 class SpecServeError(Exception):
@@ -44,3 +47,34 @@ def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> No
     if prompt_tokens + max_tokens > max_model_len:
         raise InvalidRequest(f"prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}; "
                              f"the model's context is {max_model_len} tokens")
+
+
+# a request id travels in every drafter message of its request: bounded, as vLLM's and
+# OpenAI's ids are short
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_request_id(request_id) -> str:
+    """`request_id`, or InvalidRequest unless it is a non-empty str of at most
+    MAX_REQUEST_ID_CHARS characters."""
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequest(f"request id must be a non-empty string, got {request_id!r:.40}")
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request id of {len(request_id)} characters; at most "
+                             f"{MAX_REQUEST_ID_CHARS} are allowed")
+    return request_id
+
+
+def integer_ids(ids) -> list[int]:
+    """`ids` as a list of Python ints (numpy / torch integer scalars too); InvalidRequest for
+    anything else (a float, a bool, a string), never a silent truncation."""
+    ids = list(ids)
+    if set(map(type, ids)) <= {int}:
+        return ids
+    try:
+        if not any(isinstance(t, bool) for t in ids):
+            return [operator.index(t) for t in ids]
+    except TypeError:
+        pass
+    bad = next(t for t in ids if isinstance(t, bool) or not hasattr(t, "__index__"))
+    raise InvalidRequest(f"prompt token ids must be integers, got {bad!r:.40}", "prompt")

@@ -20,21 +20,11 @@ GREEDY_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's _SAMPLING_EPS)
 # the wire's ranges (proto/specserve/v1/common.proto: int32, float, uint64, int64 fields)
 INT32_MAX, INT64_MAX, UINT64_MAX = 2**31 - 1, 2**63 - 1, 2**64 - 1
 FLOAT32_MAX = 3.4028234663852886e38
-# a request id travels in every drafter message of its request: bounded, as vLLM's and
-# OpenAI's ids are short
-MAX_REQUEST_ID_CHARS = 256
-
-
-def check_request_id(request_id) -> str:
-    """`request_id`, or InvalidRequest unless it is a non-empty str of at most
-    MAX_REQUEST_ID_CHARS characters."""
-    if not isinstance(request_id, str) or not request_id:
-        raise InvalidRequest(f"request id must be a non-empty string, got {request_id!r:.40}")
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequest(f"request id of {len(request_id)} characters; at most "
-                             f"{MAX_REQUEST_ID_CHARS} are allowed")
-    return request_id
 MAX_LOGPROBS = 20  # most alternatives a token's logprobs list (as vLLM's default cap)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,25 +51,33 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or not 0 < self.max_tokens <= INT32_MAX:
+        for name in ("temperature", "top_p"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name),
+                                                                       int | float):
+                raise InvalidRequest(f"{name} must be a number, got {getattr(self, name)!r}",
+                                     name)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequest(f"ignore_eos must be a bool, got {self.ignore_eos!r}",
+                                 "ignore_eos")
+        if not _is_int(self.max_tokens) or not 0 < self.max_tokens <= INT32_MAX:
             raise InvalidRequest(f"max_tokens must be an integer in [1, {INT32_MAX}], got "
                                  f"{self.max_tokens!r}", "max_tokens")
         if not math.isfinite(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
             raise InvalidRequest(f"temperature must be in [0, {FLOAT32_MAX:.4g}], got "
                                  f"{self.temperature!r}", "temperature")
-        if self.top_k is not None and (not isinstance(self.top_k, int)
+        if self.top_k is not None and (not _is_int(self.top_k)
                                        or not 0 < self.top_k <= INT32_MAX):
             raise InvalidRequest(f"top_k must be an integer in [1, {INT32_MAX}] or None, got "
                                  f"{self.top_k!r}", "top_k")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if self.seed is not None and (not isinstance(self.seed, int)
+        if self.seed is not None and (not _is_int(self.seed)
                                       or not 0 <= self.seed <= UINT64_MAX):
             raise InvalidRequest(f"seed must be an integer in [0, 2**64), got {self.seed!r}",
                                  "seed")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty", "stop")
-        if any(not isinstance(t, int) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+        if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             raise InvalidRequest(
                 f"stop_token_ids must be integers in [0, 2**63): {self.stop_token_ids!r}",
                 "stop_token_ids")

@@ -22,10 +22,10 @@ from services.common.convert import (
     sampling_to_pb,
     spec_stats_to_pb,
 )
-from specserve.errors import InvalidRequest
+from specserve.errors import InvalidRequest, check_request_id
 from specserve.spec.metrics import RequestSpecStats
 from specserve.spec.tree import check_budget
-from specserve.types import FinishReason, SamplingParams, TokenLogprob, check_request_id
+from specserve.types import FinishReason, SamplingParams, TokenLogprob
 from specserve.v1 import common_pb2, gateway_pb2, verifier_pb2
 
 DRAFTER_KINDS = {name: kind for kind, name in DRAFTER_NAMES.items() if name is not None}

@@ -22,9 +22,9 @@ from services.common.convert import (
     tensor_to_pb,
 )
 from specserve.drafters.base import DraftRequest
-from specserve.errors import InvalidRequest
+from specserve.errors import InvalidRequest, check_request_id
 from specserve.spec.tree import DraftTree, check_trees
-from specserve.types import SamplingParams, check_request_id
+from specserve.types import SamplingParams
 from specserve.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 DRAFTER_KINDS = {name: kind for kind, name in DRAFTER_NAMES.items()}  # "ngram" -> pb enum

@@ -24,11 +24,11 @@ from specserve.engine.cost import CostModel, StepCycle, observe_step
 from specserve.engine.runner import ModelRunner
 from specserve.engine.scheduler import Scheduled, Scheduler
 from specserve.engine.sequence import Sequence, Status
-from specserve.errors import InvalidRequest, check_context
+from specserve.errors import InvalidRequest, check_context, check_request_id, integer_ids
 from specserve.models.decoder import DecoderModel
 from specserve.sampling import make_generator
 from specserve.spec.metrics import RequestSpecStats, StepTimes
-from specserve.types import FinishReason, RequestOutput, SamplingParams, check_request_id
+from specserve.types import FinishReason, RequestOutput, SamplingParams
 
 
 class Engine:
@@ -85,7 +85,7 @@ class Engine:
         params = params or SamplingParams()
         if check_request_id(request_id) in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        if not 0 <= budget <= self.config.max_draft_tokens:
+        if type(budget) is not int or not 0 <= budget <= self.config.max_draft_tokens:
             raise InvalidRequest(f"budget must be in [0, {self.config.max_draft_tokens}] "
                                  f"(the engine's max_draft_tokens), got {budget}")
         prompt_ids = self._prompt_ids(prompt, params.max_tokens)
@@ -110,9 +110,7 @@ class Engine:
                 raise InvalidRequest("a text prompt needs a tokenizer; send token ids instead")
             ids = self.tokenizer.encode(prompt)
         else:  # on the engine thread, between steps: C loops for the usual plain ints
-            ids = list(prompt)
-            if set(map(type, ids)) != {int}:
-                ids = [int(t) for t in ids]
+            ids = integer_ids(prompt)  # numpy / torch integers too, never floats or bools
         if not ids:
             raise InvalidRequest("prompt is empty")
         vocab = self.model_config.vocab_size

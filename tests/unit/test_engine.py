@@ -104,6 +104,9 @@ BAD_INPUTS = [
     ([1, 2, 211], {}, r"out of vocabulary \[0, 211\): \[211\]"),
     ([1, -3], {}, "out of vocabulary"),
     (np.array([5, 211, 7], dtype=np.int64), {}, r"out of vocabulary \[0, 211\): \[211\]"),
+    ([1.7, 2.2, 3.9], {}, "prompt token ids must be integers, got 1.7"),  # not truncated
+    ([4, True, False], {}, "must be integers, got True"),
+    (["1", "2"], {}, "must be integers, got '1'"),
 ]
 BAD_PARAMS = [  # (kwargs, message, the param the error names); the wire's ranges included
     (dict(max_tokens=0), r"max_tokens must be an integer in \[1, 2147483647\]", "max_tokens"),
@@ -120,6 +123,10 @@ BAD_PARAMS = [  # (kwargs, message, the param the error names); the wire's range
     (dict(seed=2**64), "seed", "seed"),
     (dict(stop=("",)), "stop strings must be non-empty", "stop"),
     (dict(stop_token_ids=(3, 2**63)), "stop_token_ids", "stop_token_ids"),
+    (dict(max_tokens=True), "max_tokens must be an integer", "max_tokens"),  # bools are not
+    (dict(seed=False), "seed must be an integer", "seed"),
+    (dict(temperature="0.5"), "temperature must be a number, got '0.5'", "temperature"),
+    (dict(ignore_eos="no"), "ignore_eos must be a bool, got 'no'", "ignore_eos"),
 ]
 
 
@@ -151,6 +158,9 @@ def test_bad_input_rejected_others_unaffected(checkpoint_cache, make_engine):
                      ("x" * 257, "request id of 257 characters; at most 256")):
         with pytest.raises(InvalidRequest, match=msg):
             engine.add_request(rid, good[0], params)
+    for budget in (2.5, True, -1):
+        with pytest.raises(InvalidRequest, match="budget must be in"):
+            engine.add_request("b", good[0], params, budget=budget)
     with pytest.raises(InvalidRequest, match="needs a tokenizer"):
         engine.add_request("t", "hello", params)
     got = {f"g{i}": [] for i in range(3)}
