@@ -34,6 +34,7 @@ from pathlib import Path
 from bench_services import ENV, make_model, over_grpc
 from bench_services import start as start_service
 
+from services.cli.usage import int_range
 from tests.e2e.otlp_sink import OtlpSink
 
 QUIET = {"SPECSERVE_GATEWAY_METRICS_PORT": "0", "SPECSERVE_VERIFIER_METRICS_PORT": "0",
@@ -105,9 +106,9 @@ async def total_steps(stack: Stack) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--requests", type=int_range(1, 4096), default=8)
+    ap.add_argument("--tokens", type=int_range(1, 1 << 20), default=64)
+    ap.add_argument("--rounds", type=int_range(1, 1 << 20), default=10)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from _e2e_common import QWEN3_8B, TINY, build_models
 
+from services.cli.usage import int_range
 from specserve.drafters.base import DraftRequest
 from specserve.drafters.dflash import DFlashDrafter
 from specserve.drafters.dflash_graphs import DraftGraphs
@@ -71,7 +72,7 @@ def profile(fn) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--ctx", type=int_range(1, 1 << 20), default=1024)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (smoke test)")
     ap.add_argument("--graphs", action="store_true", help="also time the graph-replayed block")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "diag_draft.json"))
