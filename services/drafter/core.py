@@ -26,6 +26,7 @@ from specserve.drafters import registry
 from specserve.drafters.base import Drafter, DraftRequest
 from specserve.drafters.dflash import DFlashDrafter
 from specserve.drafters.registry import CONTEXT_PAGES, DFLASH, NGRAM, NONE, DrafterSpec
+from specserve.errors import CapacityExhausted
 from specserve.spec.tree import DraftTree, check_budget
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,9 @@ class DrafterCore:
         t0, failed = time.perf_counter(), False
         try:
             trees: list[Result] = list(drafter.draft(requests))
+        except CapacityExhausted as e:  # a full context cache: expected, no traceback
+            log.warning("%s drafter: %s (requests %s)", kind, e, [r.request_id for r in requests])
+            failed, trees = True, [f"RESOURCE_EXHAUSTED: {kind} drafter: {e}"] * len(requests)
         except Exception as e:
             log.exception("%s drafter failed for requests %s", kind,
                           [r.request_id for r in requests])

@@ -8,6 +8,7 @@ cancelled) frees its context cache pages; a request belongs to the stream that d
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -247,14 +248,18 @@ async def test_the_lane_answers_as_the_stream_and_releases_on_close(svc):
     assert _pages_free(svc.core) == [PAGES, PAGES]
 
 
-def test_core_isolates_a_failing_drafter_and_an_unloaded_one(checkpoints):
+def test_core_isolates_a_failing_drafter_and_an_unloaded_one(checkpoints, caplog):
     small = DrafterCore(dflash=_dflash(checkpoints, num_pages=2))  # 32 slots: 40 rows can't fit
     big = DraftRequest("big", 3, 40, 4, 15, context=torch.randn(40, WIDTH))
     small_one = DraftRequest("small", 3, 4, 4, 15, context=torch.randn(4, WIDTH))
     ngram = DraftRequest("ng", 2, 3, 4, 15)
-    results = small.draft([Entry(big, "dflash"), Entry(small_one, "dflash"),
-                           Entry(ngram, "ngram", (1, 2, 1, 2))])
-    assert all("CapacityExhausted" in r for r in results[:2])  # the whole dflash call failed
+    with caplog.at_level(logging.WARNING):
+        results = small.draft([Entry(big, "dflash"), Entry(small_one, "dflash"),
+                               Entry(ngram, "ngram", (1, 2, 1, 2))])
+    # the whole dflash call failed, as a full cache: a capacity error, no traceback
+    assert all(r.startswith("RESOURCE_EXHAUSTED: dflash drafter: drafter context cache")
+               for r in results[:2]), results[:2]
+    assert [(r.levelno, r.exc_info) for r in caplog.records] == [(logging.WARNING, None)]
     assert results[2].token_ids.tolist() == [1, 2]
     assert small.dflash.cache.length("small") == 0
     no_dflash = DrafterCore()
