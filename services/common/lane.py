@@ -69,10 +69,12 @@ def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
 
 
 class LaneClient:
-    """The verifier's end (one thread uses it: the engine thread)."""
+    """The verifier's end (one thread uses it: the engine thread). A send that cannot finish
+    within `timeout_s` (the peer not reading: say both ends sending a frame larger than the
+    socket's buffer) raises LaneClosed, so the lane is dropped instead of held forever."""
 
     def __init__(self, path: str, token: bytes, timeout_s: float) -> None:
-        self.path = path
+        self.path, self.timeout_s = path, timeout_s
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.settimeout(timeout_s)
@@ -84,7 +86,7 @@ class LaneClient:
 
     def send(self, kind: int, payload: bytes) -> None:
         try:
-            self.sock.settimeout(None)
+            self.sock.settimeout(self.timeout_s)
             send_frame(self.sock, kind, payload)
         except OSError as e:
             raise LaneClosed(f"lane write failed: {e}") from None

@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -146,4 +147,26 @@ def test_lane_frames_only_for_its_token(tmp_path):
         with pytest.raises(lane.LaneClosed):
             bad.recv(5.0)
     finally:
+        server.close()
+
+
+def test_a_lane_send_the_peer_does_not_read_times_out(tmp_path):
+    """A peer that stops reading (its own send blocked, say) cannot hold the verifier's
+    engine thread: the send gives up after the lane's timeout and the lane is dropped."""
+    release = threading.Event()
+
+    def connect(token: bytes):
+        return (lambda kind, payload: release.wait(10) and None), lambda: None
+
+    server = lane.LaneServer(str(tmp_path / "stuck.sock"), connect)
+    try:
+        client = lane.LaneClient(server.path, b"any", 0.3)
+        client.send(lane.BATCH, b"x")  # the handler now waits: nothing reads the socket
+        t0 = time.monotonic()
+        with pytest.raises(lane.LaneClosed, match="lane write failed"):
+            client.send(lane.BATCH, random.Random(7).randbytes(64 << 20))  # past any buffer
+        assert time.monotonic() - t0 < 5  # the timeout, not the handler's 10 s
+        client.close()
+    finally:
+        release.set()
         server.close()
