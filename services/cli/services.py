@@ -84,16 +84,6 @@ def add_up(sub) -> None:
     p.set_defaults(func=_up)
 
 
-
-
-
-
-
-
-
-
-
-
 def _up_plan(args) -> list[tuple[str, str, list[str]]]:
     """(service, address to health-check, flags) in start order."""
     if not args.model:
@@ -210,8 +200,6 @@ async def _up_run(args, plan) -> int:
         await asyncio.gather(*pumps, return_exceptions=True)
         if args.http_port_file:
             shutil.rmtree(os.path.dirname(args.http_port_file), ignore_errors=True)
-
-
 
 
 def _up(args) -> int:

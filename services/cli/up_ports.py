@@ -51,7 +51,7 @@ def service_ports(args) -> dict[str, int]:
     """Each service's port: --NAME-port, else --ports BASE + offset, else the service's
     SPECSERVE_NAME_PORT, else 50051 + offset (`args.ports` is set to the base used)."""
     env = {n: os.environ.get(f"SPECSERVE_{n.upper()}_PORT") for n in SERVICES}
-    base = args.ports if args.ports is not None else 50051
+    base = args.ports if args.ports is not None else GATEWAY_PORT
     ports = {}
     for n in SERVICES:
         given = getattr(args, f"{n}_port")

@@ -61,9 +61,7 @@ class PromptEncoder:
         entry = self._shared.get(text)
         if entry is None:
             entry = self._shared[text] = [asyncio.ensure_future(self.encode(text)), 0]
-            entry[0].add_done_callback(lambda f, t=text, e=entry: (
-                self._shared.pop(t) if self._shared.get(t) is e else None,
-                f.cancelled() or f.exception()))  # retrieved
+            entry[0].add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
         entry[1] += 1
         try:
             return list(await asyncio.wait_for(asyncio.shield(entry[0]), max(timeout_s, 0.0)))
@@ -73,9 +71,9 @@ class PromptEncoder:
                                    "--request-timeout-s)") from None
         finally:
             entry[1] -= 1
-            if entry[1] == 0:  # nobody waits: a queued encode is dropped
+            if entry[1] == 0:  # the last waiter leaves: a queued encode is dropped
                 entry[0].cancel()
-                self._shared.pop(text) if self._shared.get(text) is entry else None
+                del self._shared[text]
 
     async def encode(self, text: str) -> list[int]:
         if not isinstance(text, str) or len(text) <= self.inline_chars:
