@@ -86,6 +86,9 @@ def add_up(sub) -> None:
 
 def _up_plan(args) -> list[tuple[str, str, list[str]]]:
     """(service, address to health-check, flags) in start order."""
+    if args.no_drafter and args.draft_model:
+        raise usage.UsageError("--no-drafter starts no drafter to run --draft-model (or "
+                               "SPECSERVE_DRAFT_MODEL): drop one of them")
     if not args.model:
         from specserve.demo import default_pair
 
@@ -104,8 +107,8 @@ def _up_plan(args) -> list[tuple[str, str, list[str]]]:
     device = ["--device", args.device] if args.device else []
     draft = ["--draft-model", args.draft_model] if args.draft_model else []
     flags["drafter"] += draft + device
-    flags["verifier"] += draft + device + ([] if args.no_drafter else
-                                           ["--drafter", addr["drafter"]])
+    flags["verifier"] += device + ([] if args.no_drafter else
+                                   draft + ["--drafter", addr["drafter"]])
     flags["verifier"] += ["--adaptive", args.adaptive] if args.adaptive else []
     flags["gateway"] += ["--verifier", addr["verifier"], "--http-port", str(args.http_port)]
     args.http_port_file = _http_port_file(str(args.http_port))

@@ -76,6 +76,8 @@ def test_stop_strings_are_unescaped():
     (["up", "--ports", "62051", "--gateway-port", "62052", "--http-port", "off"],
      "two of the stack's listeners would share port 62052"),
     (["up", "--ports", "62051", "--http-port", "62051"], "would share port 62051"),
+    (["up", "--no-drafter", "--draft-model", "checkpoints/demo-drafter"],
+     "--no-drafter starts no drafter to run --draft-model"),
     (["up", "--startup-timeout-s", "nan"], "argument --startup-timeout-s: must be a finite"),
     (["up", "--http-port", "nope"], "argument --http-port: must be a port number or off"),
     (["up", "--model", "m", "--ports", "2000", "--http-port", "off"],
