@@ -144,13 +144,7 @@ class AttnBatch:
         b = len(q_lens)
         cu = np.zeros(b + 1, dtype=np.int32)
         cu[1:] = np.cumsum(q_lens)
-        max_pages = max((len(t) for t in page_tables), default=0) or 1
-        table = np.zeros((b, max_pages), dtype=np.int32)
-        slots = np.empty(int(cu[-1]), dtype=np.int64)
-        for i, pages in enumerate(page_tables):
-            table[i, : len(pages)] = pages
-            pos = np.arange(ctx_lens[i], ctx_lens[i] + q_lens[i])
-            slots[cu[i] : cu[i + 1]] = table[i, pos // page_size] * page_size + pos % page_size
+        table, slots = _table_and_slots(page_tables, ctx_lens, q_lens, cu, page_size)
         arrays = [cu, np.asarray(ctx_lens, dtype=np.int32).reshape(b), table, slots,
                   np.asarray(positions, dtype=np.int64).reshape(-1)]
         causal = None
@@ -171,6 +165,20 @@ class AttnBatch:
             causal=causal,
         )
         return batch, got[len(arrays):]
+
+
+def _table_and_slots(page_tables: Sequence[Sequence[int]], ctx_lens: Sequence[int],
+                     q_lens: Sequence[int], cu: np.ndarray, page_size: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """The padded block table [b, max_pages] and each query row's KV slot [sum(q_lens)]."""
+    max_pages = max((len(t) for t in page_tables), default=0) or 1
+    table = np.zeros((len(q_lens), max_pages), dtype=np.int32)
+    slots = np.empty(int(cu[-1]), dtype=np.int64)
+    for i, pages in enumerate(page_tables):
+        table[i, : len(pages)] = pages
+        pos = np.arange(ctx_lens[i], ctx_lens[i] + q_lens[i])
+        slots[cu[i] : cu[i + 1]] = table[i, pos // page_size] * page_size + pos % page_size
+    return table, slots
 
 
 def _packed_masks(tree_masks: Sequence[np.ndarray | None], q_lens: Sequence[int],

@@ -17,6 +17,16 @@ from specserve.attention.base import AttnBatch
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _check_tensors(q, k_pool, v_pool) -> None:
+    """Raise ValueError unless q [T, Hq, D] and the pools [P, S, Hkv, D] share a dtype."""
+    if q.dim() != 3 or k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
+        raise ValueError(f"need q [T, Hq, D] and equal pools [P, S, Hkv, D], got q "
+                         f"{tuple(q.shape)}, k {tuple(k_pool.shape)}, v {tuple(v_pool.shape)}")
+    if q.dtype not in _DTYPES or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise ValueError(f"q/k/v must share a dtype in {_DTYPES}, got "
+                         f"{q.dtype}/{k_pool.dtype}/{v_pool.dtype}")
+
+
 def check_inputs(q, k_pool, v_pool, batch, sliding_window, num_splits) -> None:
     """Raise ValueError unless the inputs fit the kernels (the kernels check nothing).
 
@@ -25,12 +35,7 @@ def check_inputs(q, k_pool, v_pool, batch, sliding_window, num_splits) -> None:
     on the batch, the device and T, so it runs once per batch (memoised in `batch.memo`), not once
     per layer.
     """
-    if q.dim() != 3 or k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
-        raise ValueError(f"need q [T, Hq, D] and equal pools [P, S, Hkv, D], got q "
-                         f"{tuple(q.shape)}, k {tuple(k_pool.shape)}, v {tuple(v_pool.shape)}")
-    if q.dtype not in _DTYPES or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise ValueError(f"q/k/v must share a dtype in {_DTYPES}, got "
-                         f"{q.dtype}/{k_pool.dtype}/{v_pool.dtype}")
+    _check_tensors(q, k_pool, v_pool)
     t, hq, d = q.shape
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()) or (
             q.stride(2) != 1 or (hq > 1 and q.stride(1) != d) or (t > 1 and q.stride(0) < hq * d)):
