@@ -175,8 +175,12 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids = tokenizer.check_ids(prompt_ids[-_PROMPT_CONTEXT:])  # the window
+        text = self._decode(self._ids)
+        while text.endswith(REPLACEMENT_CHAR):  # a prompt ending inside a character: its
+            self._ids.pop()  # bytes are not context (the output's are decoded as they come)
+            text = self._decode(self._ids)
         self._read = len(self._ids)  # window index after the last clean (fully emitted) point
-        self._done = len(self._decode(self._ids))  # window chars emitted or used as context
+        self._done = len(text)  # window chars emitted or used as context
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)

@@ -79,6 +79,8 @@ class Engine:
                     drafter_kind: str | None = None) -> None:
         """Validate and queue a request; `budget` draft nodes per step (0 = no speculation),
         by the drafter named `drafter_kind` where the drafter serves several (None: its default).
+        A text prompt gets the tokenizer's special tokens (a BOS), as transformers'
+        `tokenizer(text)`; its outputs' text leaves special tokens (EOS) out, as the gateway's.
 
         Raises InvalidRequest / CapacityExhausted; on error nothing is queued and other requests
         are unaffected."""
@@ -97,7 +99,8 @@ class Engine:
         if self.tokenizer is not None:
             from specserve.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
-            seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids,
+                                               skip_special_tokens=True)
             seq.stopper = StopStringMatcher(params.stop) if params.stop else None
         elif params.stop:
             raise InvalidRequest("stop strings need a tokenizer; this engine has none")
@@ -108,7 +111,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("a text prompt needs a tokenizer; send token ids instead")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:  # on the engine thread, between steps: C loops for the usual plain ints
             ids = integer_ids(prompt)  # numpy / torch integers too, never floats or bools
         if not ids:
@@ -248,14 +251,20 @@ class Engine:
                          overhead_s=rest, defer=True)
 
     def commit_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
-        """Append generated tokens (stopping at the first that ends the request); its output."""
-        reason, taken = None, []
+        """Append generated tokens (stopping at the first that ends the request: a stop id, the
+        length, or the token whose text completes a stop string); its output."""
+        per_token = seq.stopper is not None  # a stop string is looked for after each token
+        reason, taken, text = None, [], ""
         for t in tokens:
             taken.append(t)
             reason = seq.append(t)
+            if per_token:
+                delta, reason = seq.text_delta([t], reason)
+                text += delta
             if reason is not None:
                 break
-        text, reason = seq.text_delta(taken, reason)
+        if not per_token:
+            text, reason = seq.text_delta(taken, reason)
         out = RequestOutput(
             seq.request_id, taken, text, reason, len(seq.prompt_ids), len(seq.output_ids)
         )

@@ -247,6 +247,18 @@ def test_flush_emits_replacement_for_truly_broken_bytes(tok: Tokenizer) -> None:
     assert detok.push(tok.encode(" then")) == " then"
 
 
+def test_a_prompt_ending_inside_a_character_is_not_the_outputs_context(tok: Tokenizer) -> None:
+    """The prompt's last tokens are the first bytes of "日", the output's first the last byte:
+    the deltas are the decode of the output ids alone (its lone byte a U+FFFD), never a text
+    that drops the character (the prompt's U+FFFD counted as emitted)."""
+    raw = "日".encode()
+    prompt = tok.encode("see ") + [_byte_id(tok, b) for b in raw[:2]]
+    for out in ([_byte_id(tok, raw[2])] + tok.encode(" x y"), [_byte_id(tok, raw[2])]):
+        for chunks in ([out], [[t] for t in out]):
+            got = "".join(_stream(IncrementalDetokenizer(tok, prompt), chunks))
+            assert got == tok.decode(out) and got.startswith(FFFD), (chunks, got)
+
+
 def test_first_generated_token_keeps_leading_space(tok: Tokenizer) -> None:
     prompt = tok.encode("Speculative decoding drafts")
     gen = tok.encode(" several tokens")
