@@ -100,9 +100,18 @@ def _compiled(source: str):
     return _CACHE[source]
 
 
+# what a message may carry besides role and content, passed to the template as transformers
+# passes it (a template that knows tool calls renders them)
+_PASSED = {"name": str, "tool_call_id": str, "tool_calls": list, "reasoning_content": str}
+# fields a client echoes back from a response's message: taken only when empty
+_EMPTY = {"refusal": (None,), "annotations": (None, []), "audio": (None,),
+          "function_call": (None,)}
+
+
 def normalize_messages(messages) -> list[dict]:
-    """OpenAI chat messages → [{"role", "content": str}, ...] (text parts joined by newlines,
-    as vLLM does). Raises InvalidRequest for anything else."""
+    """OpenAI chat messages → [{"role", "content": str, …}, ...] (text parts joined by newlines,
+    as vLLM does; `_PASSED` fields kept). Raises InvalidRequest for anything else: a field
+    that would change the prompt is never dropped."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list")
     out = []
@@ -120,8 +129,22 @@ def normalize_messages(messages) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content must be a string or text parts")
-        msg = {"role": m["role"], "content": content}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
-        out.append(msg)
+        out.append({"role": m["role"], "content": content, **_passed(m, i)})
     return out
+
+
+def _passed(message: dict, i: int) -> dict:
+    """The message's `_PASSED` fields; InvalidRequest for one of another type, or any other
+    field that is not `_EMPTY`."""
+    kept = {}
+    for key, value in message.items():
+        empty = _EMPTY.get(key, (None,) if key in _PASSED else ())
+        if key in ("role", "content") or any(
+                value is v or (type(value) is type(v) and value == v) for v in empty):
+            continue
+        if key not in _PASSED:
+            raise InvalidRequest(f"messages[{i}].{key[:40]}: not supported by specserve")
+        if not isinstance(value, _PASSED[key]):
+            raise InvalidRequest(f"messages[{i}].{key} must be a {_PASSED[key].__name__}")
+        kept[key] = value
+    return kept

@@ -37,16 +37,23 @@ class ModelError(SpecServeError):
     """A checkpoint is unsupported, missing tensors, or has tensors of the wrong shape."""
 
 
+# how a context-length error begins (OpenAI's and vLLM's words, which client libraries match)
+CONTEXT_EXCEEDED = "This model's maximum context length is"
+
+
 def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
     """Raise InvalidRequest unless a prompt of `prompt_tokens` and up to `max_tokens` more fit a
     context of `max_model_len` tokens; the message names the prompt when it alone leaves no
     room, else max_tokens (what to lower)."""
     if prompt_tokens >= max_model_len:
-        raise InvalidRequest(f"prompt has {prompt_tokens} tokens; the model's context is "
-                             f"{max_model_len} tokens, one at least left for the output")
+        raise InvalidRequest(f"{CONTEXT_EXCEEDED} {max_model_len} tokens. However, the prompt "
+                             f"has {prompt_tokens} tokens, and one at least must be left for "
+                             "the output. Please reduce the length of the prompt.")
     if prompt_tokens + max_tokens > max_model_len:
-        raise InvalidRequest(f"prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}; "
-                             f"the model's context is {max_model_len} tokens")
+        raise InvalidRequest(f"{CONTEXT_EXCEEDED} {max_model_len} tokens. However, you "
+                             f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} "
+                             f"in the prompt, {max_tokens} in max_tokens). Please reduce the "
+                             "length of the prompt or max_tokens.")
 
 
 # a request id travels in every drafter message of its request: bounded, as vLLM's and

@@ -42,6 +42,7 @@ class GatewayRequest:
     drafter: str | None  # None = the verifier's default
     budget: int | None  # None = the verifier's default
     keep_special_tokens: bool = False  # text shows special tokens (EOS …); default: left out
+    add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens (BOS …)
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,9 @@ def request_from_pb(msg: gateway_pb2.GenerateRequest, defaults=None) -> GatewayR
         sampling_from_pb(common_pb2.SamplingParams(max_tokens=SamplingParams().max_tokens),
                          defaults)
     rid = check_request_id(msg.request_id) if msg.request_id else uuid.uuid4().hex
-    return GatewayRequest(rid, text, ids, params,
-                          DRAFTER_NAMES[msg.spec.drafter], budget, msg.keep_special_tokens)
+    add = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
+    return GatewayRequest(rid, text, ids, params, DRAFTER_NAMES[msg.spec.drafter], budget,
+                          msg.keep_special_tokens, add)
 
 
 def checked_budget(budget: int | None) -> int | None:
@@ -166,10 +168,14 @@ def spec_stats_from_pb(msg: common_pb2.SpecStats) -> tuple[RequestSpecStats, flo
 # ---- client side ---------------------------------------------------------------------------
 def generate_request_to_pb(prompt: str | list[int], params: SamplingParams,
                            drafter: str | None = None, budget: int | None = None,
-                           request_id: str = "") -> gateway_pb2.GenerateRequest:
+                           request_id: str = "", add_special_tokens: bool | None = None
+                           ) -> gateway_pb2.GenerateRequest:
+    """`add_special_tokens`: for a text prompt (None: the gateway's default, true)."""
     msg = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling_to_pb(params))
     if isinstance(prompt, str):
         msg.text = prompt
+        if add_special_tokens is not None:
+            msg.add_special_tokens = add_special_tokens
     else:
         msg.token_ids.ids.extend(prompt)
     if drafter is not None:

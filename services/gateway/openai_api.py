@@ -99,6 +99,7 @@ def _parse(body: dict, chat: bool, model: str, template, defaults,
     params = replace(params, prompt_logprobs=_prompt_logprobs(body, chat, echo, params.logprobs))
     drafter, budget = _drafter(body), _budget(body)
     keep = not typed(body, "skip_special_tokens", bool, True)
+    add = typed(body, "add_special_tokens", bool, not chat)  # chat: the template writes its own
     requests = []
     for k in range(len(prompts) * n):  # choice j of a seeded request: seed + j
         prompt, seed = prompts[k // n], params.seed
@@ -107,7 +108,7 @@ def _parse(body: dict, chat: bool, model: str, template, defaults,
             prompt if isinstance(prompt, str) else None,
             tuple(prompt) if isinstance(prompt, list) else None,
             params if seed is None else replace(params, seed=(seed + k % n) % (UINT64_MAX + 1)),
-            drafter, budget, keep_special_tokens=keep)
+            drafter, budget, keep_special_tokens=keep, add_special_tokens=add)
         verify_request_to_pb(request, [])  # what the verifier will get converts (else a 400)
         requests.append(request)
     return ApiRequest(tuple(requests), n, chat, stream, include_usage, rid, int(time.time()),
@@ -137,6 +138,7 @@ def _include_usage(body: dict, stream: bool) -> bool:
     for name in options.keys() - STREAM_OPTIONS:
         raise ApiError(400, f"unknown stream_options field {name[:40]!r}",
                        param="stream_options")
+    typed(options, "include_obfuscation", bool, False)  # checked, and ignored
     return typed(options, "include_usage", bool, False)
 
 

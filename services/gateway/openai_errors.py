@@ -11,7 +11,7 @@ import re
 
 import grpc
 
-from specserve.errors import InvalidRequest
+from specserve.errors import CONTEXT_EXCEEDED, InvalidRequest
 
 # HTTP status and OpenAI error type per gRPC code (anything else: 500)
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -22,7 +22,7 @@ HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
                grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
                grpc.StatusCode.CANCELLED: (499, "cancelled")}
 # the request fields an error message can name (the first it names is the error's param, but
-# max_tokens wins: "prompt has N tokens and max_tokens is M: …" is fixed by lowering it)
+# max_tokens wins: "… (N in the prompt, M in max_tokens)" is fixed by lowering it)
 _FIELD_WORD = re.compile(r"\b(max_tokens|temperature|top_k|top_p|seed|stop_token_ids|stop|"
                          r"budget|drafter|prompt_logprobs|logprobs|prompt|messages|token ids?)\b")
 
@@ -48,8 +48,11 @@ class ApiError(Exception):
                 names: dict[str, str] | None = None) -> ApiError:
         """A failed generation's error; a 400's param: the field its message names."""
         status, type_ = HTTP_STATUS.get(code, (500, "internal_error"))
-        param = named_field(message, names or {}) if status == 400 else None
-        return cls(status, message, type_, param, code.name.lower())
+        if status != 400:
+            return cls(status, message, type_, None, code.name.lower())
+        names = names or {}
+        return cls(status, _worded(message, names), type_, named_field(message, names),
+                   _code(message) or code.name.lower())
 
 
 def named_field(message: str, names: dict[str, str]) -> str | None:
@@ -68,10 +71,21 @@ def invalid(e: InvalidRequest, names: dict[str, str]) -> ApiError:
     the first the message names) as the body does — in the message too."""
     message, name = str(e), getattr(e, "param", None)
     if name is None:
-        return ApiError(400, message, param=named_field(message, names))
+        return ApiError(400, _worded(message, names), param=named_field(message, names),
+                        code=_code(message))
     param = names.get(name, name)
     if message.startswith(f"{name} "):
         message = param + message[len(name):]
     return ApiError(400, message, param=param)
 
+
+def _code(message: str) -> str | None:
+    """OpenAI's error code for a context-length error (what client libraries look for)."""
+    return "context_length_exceeded" if message.startswith(CONTEXT_EXCEEDED) else None
+
+
+def _worded(message: str, names: dict[str, str]) -> str:
+    """`message` with max_tokens called as the body calls it (chat's max_completion_tokens)."""
+    name = names.get("max_tokens", "max_tokens")
+    return message if name == "max_tokens" else re.sub(r"\bmax_tokens\b", name, message)
 

@@ -21,11 +21,12 @@ from services.gateway.openai_errors import ApiError
 
 _BOTH = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
          "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "drafter",
-         "budget", "n"}
+         "budget", "n", "add_special_tokens"}
 READ = {False: _BOTH | {"prompt", "logprobs", "best_of", "echo", "prompt_logprobs"},
         True: _BOTH | {"messages", "max_completion_tokens", "add_generation_prompt", "logprobs",
                        "top_logprobs"}}
-IGNORED = {"user", "metadata", "store", "service_tier", "request_id"}
+IGNORED = {"user", "metadata", "store", "service_tier", "request_id", "safety_identifier",
+           "prompt_cache_key", "prompt_cache_retention"}
 NEUTRAL: dict[str, tuple] = {
     # OpenAI (a route that reads a field never looks it up here)
     "top_logprobs": (None, 0), "echo": (None, False),
@@ -47,9 +48,9 @@ NEUTRAL: dict[str, tuple] = {
     "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
     "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}), "documents": (None,), "logits_processors": (None,),
-    "priority": (None, 0), "add_special_tokens": (None,), "mm_processor_kwargs": (None,),
+    "priority": (None, 0), "mm_processor_kwargs": (None,),
 }
-STREAM_OPTIONS = {"include_usage"}
+STREAM_OPTIONS = {"include_usage", "include_obfuscation"}  # the latter: no padding is ever sent
 
 
 def check_fields(body: dict, chat: bool) -> None:

@@ -100,9 +100,9 @@ class OpenAIFront:
         if (denied := self._denied(request)) is not None:
             return denied
         try:
-            text, strs = await _off_loop(await _read_body(request, self.max_body_bytes),
-                                         tokens.prompt_text, self.template, self.model)
-            ids = await self.pipeline.prompts.encode(text)  # a long one off the event loop
+            text, strs, add = await _off_loop(await _read_body(request, self.max_body_bytes),
+                                              tokens.prompt_text, self.template, self.model)
+            ids = await self.pipeline.prompts.encode(text, add)  # a long one off the event loop
         except ApiError as e:
             return _error(e)
         tokenizer = self.pipeline.tokenizer
@@ -222,11 +222,17 @@ class OpenAIFront:
             self.pipeline.metrics.requests.labels(code=code, api=API).inc()
 
 
+# line separators a line-based SSE reader would split a JSON event at (legal JSON unescaped)
+_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def _data(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_SEPARATORS)}\n\n"
 
 
 def _error(e: ApiError, headers: dict | None = None) -> JSONResponse:
+    if e.status == 504:  # a deadline: the OpenAI client's retries would redo the whole work
+        headers = {**(headers or {}), "x-should-retry": "false"}
     return JSONResponse(e.body(), e.status, headers=headers)
 
 

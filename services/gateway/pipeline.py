@@ -269,7 +269,8 @@ class Pipeline:
         if req.token_ids is not None:
             self._check_context(len(req.token_ids), req)
             return self.tokenizer.check_ids(req.token_ids)
-        ids = await self.prompts.shared(req.text, deadline - time.monotonic())
+        ids = await self.prompts.shared(req.text, deadline - time.monotonic(),
+                                        req.add_special_tokens)
         if not ids:
             raise InvalidRequest("prompt text encodes to no tokens")
         self._check_context(len(ids), req)

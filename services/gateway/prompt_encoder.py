@@ -42,25 +42,31 @@ def _with_tokenizer(fn, *args):
     return fn(_worker_tokenizer, *args)
 
 
-def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text)
+def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens)
 
 
 class PromptEncoder:
-    """`encode(text)` → token ids, the event loop free while a long text is encoded."""
+    """`encode(text, add_special_tokens)` → token ids, the event loop free while a long text is
+    encoded."""
 
     def __init__(self, tokenizer: Tokenizer, model_dir: str | None,
                  inline_chars: int = INLINE_CHARS) -> None:
         self.tokenizer, self.model_dir, self.inline_chars = tokenizer, model_dir, inline_chars
         self._pool: ProcessPoolExecutor | None = None
-        self._shared: dict[str, list] = {}  # text -> [its encoding task, requests waiting]
+        # (text, add_special_tokens) -> [its encoding task, requests waiting]
+        self._shared: dict[tuple[str, bool], list] = {}
 
-    async def shared(self, text: str, timeout_s: float) -> list[int]:
-        """`encode(text)`, one encoding for every request waiting on the same text; cancelled
-        when the last of them stops waiting. Raises DeadlineExceeded after `timeout_s`."""
-        entry = self._shared.get(text)
+    async def shared(self, text: str, timeout_s: float, add_special_tokens: bool = False
+                     ) -> list[int]:
+        """`encode(text, add_special_tokens)`, one encoding for every request waiting on the
+        same; cancelled when the last of them stops waiting. Raises DeadlineExceeded after
+        `timeout_s`."""
+        key = (text, add_special_tokens)
+        entry = self._shared.get(key)
         if entry is None:
-            entry = self._shared[text] = [asyncio.ensure_future(self.encode(text)), 0]
+            entry = self._shared[key] = [
+                asyncio.ensure_future(self.encode(text, add_special_tokens)), 0]
             entry[0].add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
         entry[1] += 1
         try:
@@ -73,12 +79,14 @@ class PromptEncoder:
             entry[1] -= 1
             if entry[1] == 0:  # the last waiter leaves: a queued encode is dropped
                 entry[0].cancel()
-                del self._shared[text]
+                del self._shared[key]
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`text`'s ids (`add_special_tokens`: the tokenizer's own, e.g. a BOS, as transformers'
+        `tokenizer(text)` adds them)."""
         if not isinstance(text, str) or len(text) <= self.inline_chars:
-            return self.tokenizer.encode(text)
-        return await self.run(_encode, text)
+            return self.tokenizer.encode(text, add_special_tokens)
+        return await self.run(_encode, text, add_special_tokens)
 
     async def run(self, fn, *args):
         """`fn(tokenizer, *args)` in the worker process (`fn` a module's function; its

@@ -1,6 +1,7 @@
 """The HTTP API's `/tokenize` and `/detokenize` (vLLM's shapes): the token ids a prompt becomes
-— exactly those a completion or chat request with it would send to the verifier (no special
-tokens added; chat through the checkpoint's template) — and the text of token ids.
+— exactly those a completion or chat request with it would send to the verifier (a prompt
+with the tokenizer's special tokens, e.g. a BOS, unless `add_special_tokens` is false; chat
+through the checkpoint's template, which writes its own, as in vLLM) — and the text of ids.
 
 `/tokenize` takes `{"prompt": str}` or chat's `{"messages": [...], "add_generation_prompt"}`
 and answers `{"count", "tokens"}` (`"token_strs"` too with `return_token_strs: true`);
@@ -20,31 +21,29 @@ _TOKENIZE = {"model", "prompt", "messages", "add_generation_prompt", "add_specia
              "return_token_strs"}
 
 
-def prompt_text(body, template: ChatTemplate | None, model: str) -> tuple[str, bool]:
-    """A /tokenize body's text (raises ApiError 400, 404 for another model) and whether it
-    wants each token's text."""
+def prompt_text(body, template: ChatTemplate | None, model: str) -> tuple[str, bool, bool]:
+    """A /tokenize body's text (raises ApiError 400, 404 for another model), whether it wants
+    each token's text, and whether the tokenizer's special tokens are added to it."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     check_text(body)
     check_model(body, model)
     for name in body.keys() - _TOKENIZE:
         raise ApiError(400, f"unknown parameter {name[:60]!r} for tokenize", param=name)
-    if typed(body, "add_special_tokens", bool, False):
-        raise ApiError(400, "add_special_tokens=true is not supported by specserve: prompts "
-                       "are sent as they encode", param="add_special_tokens")
     strs = typed(body, "return_token_strs", bool, False)
     if ("prompt" in body) == ("messages" in body):
         raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+    add = typed(body, "add_special_tokens", bool, "prompt" in body)
     if "prompt" in body:
         text = typed(body, "prompt", str, "")
         if not text:
             raise ApiError(400, "prompt must be a non-empty string", param="prompt")
-        return text, strs
+        return text, strs, add
     if template is None:
         raise ApiError(400, "this model has no chat template", param="messages")
     try:
         return template.render(normalize_messages(body["messages"]), add_generation_prompt=typed(
-            body, "add_generation_prompt", bool, True)), strs
+            body, "add_generation_prompt", bool, True)), strs, add
     except InvalidRequest as e:
         raise ApiError(400, str(e), param="messages") from None
 

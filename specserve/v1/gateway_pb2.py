@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecserve/v1/gateway.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xe2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\'\n\x04spec\x18\x05 \x01(\x0b\x32\x19.specserve.v1.SpecOptions\x12\x1b\n\x13keep_special_tokens\x18\x06 \x01(\x08\x42\x08\n\x06prompt\"g\n\x10GenerateResponse\x12$\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.specserve.v1.ChunkH\x00\x12$\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x13.specserve.v1.FinalH\x00\x42\x07\n\x05\x65vent\"\xf8\x01\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x12\n\ncommit_len\x18\x03 \x01(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_depth\x18\x04 \x01(\x05\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x11\n\ttree_size\x18\x07 \x01(\x05\x12\r\n\x05shape\x18\x08 \x01(\t\x12\x10\n\x08\x66\x61llback\x18\t \x01(\t\x12\x0b\n\x03why\x18\n \x01(\t\"\xcc\x01\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.specserve.v1.Usage\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.specserve.v1.SpecStats\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\x0e\n\x06wall_s\x18\x06 \x01(\x01\x12\x10\n\x08verifier\x18\x07 \x01(\t2V\n\x07Gateway\x12K\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecserve/v1/gateway.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x9a\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\'\n\x04spec\x18\x05 \x01(\x0b\x32\x19.specserve.v1.SpecOptions\x12\x1b\n\x13keep_special_tokens\x18\x06 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"g\n\x10GenerateResponse\x12$\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.specserve.v1.ChunkH\x00\x12$\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x13.specserve.v1.FinalH\x00\x42\x07\n\x05\x65vent\"\xf8\x01\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x12\n\ncommit_len\x18\x03 \x01(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_depth\x18\x04 \x01(\x05\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x11\n\ttree_size\x18\x07 \x01(\x05\x12\r\n\x05shape\x18\x08 \x01(\t\x12\x10\n\x08\x66\x61llback\x18\t \x01(\t\x12\x0b\n\x03why\x18\n \x01(\t\"\xcc\x01\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.specserve.v1.Usage\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.specserve.v1.SpecStats\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\x0e\n\x06wall_s\x18\x06 \x01(\x01\x12\x10\n\x08verifier\x18\x07 \x01(\t2V\n\x07Gateway\x12K\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=71
   _globals['_TOKENIDS']._serialized_end=94
   _globals['_GENERATEREQUEST']._serialized_start=97
-  _globals['_GENERATEREQUEST']._serialized_end=323
-  _globals['_GENERATERESPONSE']._serialized_start=325
-  _globals['_GENERATERESPONSE']._serialized_end=428
-  _globals['_CHUNK']._serialized_start=431
-  _globals['_CHUNK']._serialized_end=679
-  _globals['_FINAL']._serialized_start=682
-  _globals['_FINAL']._serialized_end=886
-  _globals['_GATEWAY']._serialized_start=888
-  _globals['_GATEWAY']._serialized_end=974
+  _globals['_GENERATEREQUEST']._serialized_end=379
+  _globals['_GENERATERESPONSE']._serialized_start=381
+  _globals['_GENERATERESPONSE']._serialized_end=484
+  _globals['_CHUNK']._serialized_start=487
+  _globals['_CHUNK']._serialized_end=735
+  _globals['_FINAL']._serialized_start=738
+  _globals['_FINAL']._serialized_end=942
+  _globals['_GATEWAY']._serialized_start=944
+  _globals['_GATEWAY']._serialized_end=1030
 # @@protoc_insertion_point(module_scope)

@@ -70,10 +70,10 @@ async def test_a_prompt_no_verifier_can_take_is_refused_before_it_is_sent(model_
                                    verifier=f"127.0.0.1:{vport}") as (addr, _):
             await until_status(addr, SERVING, within_s=5.0)
             for prompt, words in (
-                    (list(range(3, 30)), "prompt has 27 tokens; the model's context is 24"),
-                    (list(range(3, 19)), "prompt has 16 tokens and max_tokens is 9; the "
-                                         "model's context is 24 tokens"),
-                    ("ab " * 40, "; the model's context is 24")):
+                    (list(range(3, 30)), "is 24 tokens. However, the prompt has 27 tokens"),
+                    (list(range(3, 19)), "is 24 tokens. However, you requested 25 tokens (16 "
+                                         "in the prompt, 9 in max_tokens)"),
+                    ("ab " * 40, "This model's maximum context length is 24 tokens")):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await generate(addr, prompt)
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -110,7 +110,7 @@ def test_a_shared_encoding_is_dropped_when_its_last_waiter_leaves():
         started, release = [], asyncio.Event()
 
         class Slow(PromptEncoder):
-            async def encode(self, text):
+            async def encode(self, text, add_special_tokens=False):
                 started.append(text)
                 await release.wait()
                 return [len(text)]
@@ -120,7 +120,7 @@ def test_a_shared_encoding_is_dropped_when_its_last_waiter_leaves():
         a2 = asyncio.ensure_future(enc.shared("a" * 5, 10.0))  # the same text: one encoding
         b = asyncio.ensure_future(enc.shared("b" * 7, 10.0))
         await asyncio.sleep(0.05)
-        task_a, task_b = enc._shared["a" * 5][0], enc._shared["b" * 7][0]
+        task_a, task_b = enc._shared["a" * 5, False][0], enc._shared["b" * 7, False][0]
         a1.cancel()  # one of two waiters leaves: the encoding goes on
         b.cancel()  # its only waiter leaves: dropped
         await asyncio.sleep(0.05)

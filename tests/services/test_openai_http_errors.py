@@ -67,9 +67,9 @@ class ScriptedPipeline:
             self.ended = True
 
 
-async def _asgi(pipeline, path: str, body, cut: bool = False):
+async def _asgi(pipeline, path: str, body, cut: bool = False, headers: dict | None = None):
     """(status, body bytes) of one POST to the front's app in process; `cut`: the client goes
-    away after half its body."""
+    away after half its body; `headers`: filled with the response's."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     inbox = [{"type": "http.request", "body": raw[:len(raw) // 2], "more_body": True},
              {"type": "http.disconnect"}] if cut else \
@@ -87,6 +87,8 @@ async def _asgi(pipeline, path: str, body, cut: bool = False):
     async def send(message):
         if message["type"] == "http.response.start":
             status.append(message["status"])
+            if headers is not None:
+                headers.update((k.decode(), v.decode()) for k, v in message["headers"])
         else:
             out.append(message.get("body", b""))
 
@@ -156,9 +158,11 @@ async def test_a_value_the_wire_cannot_carry_is_a_400_not_a_500(monkeypatch):
 @pytest.mark.parametrize("chat, message, param", [
     (False, "3 stop strings; at most 2 are allowed (--max-stop-strings)", "stop"),
     (False, "token id 99999 is not in the vocabulary of 4096", "prompt"),
-    (True, "prompt has 40 tokens and max_tokens is 5000; the model's context is 64 tokens",
-     "max_completion_tokens"),  # what to lower
-    (True, "prompt has 40 tokens; the model's context is 32 tokens", "messages"),
+    (True, "This model's maximum context length is 64 tokens. However, you requested 5040 "
+           "tokens (40 in the prompt, 5000 in max_tokens). Please reduce the length of the "
+           "prompt or max_tokens.", "max_completion_tokens"),  # what to lower
+    (True, "This model's maximum context length is 32 tokens. However, the prompt has 40 "
+           "tokens, and one at least must be left for the output.", "messages"),
     (False, "budget must be in [0, 16] (the engine's max_draft_tokens), got 99", "budget"),
     (False, "request id 'x' is already in use", None),
     (False, "stop_token_ids out of vocabulary [0, 4096): [99999]", "stop_token_ids"),
@@ -174,6 +178,50 @@ async def test_the_pipelines_and_verifiers_invalid_argument_names_the_field(chat
     events = _events(raw)
     assert status == 200 and events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["param"] == param
+
+
+@pytest.mark.asyncio
+async def test_a_context_error_is_openais_and_names_the_bodys_field():
+    """Code `context_length_exceeded` and OpenAI's words (client libraries match them), the
+    field as the body named it (chat's max_completion_tokens)."""
+    failed = GenerationFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                              "This model's maximum context length is 64 tokens. However, you "
+                              "requested 70 tokens (40 in the prompt, 30 in max_tokens).")
+    status, raw = await _asgi(ScriptedPipeline(failed), "/v1/chat/completions",
+                              {**CHAT, "max_completion_tokens": 30})
+    err = _error(raw)
+    assert status == 400 and err["code"] == "context_length_exceeded"
+    assert err["param"] == "max_completion_tokens" and "30 in max_completion_tokens" in \
+        err["message"]
+    status, raw = await _asgi(ScriptedPipeline(GenerationFailed(
+        grpc.StatusCode.INVALID_ARGUMENT, "3 stop strings; at most 2")), "/v1/completions", BODY)
+    assert status == 400 and _error(raw)["code"] == "invalid_argument"
+
+
+@pytest.mark.asyncio
+async def test_a_deadline_tells_the_openai_client_not_to_retry():
+    headers = {}
+    status, raw = await _asgi(ScriptedPipeline(GenerationFailed(
+        grpc.StatusCode.DEADLINE_EXCEEDED, "deadline")), "/v1/completions", BODY,
+        headers=headers)
+    assert status == 504 and headers["x-should-retry"] == "false"
+    headers.clear()
+    status, _ = await _asgi(ScriptedPipeline(GenerationFailed(
+        grpc.StatusCode.UNAVAILABLE, "down")), "/v1/completions", BODY, headers=headers)
+    assert status == 503 and "x-should-retry" not in headers  # worth another try
+
+
+@pytest.mark.asyncio
+async def test_line_separators_in_a_stream_are_escaped():
+    """U+2028, U+2029 and U+0085 are legal unescaped in JSON but split an event for a reader
+    that splits lines as Python's str.splitlines does."""
+    text = "a\u2028b\x85c\u2029d"
+    status, raw = await _asgi(ScriptedPipeline(TextChunk(text, None), FINAL), "/v1/completions",
+                              {**BODY, "stream": True})
+    lines = [x for x in raw.decode().splitlines() if x]
+    assert status == 200 and all(x.startswith("data: ") for x in lines), lines
+    chunks = [json.loads(x.removeprefix("data: ")) for x in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
 
 
 @pytest.mark.asyncio

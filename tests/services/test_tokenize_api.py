@@ -69,7 +69,6 @@ async def test_tokenize_gives_the_ids_a_generation_sends():
 @pytest.mark.parametrize("path, body, status, param", [
     ("/tokenize", {"prompt": "x", "messages": []}, 400, "prompt"),
     ("/tokenize", {"prompt": ""}, 400, "prompt"),
-    ("/tokenize", {"prompt": "x", "add_special_tokens": True}, 400, "add_special_tokens"),
     ("/tokenize", {"prompt": "x", "truncate": 3}, 400, "truncate"),
     ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
     ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens"),

@@ -109,9 +109,11 @@ async def test_streams_equal_engine_generate(plain, expected):
 @aio
 @pytest.mark.parametrize("prompt,sampling,spec,message", [
     ([], None, {}, "prompt is empty"),
-    ([1] * MAX_POS, None, {}, f"prompt has {MAX_POS} tokens; the model's context is 512"),
+    ([1] * MAX_POS, None, {}, f"context length is 512 tokens. However, the prompt has "
+                              f"{MAX_POS} tokens"),
     ([4, 9, 2], common_pb2.SamplingParams(max_tokens=MAX_POS - 2), {},
-     "prompt has 3 tokens and max_tokens is 510; the model's context is 512 tokens"),
+     "context length is 512 tokens. However, you requested 513 tokens (3 in the prompt, 510 "
+     "in max_tokens)"),
     ([1, 2], common_pb2.SamplingParams(max_tokens=4, stop=["ab", "c"] * 8 + ["d"]), {},
      "17 stop strings; at most 16 are allowed"),
     ([1, 2], common_pb2.SamplingParams(max_tokens=4, stop=["é" * 2100, "xyz" * 33]), {},

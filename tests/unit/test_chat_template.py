@@ -102,3 +102,36 @@ def test_no_template_and_broken_templates(tmp_path):
         broken.render([{"role": "user", "content": "x"}])
     with pytest.raises(ModelError, match="not a template string"):
         ChatTemplate.from_dir(_model_dir(tmp_path / "c", {"chat_template": 7}))
+
+
+TOOLS = (  # a template that renders tool calls and their results, as Qwen3's does
+    "{%- for m in messages -%}"
+    "<{{ m.role }}>{{ m.content }}"
+    "{%- if m.reasoning_content %}[think]{{ m.reasoning_content }}{% endif -%}"
+    "{%- for c in m.tool_calls or [] %}[call {{ c.id }}] {{ c.function.name }}"
+    "({{ c.function.arguments }}){% endfor -%}"
+    "{%- if m.tool_call_id is defined %}[result of {{ m.tool_call_id }}]{% endif -%}"
+    "{%- endfor %}")
+
+
+def test_tool_calls_reach_the_template_and_unknown_fields_are_refused(tmp_path):
+    """An assistant's tool calls and a tool result's id are rendered as transformers renders
+    them (not dropped); fields a response echoes back are taken when empty; anything else is
+    refused, naming it."""
+    root = _model_dir(tmp_path, {"chat_template": TOOLS})
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None,
+                 "reasoning_content": "look it up", "annotations": [], "audio": None},
+                {"role": "tool", "content": "4 C", "tool_call_id": "c1"}]
+    ours = ChatTemplate.from_dir(root).render(normalize_messages(messages), False)
+    assert ours == _hf(root, messages, False) and "[call c1] weather(" in ours
+    assert "[result of c1]" in ours and "[think]look it up" in ours
+    for bad, why in [({"foo": 1}, r"messages\[0\]\.foo: not supported"),
+                     ({"refusal": "no"}, r"messages\[0\]\.refusal: not supported"),
+                     ({"tool_calls": "x"}, r"messages\[0\]\.tool_calls must be a list"),
+                     ({"name": 3}, r"messages\[0\]\.name must be a str")]:
+        with pytest.raises(InvalidRequest, match=why):
+            normalize_messages([{"role": "assistant", "content": "x", **bad}])
+

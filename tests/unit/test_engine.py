@@ -73,8 +73,8 @@ def test_max_tokens_beyond_the_context_is_invalid(checkpoint_cache, make_engine)
     engine = make_engine(path, max_model_len=40)
     prompt = random_prompts(1, hf.config.vocab_size, [33], seed=4)[0]
     for max_tokens in (8, 100):
-        message = f"prompt has 33 tokens and max_tokens is {max_tokens}; the model's context " \
-                  "is 40 tokens"
+        message = (rf"maximum context length is 40 tokens\. However, you requested "
+                   rf"{33 + max_tokens} tokens \(33 in the prompt, {max_tokens} in max_tokens\)")
         with pytest.raises(InvalidRequest, match=message):
             engine.add_request("c", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     assert not engine.has_unfinished and "c" not in engine.requests

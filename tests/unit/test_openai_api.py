@@ -48,7 +48,9 @@ def _chat(**body):
 def test_a_completion_takes_every_supported_parameter():
     api = _completion(max_tokens=7, temperature=0.7, top_p=0.9, top_k=13, seed=5,
                       stop=["\n\n", "END"], budget=9, drafter="ngram", ignore_eos=True,
-                      stream=True, stream_options={"include_usage": True}, user="x")
+                      stream=True, stream_options={"include_usage": True,
+                                                   "include_obfuscation": False}, user="x",
+                      safety_identifier="u1", prompt_cache_key="k", prompt_cache_retention="24h")
     r = api.request
     assert (r.text, r.token_ids, r.drafter, r.budget) == ("Hi there", None, "ngram", 9)
     assert r.params == SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=13,
@@ -102,6 +104,9 @@ def test_chat_renders_the_template_and_prefers_max_completion_tokens():
      "stream_options"),
     ({"stop_token_ids": [1, "2"]}, 400, "stop_token_ids"),
     ({"skip_special_tokens": 0}, 400, "skip_special_tokens"),
+    ({"add_special_tokens": "no"}, 400, "add_special_tokens"),
+    ({"stream": True, "stream_options": {"include_obfuscation": 1}}, 400,
+     "include_obfuscation"),
 ])
 def test_what_is_refused(body, status, param):
     with pytest.raises(ApiError) as e:
