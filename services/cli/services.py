@@ -79,8 +79,8 @@ def add_up(sub) -> None:
                    help="how long each service may take to report SERVING")
     p.add_argument("--restart", choices=("on-failure", "no"), default="on-failure",
                    help="a service that exits once all are SERVING: start it again (after 1, "
-                        "2, 4 … 30 s; the others keep serving; 5 failed restarts in a row stop "
-                        "everything) or stop everything at once (no)")
+                        "2, 4 … 30 s; the others keep serving; 5 restarts in a row that never "
+                        "reach SERVING stop everything) or stop everything at once (no)")
     p.set_defaults(func=_up)
 
 

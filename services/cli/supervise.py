@@ -4,8 +4,10 @@ at the end every one is stopped (`stop_all`).
 As docker-compose.yml's `restart: unless-stopped`: the one service is restarted after 1, 2, 4 …
 30 s on its own ports while the others keep serving (the verifier decodes without a drafter
 until it is back; the gateway answers UNAVAILABLE while no verifier is up, and both reconnect).
-A restart that keeps failing (`MAX_FAILURES` in a row, a run of `STABLE_S` seconds resets the
-count) or `--restart no` ends `up` with exit code 1.
+The wait doubles with each exit since the service last ran `STABLE_S` seconds, capped at
+`MAX_DELAY_S`: a service that crashes every few seconds is restarted every 30 s for as long as
+it comes back. A restart that never reaches SERVING (`MAX_FAILURES` in a row) or
+`--restart no` ends `up` with exit code 1.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ async def supervise(procs: dict, start: Callable[[str], Awaitable[None]], restar
     returns once it is SERVING (raising if it exits or times out first). Returns the exit code
     of `up` when a service is not restarted."""
     since = {name: time.monotonic() for name in procs}
-    failures = dict.fromkeys(procs, 0)
+    exits = dict.fromkeys(procs, 0)  # since the service last ran STABLE_S: its back-off
     waits = {asyncio.ensure_future(p.wait()): n for n, p in procs.items()}
     while True:
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -40,19 +42,20 @@ async def supervise(procs: dict, start: Callable[[str], Awaitable[None]], restar
             if not restart:
                 return 1
             if time.monotonic() - since[name] >= STABLE_S:
-                failures[name] = 0
-            if not await _again(name, start, failures, delay_s, procs):
+                exits[name] = 0
+            if not await _again(name, start, exits, delay_s, procs):
                 return 1
             since[name] = time.monotonic()
             waits[asyncio.ensure_future(procs[name].wait())] = name
 
 
-async def _again(name: str, start, failures: dict, delay_s: float, procs: dict) -> bool:
-    """Restart `name` with back-off until it is SERVING; False after MAX_FAILURES in a row."""
-    while failures[name] < MAX_FAILURES:
-        wait = min(delay_s * 2 ** failures[name], MAX_DELAY_S)
-        failures[name] += 1
-        _say(f"restarting {name} in {wait:g} s ({failures[name]} of {MAX_FAILURES})")
+async def _again(name: str, start, exits: dict, delay_s: float, procs: dict) -> bool:
+    """Restart `name` with back-off until it is SERVING; False after MAX_FAILURES restarts in
+    a row that did not reach SERVING."""
+    for attempt in range(1, MAX_FAILURES + 1):
+        wait = min(delay_s * 2 ** exits[name], MAX_DELAY_S)
+        exits[name] += 1
+        _say(f"restarting {name} in {wait:g} s (try {attempt} of {MAX_FAILURES})")
         await asyncio.sleep(wait)
         try:
             await start(name)

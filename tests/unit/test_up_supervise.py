@@ -76,6 +76,31 @@ async def test_failed_restarts_in_a_row_end_up_with_back_off(monkeypatch, capsys
 
 
 @pytest.mark.asyncio
+async def test_a_service_that_comes_back_is_restarted_however_often_it_exits(monkeypatch):
+    """Eight quick exits, each restart SERVING: `up` keeps going (it stopped the whole stack at
+    the sixth), the back-off capped at MAX_DELAY_S."""
+    procs, waits, real_sleep = _stack(), [], asyncio.sleep
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+
+    async def start(name: str) -> None:
+        procs[name] = FakeProc()
+
+    monkeypatch.setattr(sup.asyncio, "sleep", sleep)
+    task = asyncio.create_task(sup.supervise(procs, start, restart=True, delay_s=1.0))
+    for _ in range(8):
+        old = procs["drafter"]
+        old.exit(-9)
+        while procs["drafter"] is old and not task.done():
+            await real_sleep(0)
+        await real_sleep(0)
+    assert not task.done()
+    task.cancel()
+    assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+
+
+@pytest.mark.asyncio
 async def test_restart_no_ends_up_at_the_first_exit():
     procs, started = _stack(), []
 
