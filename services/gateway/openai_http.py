@@ -55,10 +55,13 @@ class Disconnected(Exception):
 
 class OpenAIFront:
     def __init__(self, pipeline: Pipeline, model: str, template, *, token: str | None = None,
-                 max_body_bytes: int = 64 << 20, serving=lambda: True, created: int = 0) -> None:
+                 max_body_bytes: int = 64 << 20, serving=lambda: True, created: int = 0,
+                 body_timeout_s: float | None = None) -> None:
+        """`body_timeout_s`: how long a client may take to send its body (None: no bound)."""
         self.pipeline, self.model, self.template = pipeline, model, template
         self._want = token.encode() if token else None
         self.max_body_bytes, self.serving, self.created = max_body_bytes, serving, created
+        self.body_timeout_s = body_timeout_s
 
     def app(self) -> Starlette:
         """The ASGI app; its `state.grace_over` is `grace_over` (HttpListener calls it)."""
@@ -100,7 +103,7 @@ class OpenAIFront:
         if (denied := self._denied(request)) is not None:
             return denied
         try:
-            text, strs, add = await _off_loop(await _read_body(request, self.max_body_bytes),
+            text, strs, add = await _off_loop(await self._body(request),
                                               tokens.prompt_text, self.template, self.model)
             ids = await self.pipeline.prompts.encode(text, add)  # a long one off the event loop
         except ApiError as e:
@@ -115,7 +118,7 @@ class OpenAIFront:
             return denied
         try:
             return JSONResponse(await tokens.detokenized(
-                await _read_body(request, self.max_body_bytes), self.pipeline.prompts,
+                await self._body(request), self.pipeline.prompts,
                 self.model))
         except ApiError as e:
             return _error(e)
@@ -133,13 +136,25 @@ class OpenAIFront:
         return _error(ApiError(401, "missing or wrong bearer token (Authorization: Bearer …)",
                                "authentication_error", code="invalid_api_key"))
 
+    async def _body(self, request: Request) -> bytes:
+        """The body, whole within `body_timeout_s`: a client that stops sending part-way does
+        not hold its connection (and a file descriptor) for ever. ApiError 408 / 413."""
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                return await _read_body(request, self.max_body_bytes)
+        except TimeoutError:
+            raise ApiError(408, f"the request body was not received whole within "
+                                f"{self.body_timeout_s:g} s (--request-timeout-s)",
+                           "timeout") from None
+
     async def _parse(self, request: Request, chat: bool) -> ApiRequest | ApiError:
         """The request, or the error for a body that is refused or was not sent whole."""
         try:
-            return await _off_loop(await _read_body(request, self.max_body_bytes), parse, chat,
+            return await _off_loop(await self._body(request), parse, chat,
                                    self.model, self.template, self.pipeline.defaults)
         except ApiError as e:
-            self._count("NOT_FOUND" if e.status == 404 else "INVALID_ARGUMENT")
+            self._count({404: "NOT_FOUND", 408: "DEADLINE_EXCEEDED"}.get(e.status,
+                                                                         "INVALID_ARGUMENT"))
             return e
         except ClientDisconnect:  # nobody reads the answer; not the gateway's error
             log.info("%s: the client disconnected while sending its request", request.url.path)

@@ -80,7 +80,8 @@ async def _start_http(config: GatewayConfig, pipeline: Pipeline, serving) -> Htt
     name = config.served_model_name or Path(config.model).resolve().name
     front = OpenAIFront(pipeline, name, ChatTemplate.from_dir(config.model),
                         token=config.security.token, max_body_bytes=config.max_message_bytes,
-                        serving=serving, created=int(time.time()))
+                        serving=serving, created=int(time.time()),
+                        body_timeout_s=config.request_timeout_s)
     http = HttpListener(front.app(), config.host, config.http_port, config.security,
                         config.grace_s, logging.getLevelName(log.getEffectiveLevel()))
     port = await http.start()

@@ -67,12 +67,14 @@ class ScriptedPipeline:
             self.ended = True
 
 
-async def _asgi(pipeline, path: str, body, cut: bool = False, headers: dict | None = None):
+async def _asgi(pipeline, path: str, body, cut: bool = False, headers: dict | None = None,
+                stall: bool = False, **front):
     """(status, body bytes) of one POST to the front's app in process; `cut`: the client goes
-    away after half its body; `headers`: filled with the response's."""
+    away after half its body; `stall`: it sends half and then nothing; `headers`: filled with
+    the response's; `front`: OpenAIFront's keyword arguments."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    inbox = [{"type": "http.request", "body": raw[:len(raw) // 2], "more_body": True},
-             {"type": "http.disconnect"}] if cut else \
+    half = {"type": "http.request", "body": raw[:len(raw) // 2], "more_body": True}
+    inbox = [half, {"type": "http.disconnect"}] if cut else [half] if stall else \
         [{"type": "http.request", "body": raw, "more_body": False}]
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
              "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
@@ -92,7 +94,7 @@ async def _asgi(pipeline, path: str, body, cut: bool = False, headers: dict | No
         else:
             out.append(message.get("body", b""))
 
-    await OpenAIFront(pipeline, MODEL, TEMPLATE).app()(scope, receive, send)
+    await OpenAIFront(pipeline, MODEL, TEMPLATE, **front).app()(scope, receive, send)
     return status[0], b"".join(out)
 
 
@@ -196,6 +198,17 @@ async def test_a_context_error_is_openais_and_names_the_bodys_field():
     status, raw = await _asgi(ScriptedPipeline(GenerationFailed(
         grpc.StatusCode.INVALID_ARGUMENT, "3 stop strings; at most 2")), "/v1/completions", BODY)
     assert status == 400 and _error(raw)["code"] == "invalid_argument"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/detokenize"])
+async def test_a_body_that_stops_coming_is_a_408_within_the_deadline(path):
+    """A client that sends half its body and then nothing held its connection for ever."""
+    pipeline = ScriptedPipeline(FINAL)
+    status, raw = await asyncio.wait_for(_asgi(pipeline, path, {**BODY, "pad": "x" * 5000},
+                                               stall=True, body_timeout_s=0.2), 10)
+    assert status == 408 and "not received whole within 0.2 s" in _error(raw)["message"]
+    assert pipeline.requests == []
 
 
 @pytest.mark.asyncio
