@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from services.common.orphans import remove_orphans
+
 log = logging.getLogger(__name__)
 
 HELLO, BATCH, RELEASE, TREES, ERROR = 1, 2, 3, 4, 5
@@ -37,8 +39,11 @@ class LaneTimeout(Exception):
 
 
 def default_path(port: int) -> str:
-    """Where a drafter on `port` listens unless told otherwise (`--lane PATH`)."""
-    return str(Path(tempfile.gettempdir()) / f"specserve-drafter-{port}-{os.getpid()}.sock")
+    """Where a drafter on `port` listens unless told otherwise (`--lane PATH`); the sockets
+    of drafters that died without removing theirs are removed."""
+    root = Path(tempfile.gettempdir())
+    remove_orphans(root, "specserve-drafter-*-*.sock", 3)
+    return str(root / f"specserve-drafter-{port}-{os.getpid()}.sock")
 
 
 def _recv_exact(sock: socket.socket, n: int) -> memoryview:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.orphans import remove_orphans
 from specserve.models.loader import DTYPES as MODEL_DTYPES
 
 HEADER_BYTES = 64
@@ -166,22 +167,8 @@ class ContextRing:
 def _shm_path() -> Path:
     """A fresh ring file; rings left by verifiers that died without closing are removed."""
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    for old in root.glob("specserve-ring-*-*"):
-        pid = old.name.split("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
-            with contextlib.suppress(OSError):
-                old.unlink()
+    remove_orphans(root, "specserve-ring-*-*", 2)
     return root / f"specserve-ring-{os.getpid()}-{secrets.token_hex(6)}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def map_ring(info: RingInfo) -> torch.Tensor:

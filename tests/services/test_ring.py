@@ -121,6 +121,21 @@ def test_rings_of_dead_verifiers_are_swept():
         live.unlink(missing_ok=True)
 
 
+def test_lane_sockets_of_dead_drafters_are_swept(tmp_path, monkeypatch):
+    """A drafter killed with -9 leaves its lane socket, and each restart names a new one: the
+    next drafter's socket path removes the dead ones (a live process's stays)."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    monkeypatch.setattr(lane.tempfile, "gettempdir", lambda: str(tmp_path))
+    stale = tmp_path / f"specserve-drafter-50053-{dead}.sock"
+    live, other = tmp_path / "specserve-drafter-50053-1.sock", tmp_path / "specserve-drafter-x"
+    for f in (stale, live, other):
+        f.write_bytes(b"")
+    path = lane.default_path(50053)
+    assert path.startswith(str(tmp_path)) and not stale.exists()
+    assert live.exists() and other.exists()
+
+
 def test_lane_frames_only_for_its_token(tmp_path):
     closed = threading.Event()
 
