@@ -42,7 +42,7 @@ class EngineConfig:
     mixed_chunks: str = "cost"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     tap_layers: tuple[int, ...] = ()  # target layers whose outputs feed the drafter
-    max_draft_tokens: int = 0  # largest tree budget; reserved as scratch per request
+    max_draft_tokens: int = 0  # largest tree budget (a request reserves its own budget's rows)
     poison_kv: bool = False  # fill the pool with NaN (tests)
     # decode / verify steps as CUDA graphs (engine/graphs.py): auto = on CUDA; "on" on the CPU
     # runs the same padded static path eagerly (its CPU twin)

@@ -66,7 +66,7 @@ class VerifierConfig:
         "--kv-memory-gb", "SPECSERVE_KV_MEMORY_GB",
         "KV page pool size in GiB (default 1.0 on cpu, 16.0 on cuda)", default=None,
         type=float)
-    max_draft_tokens: int = flag_field(  # scratch reserved per request; budgets are capped here
+    max_draft_tokens: int = flag_field(  # budgets are capped here; a request's scratch: its own
         "--max-draft-tokens", "SPECSERVE_MAX_DRAFT_TOKENS", "largest budget", default=64,
         type=int)
     default_budget: int = flag_field(  # B + 1 = 16 verify rows

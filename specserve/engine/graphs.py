@@ -1,17 +1,17 @@
 """CUDA graphs of the decode / verify forward: one graph per (requests, rows each) bucket.
 
-Owns the padded, static form of a step whose inputs are all trees (verify, or an AR decode's
-one root row): B requests become `Bb` (a batch bucket) and each request's rows become `nb` (a
-rows bucket ≥ its tree). Pad rows sit at the positions right after the request's tree — inside
-its scratch reservation (the engine ensures pages up to start + nb), see only themselves and are
-seen by nobody; missing requests are dummies on the trash page (the pool's extra last page, never
-handed out). The attention plan is made for the longest context a graph replays at (a fixed
-split count, device-side ranges): one graph per bucket for steps whose contexts are all ≤
-SHORT_CONTEXT and one for the rest (planned for `max_model_len`) — at short contexts the kernel
-is latency-bound and wants its own split count and row blocks (BENCHMARKS.md, "Tree-verify
-kernel — row-block and engine-tree sweeps", run 7, and "Figures formerly in source comments").
-A step's metadata goes to the device in one copy of a pinned staging buffer into the graph's
-static buffer, then the graph replays: no per-layer Python, no launches.
+Owns the padded, static form of a step whose inputs are all trees (verify, or an AR decode's one
+root row): B requests become `Bb` (a batch bucket) and each request's rows become `nb` (a rows
+bucket ≥ its tree). Pad rows sit at the positions right after the request's tree — in its pages as
+far as its scratch reservation goes (the engine ensures them up to start + nb), on the trash page
+(the pool's extra last page, never handed out) past it — see only themselves and are seen by nobody;
+missing requests are dummies on the trash page. The attention plan is made for the longest context a
+graph replays at (a fixed split count, device-side ranges): one graph per bucket for steps whose
+contexts are all ≤ SHORT_CONTEXT and one for the rest (planned for `max_model_len`) — at short
+contexts the kernel is latency-bound and wants its own split count and row blocks (BENCHMARKS.md,
+"Tree-verify kernel — row-block and engine-tree sweeps", run 7, and "Figures formerly in source
+comments"). A step's metadata goes to the device in one copy of a pinned staging buffer into the
+graph's static buffer, then the graph replays: no per-layer Python, no launches.
 
 `capture=False` runs the same padded static path eagerly — the CPU twin the tests compare with
 the unpadded forward.
@@ -159,7 +159,9 @@ class StepGraphs:
             v["table"][i, : len(table)] = table
             v["ctx"][i] = ctx
             pos = np.arange(ctx, ctx + nb)  # K/V slots: tree rows, then pad rows after them
-            v["slots"][r0 : r0 + nb] = table[pos // ps].astype(np.int64) * ps + pos % ps
+            page = pos // ps  # past its pages (a smaller budget's scratch): the trash page
+            page = np.where(page < len(table), table[np.minimum(page, len(table) - 1)], trash)
+            v["slots"][r0 : r0 + nb] = page.astype(np.int64) * ps + pos % ps
             v["pos"][r0 : r0 + nb] = ctx  # pad rows sit at the root's position (RoPE, window)
             v["pos"][r0 : r0 + n] = np.asarray(x.positions, dtype=np.int64)
             v["ids"][r0 : r0 + n] = np.asarray(x.token_ids, dtype=np.int64)

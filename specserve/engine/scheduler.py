@@ -1,7 +1,8 @@
 """Continuous batching: which requests run in the next forward, and how many tokens each.
 
 Pure Python (no torch). Owns the BlockManager: which KV pages each request holds. Admission is
-by what a request needs now: its tokens so far plus a step's draft scratch, reserved there; a
+by what a request needs now: its tokens so far plus a step's draft scratch (its own budget's
+tree rows; none for plain decoding), reserved there; a
 request that could never fit the pool alone is rejected at once (`InvalidRequest`: no retry
 helps), one that fits later waits in FIFO order, and the waiting queue is bounded
 (`max_waiting`: past it, `CapacityExhausted`). Before each step every decoding request's
@@ -45,7 +46,7 @@ class Scheduler:
         self.blocks = BlockManager(num_pages, page_size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.scratch = scratch  # extra slots reserved per request for draft trees
+        self.scratch = scratch  # the most slots a request reserves for its draft trees
         self.max_waiting = max_waiting  # None: unbounded
         self.chunk_cost = chunk_cost  # None: chunks beside decodes are cut by tokens only
         self.waiting: deque[Sequence] = deque()
@@ -63,12 +64,18 @@ class Scheduler:
                    chunk_cost=ChunkCost.of(model_config) if config.mixed_chunks == "cost"
                    else None)
 
+    def scratch_of(self, seq: Sequence) -> int:
+        """Slots past its tokens `seq` reserves for a step's tree: its budget + 1 rows (root
+        and nodes; none for plain decoding), at most `scratch`."""
+        return min(seq.budget + 1, self.scratch) if seq.budget else 0
+
     def check_fits(self, seq: Sequence) -> None:
-        need = pages_for(seq.reserve_tokens + self.scratch, self.blocks.page_size)
+        scratch = self.scratch_of(seq)
+        need = pages_for(seq.reserve_tokens + scratch, self.blocks.page_size)
         if need > self.blocks.num_pages:  # never, not even alone: not a retry-later
             raise InvalidRequest(
                 f"request {seq.request_id!r} needs {need} KV pages "
-                f"({seq.reserve_tokens} tokens + {self.scratch} scratch) but the pool has only "
+                f"({seq.reserve_tokens} tokens + {scratch} scratch) but the pool has only "
                 f"{self.blocks.num_pages}: it can never run on this server (fewer prompt "
                 "tokens or max_tokens; the server: more KV memory)", "max_tokens")
 
@@ -85,7 +92,7 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = seq.num_tokens + self.scratch
+            need = seq.num_tokens + self.scratch_of(seq)
             if not self.blocks.can_reserve(need):
                 return  # FIFO: nobody jumps the queue
             self.blocks.reserve(seq.request_id, need)
@@ -96,8 +103,8 @@ class Scheduler:
         """Each decoding request's reservation to its length + scratch, preempting the newest
         running requests while the pool cannot give it."""
         for seq in sorted((s for s in self.running if not s.in_prefill), key=_arrival):
-            while seq in self.running and not self.blocks.grow(seq.request_id,
-                                                               seq.num_tokens + self.scratch):
+            need = seq.num_tokens + self.scratch_of(seq)
+            while seq in self.running and not self.blocks.grow(seq.request_id, need):
                 self._preempt(max(self.running, key=_arrival))
 
     def _preempt(self, seq: Sequence) -> None:
@@ -163,9 +170,11 @@ class Scheduler:
         self.blocks.free(seq.request_id)
 
     def make_room(self, seq: Sequence, end: int) -> None:
-        """Pages for `seq`'s positions below `end` (a tree's rows past its committed tokens),
-        within its reservation."""
-        self.blocks.ensure(seq.request_id, end)
+        """Pages for `seq`'s positions below `end` (a tree's rows past its committed tokens,
+        and under CUDA graphs the pad rows to the step's rows bucket), as far as its
+        reservation goes: pad rows past it are written to the trash page (graphs.py)."""
+        held = self.blocks.reserved(seq.request_id) * self.blocks.page_size
+        self.blocks.ensure(seq.request_id, min(end, held))
 
     def settle(self, seq: Sequence) -> None:
         """After a commit: `seq` keeps the pages of its computed tokens only (a finished

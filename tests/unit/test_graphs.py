@@ -57,6 +57,34 @@ def test_padded_path_is_lossless(checkpoint_cache, make_engine):
         assert engine.runner.graphs._graphs  # the padded path really ran
 
 
+def test_a_small_budgets_pad_rows_past_its_reservation_go_to_the_trash_page(checkpoint_cache,
+                                                                            make_engine):
+    """Plain decoding reserves no scratch, a tree its own budget's rows: beside a budget-20
+    tree, the padded path's rows bucket runs past a budget-0 or budget-2 request's pages, onto
+    the trash page — every output is still transformers' greedy."""
+    path, hf = checkpoint_cache("qwen3-gqa4-yarn")
+    prompts = random_prompts(4, hf.config.vocab_size, [37, 5, 61, 18], seed=3)
+    expected = [hf_greedy(hf, p, 30) for p in prompts]
+    engine = make_engine(path, page_size=4, max_draft_tokens=20, cuda_graphs="on",
+                         max_num_batched_tokens=48)
+    engine.set_drafter(RandomTreeDrafter(hf.config.vocab_size, seed=5))
+    budgets = (0, 20, 2, 20)
+    for i, (p, b) in enumerate(zip(prompts, budgets, strict=True)):
+        engine.add_request(f"m{i}", p, SamplingParams(max_tokens=30, ignore_eos=True), b)
+    got, reserved = {f"m{i}": [] for i in range(4)}, {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+        for i in (0, 2):  # reserved at the step's start: at most its tokens now + its scratch
+            if (seq := engine.requests.get(f"m{i}")) is not None and not seq.in_prefill:
+                scratch = budgets[i] + 1 if budgets[i] else 0
+                reserved.setdefault(i, []).append(
+                    engine.blocks.reserved(seq.request_id) <= -(-(seq.num_tokens + scratch) // 4))
+    assert [got[f"m{i}"] for i in range(4)] == expected
+    assert len(reserved) == 2 and all(all(ok) for ok in reserved.values()), reserved
+    assert engine.runner.graphs._graphs
+
+
 def _trees_step(engines, hf, prompts, sizes, rng, tag):
     """Prefill `prompts` in every engine, then one step of trees of `sizes` nodes: the inputs
     and their rows (the same for every engine)."""

@@ -130,7 +130,7 @@ def _pool_refusal(prompt_tokens: int, new_tokens: int, pages: int = POOL) -> str
 
     sched = Scheduler(pages, PAGE, max_num_seqs=1, max_num_batched_tokens=PAGE, scratch=SCRATCH)
     seq = Sequence("r", list(range(prompt_tokens)), SamplingParams(max_tokens=new_tokens),
-                   frozenset(), max_len=1 << 20)
+                   frozenset(), max_len=1 << 20, budget=SCRATCH - 1)  # a tree of SCRATCH rows
     try:
         sched.check_fits(seq)
     except InvalidRequest as e:
