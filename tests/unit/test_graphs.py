@@ -57,16 +57,22 @@ def test_padded_path_is_lossless(checkpoint_cache, make_engine):
         assert engine.runner.graphs._graphs  # the padded path really ran
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or bool(os.environ.get("TRITON_INTERPRET")),
+    reason="needs a CUDA device (and TRITON_INTERPRET unset)"))])
 def test_a_small_budgets_pad_rows_past_its_reservation_go_to_the_trash_page(checkpoint_cache,
-                                                                            make_engine):
+                                                                            make_engine, device):
     """Plain decoding reserves no scratch, a tree its own budget's rows: beside a budget-20
     tree, the padded path's rows bucket runs past a budget-0 or budget-2 request's pages, onto
-    the trash page — every output is still transformers' greedy."""
+    the trash page — every output is still transformers' greedy (on a GPU, with captured
+    graphs: the eager engine's tokens)."""
     path, hf = checkpoint_cache("qwen3-gqa4-yarn")
     prompts = random_prompts(4, hf.config.vocab_size, [37, 5, 61, 18], seed=3)
-    expected = [hf_greedy(hf, p, 30) for p in prompts]
-    engine = make_engine(path, page_size=4, max_draft_tokens=20, cuda_graphs="on",
-                         max_num_batched_tokens=48)
+    cfg = dict(page_size=4, max_draft_tokens=20, max_num_batched_tokens=48, device=device)
+    expected = [hf_greedy(hf, p, 30) for p in prompts] if device == "cpu" else \
+        make_engine(path, cuda_graphs="off", **cfg).generate(
+            prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+    engine = make_engine(path, cuda_graphs="on", **cfg)
     engine.set_drafter(RandomTreeDrafter(hf.config.vocab_size, seed=5))
     budgets = (0, 20, 2, 20)
     for i, (p, b) in enumerate(zip(prompts, budgets, strict=True)):
