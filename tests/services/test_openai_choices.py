@@ -103,9 +103,9 @@ async def test_the_choices_of_one_prompt_encode_it_once(model_dir, tmp_path,  # 
 
     texts, encode = [], PromptEncoder.encode
 
-    async def counted(self, text):
+    async def counted(self, text, add_special_tokens=False):
         texts.append(text)
-        return await encode(self, text)
+        return await encode(self, text, add_special_tokens)
 
     monkeypatch.setattr(PromptEncoder, "encode", counted)
     fake = PerRequest()
