@@ -155,14 +155,25 @@ async def test_the_page_gauges_hold_the_pool_before_the_first_request(target):
 
 
 @aio
-async def test_request_larger_than_the_pool_is_invalid_argument(plain):
-    """It can never run here: RESOURCE_EXHAUSTED (HTTP 429) would tell the client to retry."""
-    stats = await plain.stub.Stats(verifier_pb2.StatsRequest(), timeout=RPC_S)
-    assert stats.kv_pages_total < (MAX_POS + 17) // 16  # so a full-context request cannot fit
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await _generate(plain.stub, [1, 2, 3], MAX_POS - 3)  # fits the context, not the pool
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "KV pages" in err.value.details() and "can never run" in err.value.details()
+async def test_request_larger_than_the_pool_is_invalid_argument(target):
+    """It can never run here: RESOURCE_EXHAUSTED (HTTP 429) would tell the client to retry.
+    What a request needs is its tokens (plain decoding: no scratch)."""
+    server, port = await serve(_config(target, kv_memory_gb=0.001))
+    try:
+        async with channel(f"127.0.0.1:{port}") as ch:
+            stub = verifier_pb2_grpc.VerifierStub(ch)
+            pool = (await stub.Stats(verifier_pb2.StatsRequest(), timeout=RPC_S)
+                    ).kv_pages_total * 16
+            assert pool < MAX_POS - 8  # a request that fits the context, not the pool
+            prompt = [1 + i % 200 for i in range(pool)]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _generate(stub, prompt, 8)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "KV pages" in err.value.details() and "can never run" in err.value.details()
+            assert f"({pool + 8} tokens + 0 scratch)" in err.value.details()
+            assert len(_tokens(await _generate(stub, prompt[:pool - 8], 8))) == 8  # exactly fits
+    finally:
+        await server.stop(0)
 
 
 async def _pages_back_within_1s(stub, used: int) -> None:
