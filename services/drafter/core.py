@@ -2,8 +2,9 @@
 
 Owns the drafters by name ("ngram" always, "dflash" when a draft model is loaded), each
 request's committed-token history (entries carry only the tokens committed since the last one;
-the n-gram drafter needs the whole history), who owns each request (the verifier stream or lane
-that first drafted for it: entries and releases from any other connection are refused, and a
+the n-gram drafter needs the whole history), whose each request is (its state is keyed by the
+connection — verifier stream or lane — and the id: two verifiers sharing this drafter may use
+the same id, each drafts its own request, and a connection sees and releases only its own; a
 connection may hold at most `max_share` of the context cache), the per-entry checks that keep
 one bad entry from failing its batch, one `draft` call per drafter per batch, and error
 isolation: a drafter that raises fails only its own entries. Every result is a `DraftTree` or
@@ -91,7 +92,10 @@ class DrafterCore:
         if not 0 < max_share <= 1:
             raise ValueError(f"max_share must be in (0, 1], got {max_share}")
         self.dflash, self.max_share = dflash, max_share
-        self._owner: dict[str, object] = {}  # request id → the connection that drafts it
+        self._owner: dict[str, object] = {}  # state key → the connection that drafts it
+        # (connection, its request id) → the state key: the id itself for the first
+        # connection that drafts it, "id#n" for another one's while that is held
+        self._keys: dict[tuple[object, str], str] = {}
         self.drafters: dict[str, Drafter] = {
             NGRAM: ngram or registry.build(NGRAM, DrafterSpec())}
         if dflash is not None:
@@ -154,33 +158,36 @@ class DrafterCore:
         unknown ones) are a no-op."""
         with self._lock:
             for rid in request_ids:
-                if self._owner.get(rid, owner) is not owner:
-                    continue  # another connection's request
-                self._owner.pop(rid, None)
-                self._history.pop(rid, None)
+                key = self._keys.pop((owner, rid), None)
+                if key is None:
+                    continue  # not one of this connection's requests
+                self._owner.pop(key, None)
+                self._history.pop(key, None)
                 for drafter in self.drafters.values():
-                    drafter.release(rid)
+                    drafter.release(key)
 
     def cache_pages(self) -> dict[str, tuple[int, int]]:
         """The DFlash context cache's (used, free) pages per layer group ({}: no DFlash)."""
         with self._lock:
             return self.dflash.cache.pages() if self.dflash is not None else {}
 
-    def history(self, request_id: str) -> list[int]:
-        """Committed tokens known for `request_id` (a copy)."""
+    def history(self, request_id: str, owner: object = None) -> list[int]:
+        """Committed tokens known for `owner`'s `request_id` (a copy; `owner` None: the state
+        keyed by the id itself, the first connection's)."""
         with self._lock:
-            return list(self._history.get(request_id, ()))
+            key = request_id if owner is None else self._keys.get((owner, request_id))
+            return list(self._history.get(key, ()))
 
     def _admit(self, entry: Entry | str, seen: set[str], owner: object
                ) -> tuple[str, DraftRequest] | str:
         """(drafter name, request ready for it), or why the entry cannot be drafted."""
         if isinstance(entry, str):
             return entry
-        problem = _entry_problem(entry, seen) or self._ownership(entry, owner)
+        problem = _entry_problem(entry, seen) or self._share_problem(entry, owner)
         if problem:
             return problem
-        r = entry.request
-        seen.add(r.request_id)
+        seen.add(entry.request.request_id)
+        r = replace(entry.request, request_id=self._key(entry.request.request_id, owner))
         self._owner[r.request_id] = owner
         history = self._history.setdefault(r.request_id, [])
         history.extend(entry.new_history)
@@ -195,12 +202,20 @@ class DrafterCore:
             return problem if problem else (kind, r)
         return kind, replace(r, history=history)
 
-    def _ownership(self, entry: Entry, owner: object) -> str | None:
-        """Why `owner` may not draft this entry (another connection's request id, or it holds
-        its share of the context cache already), or None. Says nothing of other requests."""
-        rid = entry.request.request_id
-        if self._owner.get(rid, owner) is not owner:
-            return f"request {rid!r}: the id is in use on another drafter connection"
+    def _key(self, request_id: str, owner: object) -> str:
+        """The state key of `owner`'s `request_id` (made on its first entry)."""
+        key = self._keys.get((owner, request_id))
+        if key is None:
+            key, n = request_id, 0
+            while key in self._owner:  # another connection's request of the same id
+                n += 1
+                key = f"{request_id}#{n}"
+            self._keys[owner, request_id] = key
+        return key
+
+    def _share_problem(self, entry: Entry, owner: object) -> str | None:
+        """Why `owner` may not draft this entry (it holds its share of the context cache
+        already), or None. Says nothing of other requests."""
         cache = self.dflash.cache if self.dflash is not None else None
         ctx = entry.request.context
         if cache is None or self.max_share >= 1 or ctx is None or not ctx.shape[0]:
