@@ -12,7 +12,8 @@ wire, where the host copy is made anyway — fc-projected when it can be, 1/taps
 survives a reconnect (a new drafter process has no state), a timeout or an entry error: it is
 released on the drafter and resent in full from position 0 — the DFlash drafter needs its
 context contiguous from 0. A request not kept (the ring's default: its rows never leave the
-GPU) drafts no more after such a loss (`drafter_context_lost`); new requests speculate.
+GPU) goes on with the n-gram drafter after such a loss (its history resent from 0: it needs
+no rows); new requests speculate with DFlash.
 
 Failure is never the request's: a missing stream, a deadline or a broken stream raises (the
 engine verifies root-only trees and records why); a per-entry error yields an empty tree and is

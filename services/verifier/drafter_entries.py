@@ -10,6 +10,7 @@ taps if not — with the host copies kept for a resend (`keep_context`). The dra
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 
@@ -21,6 +22,7 @@ from specserve.drafters.base import DraftRequest
 from specserve.drafters.registry import NGRAM
 from specserve.spec.tree import DraftTree
 
+log = logging.getLogger(__name__)
 CONTEXT_LOST = "drafter_context_lost"
 KEEP = ("auto", "on", "off")
 
@@ -38,6 +40,7 @@ class DraftEntries:
         self.errors: dict[str, str] = {}  # request id → why its last draft was empty
         self.feed_failed: set[str] = set()  # requests whose feed failed: resend in full
         self.context_rows: Counter = Counter()  # rows sent, by path (ring / inline_*)
+        self.to_ngram = 0  # requests turned to the n-gram drafter: their rows were lost
         self.tracing = None  # a StepTracer (set by the client)
         self.max_inline_bytes = 0  # the drafter's message bound (0: unknown, not checked)
 
@@ -91,7 +94,9 @@ class DraftEntries:
         if not self._draftable(req.request_id, st, epoch, release, held_before):
             return False
         rows, fused, ref = None, False, None
-        if st.rows_sent < held_before:  # a resend: every kept row, on the wire
+        if st.kind == NGRAM:
+            pass  # no rows: the n-gram drafter reads the tokens only
+        elif st.rows_sent < held_before:  # a resend: every kept row, on the wire
             rows, fused = st.rows_since(st.rows_sent), self.projection is not None
         elif new is not None:  # in the ring when it has room, else inline
             ref = self._ring_segment(new, link, batch.step_id)
@@ -118,7 +123,8 @@ class DraftEntries:
     def _draftable(self, rid: str, st: RequestRows, epoch: int, release: list[str],
                    held_before: int) -> bool:
         """Bring `st` to the drafter's current copy (a new connection or a failed feed: release
-        it and send everything again); False, with an entry error, when its rows are lost."""
+        it and send everything again). A request whose rows are lost goes on with the n-gram
+        drafter, which needs only its tokens: released there and its history sent from 0."""
         if rid in self.errors:  # a context gap, found by _absorb_all
             return False
         if rid in self.feed_failed:
@@ -132,8 +138,11 @@ class DraftEntries:
         if st.rows_sent < held_before and not st.keep:
             st.lost = True  # the drafter lost rows nobody kept
         if st.lost and st.kind != NGRAM:
-            self.errors[rid] = f"{CONTEXT_LOST}: its rows were not kept"
-            return False
+            if st.sent_once and rid not in release:
+                release.append(rid)
+            st.kind, st.rows_sent, st.history_sent = NGRAM, 0, 0
+            self.to_ngram += 1
+            log.info("request %r: its context rows are lost; it is drafted by n-gram now", rid)
         return True
 
     def _ring_segment(self, new: New, link, step_id: int) -> tuple[int, int] | None:

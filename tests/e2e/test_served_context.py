@@ -155,8 +155,8 @@ async def test_a_verifier_whose_ring_the_drafter_dropped_attaches_again(stack, p
                                                                          reference):
     """More verifiers attach than the drafter keeps rings for (MAX_RINGS) while this one is
     idle: its ring is the least recently read and is dropped. Its next request is told so
-    (RING_UNKNOWN), the verifier attaches again, and the request after that speculates exactly
-    as in process."""
+    (RING_UNKNOWN: its rows there are lost, it goes on with n-gram trees, still exact), the
+    verifier attaches again, and the request after that speculates exactly as in process."""
     import torch
 
     from services.common.ring import ContextRing
@@ -183,7 +183,7 @@ async def test_a_verifier_whose_ring_the_drafter_dropped_attaches_again(stack, p
             first = [e async for e in stub.Generate(req, timeout=120)]
             assert [t for e in first for t in e.token_ids] == reference[0][0]  # still exact
             fallbacks = {e.fallback.split(":")[0] for e in first if e.fallback}
-            assert fallbacks and fallbacks <= {"drafter_context_lost", "drafter_entry_error"}
+            assert fallbacks <= {"drafter_entry_error"}  # its rows lost: on by n-gram
         got, stats = await _served(stack.addr("shared"), prompts[:1], "after-drop")
     finally:
         for ring in others:

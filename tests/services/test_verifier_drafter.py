@@ -43,6 +43,7 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
         self.rows: dict[str, int] = {}
         self.fail_first, self.batches, self.inconsistent, self.fresh = fail_first, 0, [], 0
         self.feeds = 0
+        self.kinds: dict[str, set[int]] = {}  # request id → the drafter kinds its entries named
 
     async def Draft(self, request_iterator, context):
         async for batch in request_iterator:
@@ -58,6 +59,7 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
 
     def _tree(self, e, fail: bool) -> drafter_pb2.Tree:
         history = self.history.setdefault(e.request_id, [])
+        self.kinds.setdefault(e.request_id, set()).add(e.drafter)
         feed = e.budget == 0 and not e.new_history  # prefill context only: no root yet
         self.fresh += not history and not feed
         history.extend(e.new_history)
@@ -169,9 +171,10 @@ async def test_drafter_restart_resends_context_and_speculation_resumes(target, e
 
 
 @aio
-async def test_rows_not_kept_end_speculation_for_requests_in_flight_only(target, expected):
-    """keep_context off: after a drafter restart the requests in flight verify root-only trees
-    (drafter_context_lost) and still finish equal to the oracle; a new request speculates."""
+async def test_rows_not_kept_turn_requests_in_flight_to_the_ngram_drafter(target, expected):
+    """keep_context off: after a drafter restart the requests in flight, whose DFlash context
+    is gone, go on with n-gram trees (their history resent from 0) and still finish equal to
+    the oracle; a new request speculates with DFlash."""
     fake = FakeDrafter()
     fake_server, fake_port = await _start_fake(fake)
     server, port = await serve(_config(target, drafter=f"127.0.0.1:{fake_port}",
@@ -180,7 +183,8 @@ async def test_rows_not_kept_end_speculation_for_requests_in_flight_only(target,
     try:
         async with channel(f"127.0.0.1:{port}") as ch:
             stub = verifier_pb2_grpc.VerifierStub(ch)
-            call = stub.Generate(_request(REPETITIVE, 300, drafter=DFLASH), timeout=RPC_S)
+            call = stub.Generate(_request(REPETITIVE, 300, rid="inflight", drafter=DFLASH),
+                                timeout=RPC_S)
             head = [await call.read() for _ in range(8)]
             await fake_server.stop(0)
             fake_server, _ = await _start_fake(restarted, fake_port)
@@ -191,8 +195,9 @@ async def test_rows_not_kept_end_speculation_for_requests_in_flight_only(target,
         await fake_server.stop(0)
     assert _tokens(head + tail) == expected(REPETITIVE, 300)
     assert max(e.commit_len for e in head[1:]) > 1
-    lost = [e for e in tail if e.fallback.startswith("drafter_context_lost")]
-    assert lost and all(e.commit_len == 1 for e in tail[-len(lost):])
+    assert not any(e.fallback.startswith("drafter_context_lost") for e in tail)
+    assert max(e.commit_len for e in tail[-20:]) > 1  # n-gram trees accepted to the end
+    assert restarted.kinds["inflight"] == {NGRAM} and restarted.fresh >= 1
     assert _tokens(fresh) == expected([21, 22, 23, 24] * 6, 60)
     assert max(e.commit_len for e in fresh[1:]) > 1 and not any(e.fallback for e in fresh[1:])
     assert not restarted.inconsistent
