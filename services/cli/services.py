@@ -107,7 +107,7 @@ def _up_plan(args) -> list[tuple[str, str, list[str]]]:
     device = ["--device", args.device] if args.device else []
     draft = ["--draft-model", args.draft_model] if args.draft_model else []
     flags["drafter"] += draft + device
-    flags["verifier"] += device + ([] if args.no_drafter else
+    flags["verifier"] += device + (["--drafter", ""] if args.no_drafter else  # not the env's
                                    draft + ["--drafter", addr["drafter"]])
     flags["verifier"] += ["--adaptive", args.adaptive] if args.adaptive else []
     flags["gateway"] += ["--verifier", addr["verifier"], "--http-port", str(args.http_port)]

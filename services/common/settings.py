@@ -105,8 +105,8 @@ def port_field(env: str, port: int) -> Any:
 
 
 def port_file_field() -> Any:
-    return flag_field("--port-file", None, "write the bound port here once SERVING (useful "
-                      "with --port 0)", default=None)
+    return flag_field("--port-file", None, "write the bound port here (useful with --port "
+                      "0): once SERVING; the gateway's once bound", default=None)
 
 
 def grace_field(help: str) -> Any:

@@ -219,3 +219,13 @@ def test_ctrl_c_ends_a_command_without_a_traceback(monkeypatch, capsys):
     assert main(["train-demo", "--quick"]) == 130
     err = capsys.readouterr().err
     assert err == "specserve train-demo: interrupted\n"
+
+
+def test_up_without_a_drafter_keeps_the_verifier_off_the_environments(monkeypatch):
+    """--no-drafter: the verifier is told "no drafter", not left to SPECSERVE_DRAFTER_ADDR."""
+    monkeypatch.setenv("SPECSERVE_DRAFTER_ADDR", "127.0.0.1:9")
+    plan = {n: f for n, _a, f in _up_plan(_parse("up", "--model", "m", "--http-port", "off",
+                                                 "--no-drafter"))}
+    assert "drafter" not in plan
+    flags = plan["verifier"]
+    assert flags[flags.index("--drafter") + 1] == "" and "--draft-model" not in flags
