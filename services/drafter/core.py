@@ -171,11 +171,10 @@ class DrafterCore:
         with self._lock:
             return self.dflash.cache.pages() if self.dflash is not None else {}
 
-    def history(self, request_id: str, owner: object = None) -> list[int]:
-        """Committed tokens known for `owner`'s `request_id` (a copy; `owner` None: the state
-        keyed by the id itself, the first connection's)."""
+    def history(self, key: str) -> list[int]:
+        """Committed tokens known for the request of state key `key` (a copy; a request's key
+        is its id for the first connection that drafts it)."""
         with self._lock:
-            key = request_id if owner is None else self._keys.get((owner, request_id))
             return list(self._history.get(key, ()))
 
     def _admit(self, entry: Entry | str, seen: set[str], owner: object

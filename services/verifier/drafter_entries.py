@@ -40,7 +40,6 @@ class DraftEntries:
         self.errors: dict[str, str] = {}  # request id → why its last draft was empty
         self.feed_failed: set[str] = set()  # requests whose feed failed: resend in full
         self.context_rows: Counter = Counter()  # rows sent, by path (ring / inline_*)
-        self.to_ngram = 0  # requests turned to the n-gram drafter: their rows were lost
         self.tracing = None  # a StepTracer (set by the client)
         self.max_inline_bytes = 0  # the drafter's message bound (0: unknown, not checked)
 
@@ -141,7 +140,6 @@ class DraftEntries:
             if st.sent_once and rid not in release:
                 release.append(rid)
             st.kind, st.rows_sent, st.history_sent = NGRAM, 0, 0
-            self.to_ngram += 1
             log.info("request %r: its context rows are lost; it is drafted by n-gram now", rid)
         return True
 
