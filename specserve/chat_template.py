@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from specserve.errors import InvalidRequest, ModelError
+from specserve.json_values import one_of
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                       "cls_token", "mask_token")
@@ -139,8 +140,7 @@ def _passed(message: dict, i: int) -> dict:
     kept = {}
     for key, value in message.items():
         empty = _EMPTY.get(key, (None,) if key in _PASSED else ())
-        if key in ("role", "content") or any(
-                value is v or (type(value) is type(v) and value == v) for v in empty):
+        if key in ("role", "content") or one_of(value, empty):
             continue
         if key not in _PASSED:
             raise InvalidRequest(f"messages[{i}].{key[:40]}: not supported by specserve")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 
 from services.gateway.openai_errors import ApiError
+from specserve.json_values import one_of
 
 _BOTH = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
          "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "drafter",
@@ -62,7 +63,7 @@ def check_fields(body: dict, chat: bool) -> None:
         if name not in NEUTRAL:
             route = "chat completions" if chat else "completions"
             raise ApiError(400, f"unknown parameter {_show(name)} for {route}", param=name)
-        if not any(value is v or (type(value) is type(v) and value == v) for v in NEUTRAL[name]):
+        if not one_of(value, NEUTRAL[name]):
             raise ApiError(400, f"{name}={_show(value)} is not supported by specserve (leave it "
                            "unset)", param=name)
 
