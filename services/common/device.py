@@ -32,12 +32,17 @@ def dtype_field() -> Any:
     return flag_field("--dtype", "SPECSERVE_DTYPE", " | ".join(DTYPES), default="auto")
 
 
-def threads_field() -> Any:
+AUTO_THREADS = {  # what --threads auto means, by service
+    "verifier": "on the CPU beside a drafter service half the cores, all for steps that carry "
+                "prompt tokens; without a drafter all",
+    "drafter": "on the CPU half the cores: the verifier beside it has the other half",
+}
+
+
+def threads_field(service: str) -> Any:
     return flag_field("--threads", "SPECSERVE_THREADS",
-                      "torch CPU threads of this process: N, or auto (on the CPU beside a "
-                      "drafter service half the cores, all for the verifier's steps that "
-                      "carry prompt tokens; else all; on CUDA torch's own)",
-                      default="auto")
+                      f"torch CPU threads of this process: N, or auto ({AUTO_THREADS[service]}; "
+                      "on CUDA torch's own)", default="auto")
 
 
 def check_threads(threads: str) -> None:

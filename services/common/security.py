@@ -69,8 +69,8 @@ class Security:
         if args.reflection not in ("on", "off"):
             raise ValueError(f"--reflection must be on or off, got {args.reflection!r}")
         return cls(args.tls_cert or None, args.tls_key or None, args.tls_client_ca or None,
-                   args.peer_tls_ca or None, args.auth_token or None, args.peer_token or None,
-                   args.reflection == "on")
+                   getattr(args, "peer_tls_ca", "") or None, args.auth_token or None,
+                   getattr(args, "peer_token", "") or None, args.reflection == "on")
 
     @classmethod
     def from_env(cls, environ=None) -> Security:
@@ -156,6 +156,11 @@ def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return handler._replace(**{kind: deny_stream if handler.response_streaming else deny})
 
 
-def security_field():
-    """A config's `security` field, set by SECURITY_FLAGS ('' = unset)."""
-    return flags_field(SECURITY_FLAGS, Security.from_args, NONE)
+PEER_FLAGS = ("--peer-tls-ca", "--peer-token")  # what a service that dials a peer takes
+
+
+def security_field(dials: bool = True):
+    """A config's `security` field, set by SECURITY_FLAGS ('' = unset); a service that dials
+    nobody (the drafter) takes no `PEER_FLAGS`."""
+    flags = [f for f in SECURITY_FLAGS if dials or f.name not in PEER_FLAGS]
+    return flags_field(flags, Security.from_args, NONE)

@@ -46,7 +46,7 @@ class DrafterConfig:
         "DFlash drafter checkpoint dir (absent: n-gram drafting only)", default=None)
     device: str = device_field()  # "auto" = cuda if available, else cpu
     dtype: str = dtype_field()  # "auto" = bfloat16 on cuda, float32 on cpu
-    threads: str = threads_field()  # "auto": on cpu half the cores
+    threads: str = threads_field("drafter")  # "auto": on cpu half the cores
     page_size: int = flag_field("--page-size", "SPECSERVE_PAGE_SIZE",
                                 "context-cache page size (tokens)", default=PAGE_SIZE, type=int)
     num_pages: int = flag_field(  # context-cache pages per layer group
@@ -73,7 +73,7 @@ class DrafterConfig:
         "--max-message-mb", "SPECSERVE_DRAFTER_MAX_MESSAGE_MB",
         "largest message taken (a prefill chunk's rows across hosts must fit)", default=256,
         type=int)
-    security: Security = security_field()
+    security: Security = security_field(dials=False)  # it dials nobody
     lane: str = flag_field(  # auto (a path in the temp dir) | off (steps stay on gRPC) | a path
         "--lane", "SPECSERVE_DRAFTER_LANE",
         "same-host lane (a Unix socket for the verifier's steps): auto (a path in the temp "

@@ -59,7 +59,7 @@ class VerifierConfig:
     port: int = port_field("SPECSERVE_VERIFIER_PORT", VERIFIER_PORT)
     device: str = device_field()  # auto = cuda if available, else cpu
     dtype: str = dtype_field()  # auto = bfloat16 on cuda, float32 on cpu
-    threads: str = threads_field()  # auto: on cpu half the cores beside a drafter
+    threads: str = threads_field("verifier")  # auto: on cpu half the cores beside a drafter
     page_size: int = flag_field("--page-size", "SPECSERVE_PAGE_SIZE", "KV page size (tokens)",
                                 default=16, type=int)
     kv_memory_gb: float | None = flag_field(  # None = 1.0 on cpu, 16.0 on cuda

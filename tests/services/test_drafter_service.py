@@ -406,6 +406,24 @@ def test_cuda_graphs_switch_reaches_the_config():
         DrafterConfig(cuda_graphs="sometimes")
 
 
+def test_the_drafter_takes_no_peer_flags_and_its_threads_help_is_its_own(capsys):
+    """The drafter dials nobody: a --peer-* flag is a usage error there, not silently unused;
+    its --threads auto is its own rule, not the verifier's."""
+    from services.drafter.__main__ import build_parser
+    from services.verifier.__main__ import build_parser as verifier_parser
+
+    for flag in ("--peer-token", "--peer-tls-ca"):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([flag, "x"])
+        assert e.value.code == 2
+        assert f"unrecognized arguments: {flag} x" in capsys.readouterr().err
+    verifier = verifier_parser().parse_args(["--peer-token", "t"])
+    assert verifier.peer_token == "t"
+    text = " ".join(build_parser().format_help().split())  # argparse wraps its lines
+    assert "the verifier beside it has the other half" in text
+    assert "steps that carry prompt tokens" not in text
+
+
 @aio
 async def test_cache_gauges_are_set_before_the_first_batch(checkpoints):
     from services.common.metrics import DrafterMetrics
