@@ -35,6 +35,18 @@ def port_or_off(raw: str) -> int | None:
 port_or_off.__name__ = "port or off"
 
 
+def origins(raw: str | tuple[str, ...]) -> tuple[str, ...]:
+    """Comma-separated browser origins ('*': any); ValueError for one that is not an origin."""
+    items = raw if isinstance(raw, tuple) else str(raw).split(",")
+    out = tuple(o.strip().rstrip("/") for o in items if o.strip())
+    for o in out:
+        scheme, _, rest = o.partition("://")
+        if o != "*" and (scheme not in ("http", "https") or not rest or "/" in rest):
+            raise ValueError(f"--allowed-origins: {o[:80]!r} is not an origin (scheme://host"
+                             "[:port], or *)")
+    return out
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     model: str = flag_field(  # directory holding the target's tokenizer.json
@@ -76,6 +88,10 @@ class GatewayConfig:
     http_port_file: str | None = flag_field(
         "--http-port-file", None,
         "write the HTTP API's bound port here (useful with --http-port 0)", default=None)
+    allowed_origins: tuple[str, ...] = flag_field(  # CORS: () = no browser origin
+        "--allowed-origins", "SPECSERVE_ALLOWED_ORIGINS",
+        "browser origins that may call the HTTP API (CORS), comma-separated, e.g. "
+        "http://localhost:3000; * = any (default: none)", default=(), type=str, parse=origins)
     served_model_name: str | None = flag_field(  # None: the model directory's name
         "--served-model-name", "SPECSERVE_SERVED_MODEL_NAME",
         "model id of the HTTP API (default: the model directory's name)", default=None)

@@ -28,6 +28,8 @@ import logging
 from opentelemetry.trace import Status, StatusCode
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -56,12 +58,14 @@ class Disconnected(Exception):
 class OpenAIFront:
     def __init__(self, pipeline: Pipeline, model: str, template, *, token: str | None = None,
                  max_body_bytes: int = 64 << 20, serving=lambda: True, created: int = 0,
-                 body_timeout_s: float | None = None) -> None:
-        """`body_timeout_s`: how long a client may take to send its body (None: no bound)."""
+                 body_timeout_s: float | None = None, allowed_origins: tuple[str, ...] = ()
+                 ) -> None:
+        """`body_timeout_s`: how long a client may take to send its body (None: no bound);
+        `allowed_origins`: browser origins answered with CORS headers ('*': any)."""
         self.pipeline, self.model, self.template = pipeline, model, template
         self._want = token.encode() if token else None
         self.max_body_bytes, self.serving, self.created = max_body_bytes, serving, created
-        self.body_timeout_s = body_timeout_s
+        self.body_timeout_s, self.allowed_origins = body_timeout_s, allowed_origins
 
     def app(self) -> Starlette:
         """The ASGI app; its `state.grace_over` is `grace_over` (HttpListener calls it)."""
@@ -73,7 +77,12 @@ class OpenAIFront:
             Route("/tokenize", self._tokenize, methods=["POST"]),
             Route("/detokenize", self._detokenize, methods=["POST"]),
             Route("/health", self._health, methods=["GET"]),
-        ], exception_handlers={404: _no_route, 405: _no_route})
+        ], exception_handlers={404: _no_route, 405: _no_route}, middleware=[
+            Middleware(CORSMiddleware, allow_origins=self.allowed_origins,
+                       allow_methods=["GET", "POST"], allow_headers=["authorization",
+                                                                     "content-type"],
+                       expose_headers=[TRACE_ID_KEY], max_age=600),
+        ] if self.allowed_origins else [])
         app.state.grace_over = self.grace_over
         return app
 

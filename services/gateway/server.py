@@ -81,7 +81,8 @@ async def _start_http(config: GatewayConfig, pipeline: Pipeline, serving) -> Htt
     front = OpenAIFront(pipeline, name, ChatTemplate.from_dir(config.model),
                         token=config.security.token, max_body_bytes=config.max_message_bytes,
                         serving=serving, created=int(time.time()),
-                        body_timeout_s=config.request_timeout_s)
+                        body_timeout_s=config.request_timeout_s,
+                        allowed_origins=config.allowed_origins)
     http = HttpListener(front.app(), config.host, config.http_port, config.security,
                         config.grace_s, logging.getLevelName(log.getEffectiveLevel()))
     port = await http.start()

@@ -279,3 +279,44 @@ async def test_completed_requests_are_counted_ok(model_dir, tmp_path):  # noqa: 
             assert counts == {"OK": "3.0"}
     finally:
         await server.stop(0)
+
+
+@pytest.mark.asyncio
+async def test_cors_answers_the_allowed_origins_only(model_dir, tmp_path):  # noqa: F811
+    """--allowed-origins: a browser's preflight from an allowed origin gets CORS headers (the
+    bearer token may be sent, the trace id header read), one from another origin none; without
+    the flag no origin gets any."""
+    from services.gateway.config import origins
+
+    assert origins(" http://localhost:3000/ ,*") == ("http://localhost:3000", "*")
+    for bad in ("localhost:3000", "ftp://x", "http://x/path", "http://"):
+        with pytest.raises(ValueError, match="is not an origin"):
+            origins(bad)
+    ok, evil = "http://localhost:3000", "http://evil.example"
+    preflight = {"access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization,content-type"}
+    for allowed in (("http://localhost:3000",), ()):
+        server, gateway, port_file = await _gateway(tmp_path, model_dir, FakeVerifier(),
+                                                    allowed_origins=allowed)
+        try:
+            async with gateway:
+                port = int(port_file.read_text())
+                status, head, _ = await _call(port, "/v1/completions", None,
+                                              {"origin": ok, **preflight}, "OPTIONS")
+                head = {k.lower(): v for k, v in head.items()}
+                if allowed:
+                    assert status == 200 and head["access-control-allow-origin"] == ok
+                    assert "authorization" in head["access-control-allow-headers"].lower()
+                else:
+                    assert status == 405 and "access-control-allow-origin" not in head
+                status, head, _ = await _call(port, "/v1/completions", None,
+                                              {"origin": evil, **preflight}, "OPTIONS")
+                assert "access-control-allow-origin" not in {k.lower() for k in head}
+                status, head, raw = await _call(port, "/v1/completions", BODY, {"origin": ok})
+                head = {k.lower(): v for k, v in head.items()}
+                assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
+                assert head.get("access-control-allow-origin") == (ok if allowed else None)
+                if allowed:
+                    assert "x-specserve-trace-id" in head["access-control-expose-headers"]
+        finally:
+            await server.stop(0)
