@@ -167,8 +167,9 @@ class Pipeline:
     async def _relay(self, call, state: RequestState):
         async for event in call:
             step, final = convert.event_from_pb(event)
-            if step is not None:
-                text, step, stopped = state.push(step)
+            if step is not None:  # a verifier's STOP is a stop id's (stop strings are ours)
+                at_stop_id = final is not None and final.finish_reason == FinishReason.STOP
+                text, step, stopped = state.push(step, at_stop_id)
                 yield TextChunk(text, step)
                 if stopped:  # the call is stopped at the verifier, then cancelled (run)
                     state.cut = True

@@ -32,22 +32,27 @@ class RequestState:
         self.verifier = ""  # the replica serving it
         self.cut = False  # a stop string ended it before the verifier did
 
-    def push(self, step: Step) -> tuple[str, Step, bool]:
+    def push(self, step: Step, at_stop_id: bool = False) -> tuple[str, Step, bool]:
         """Text for a step's tokens, the step and whether a stop string completed: then text
-        and step end at the token that completed it (usage counts no token after it)."""
+        and step end at the token that completed it (usage counts no token after it).
+        `at_stop_id`: the step's last token is the stop id (EOS or a `stop_token_ids` id) that
+        ended the request — counted, its text left out (vLLM's, without
+        include_stop_str_in_output)."""
         if not self.ttft_s:
             self.ttft_s = time.perf_counter() - self.t0
         if self.completion_tokens:  # the first event is prefill's sampled token, not a step
             self.stats.record(step)  # the verifier's own stats replace these when it finishes
         elif self.req.params.prompt_logprobs is not None:  # for whoever shows their logprobs
             step = replace(step, prompt_ids=tuple(self.prompt_ids))
+        shown = len(step.token_ids) - at_stop_id  # tokens whose text is shown
         if self.stopper is None:
             self.completion_tokens += len(step.token_ids)
-            return self.detok.push(step.token_ids), step, False
+            return self.detok.push(step.token_ids[:shown]), step, False
         text, stopped, n = "", False, 0
         while not stopped and n < len(step.token_ids):  # token by token: where it stops
             n += 1
-            delta, stopped = self.stopper.feed(self.detok.push(step.token_ids[n - 1:n]))
+            piece = self.detok.push(step.token_ids[n - 1:n]) if n <= shown else ""
+            delta, stopped = self.stopper.feed(piece)
             text += delta
         self.completion_tokens += n
         return text, replace(step, token_ids=step.token_ids[:n],

@@ -111,9 +111,12 @@ class Sequence:
     def text_delta(self, taken: list[int], reason: FinishReason | None
                    ) -> tuple[str, FinishReason | None]:
         """The text of newly appended `taken` tokens and the finish reason, which a stop string
-        in that text turns into STOP ("" and `reason` when the engine has no tokenizer)."""
+        in that text turns into STOP ("" and `reason` when the engine has no tokenizer). A stop
+        id that ends the request (EOS, `stop_token_ids`) is left out of the text, as vLLM's."""
         if self.detok is None:
             return "", reason
+        if reason == FinishReason.STOP and taken and taken[-1] in self.stop_ids:
+            taken = taken[:-1]
         delta = self.detok.push(taken)
         if reason is not None:
             delta += self.detok.flush()

@@ -68,3 +68,23 @@ def test_a_stop_string_ends_the_request_at_its_token(oracle, stop, kind, budget)
     assert text == tok.decode(want)[: tok.decode(want).index(stop)]
     if kind != "none":  # the check is about a step that accepted tokens past the stop
         assert any(len(o.new_token_ids) > 1 for o in outs), "no step accepted several tokens"
+
+
+@pytest.mark.parametrize("kind, budget", [("none", 0), ("dflash", 15)])
+def test_a_stop_token_id_is_counted_and_left_out_of_the_text(oracle, kind, budget):
+    """`stop_token_ids`: the request ends at the id (its token and count kept), and the id's
+    text is not in the text — vLLM's default (no include_stop_str_in_output)."""
+    greedy, tok = oracle
+    k = next(i for i in range(3, len(greedy)) if tok.decode(greedy[i:i + 1]).strip()
+             and greedy[i] not in greedy[:i])  # a token with text, first seen here
+    engine = _engine(kind)
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=40, stop_token_ids=(greedy[k],)),
+                       budget=budget)
+    ids, text, outs = [], "", []
+    while engine.has_unfinished:
+        for out in engine.step():
+            ids, text = ids + out.new_token_ids, text + out.text_delta
+            outs.append(out)
+    assert ids == greedy[:k + 1] and outs[-1].num_output_tokens == k + 1
+    assert outs[-1].finish_reason is FinishReason.STOP
+    assert text == tok.decode(greedy[:k]) != tok.decode(greedy[:k + 1])
