@@ -8,12 +8,14 @@ well under a second. torch and the engine load only for `--in-process`.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 from services.cli import usage
 from services.cli.client import add_gateway_flags, gateway_channel, rpc_error_text
 from specserve.drafters import registry
+from specserve.models.config import GENERATION_CONFIG
 from specserve.spec.metrics import reason_kind
 
 # SamplingParams field (InvalidRequest.param) → the flag that sets it
@@ -52,6 +54,9 @@ def add(sub) -> None:
                    help="cpu, cuda or cuda:N (--in-process)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="(--in-process)")
+    p.add_argument("--generation-config", choices=GENERATION_CONFIG, default=None,
+                   help="(--in-process) auto: sampling not given is generation_config.json's; "
+                   "none: greedy [env SPECSERVE_GENERATION_CONFIG] (default: auto)")
     p.set_defaults(func=_generate)
 
 
@@ -60,8 +65,9 @@ def _add_sampling(p) -> None:
                    help="most tokens to generate")
     p.add_argument("--temperature", type=usage.float_range(0, usage.FLOAT32_MAX), default=None,
                    help="0 = greedy (default: the model's generation_config.json, else greedy)")
-    p.add_argument("--top-k", type=usage.int_range(1, usage.INT32_MAX), default=None,
-                   help="sample from the k likeliest tokens (default: the model's, else no cut)")
+    p.add_argument("--top-k", type=usage.int_range(-1, usage.INT32_MAX), default=None,
+                   help="sample from the k likeliest tokens; 0 or -1: no cut (default: the "
+                   "model's, else no cut)")
     p.add_argument("--top-p", type=usage.float_range(0, 1, lo_open=True), default=None,
                    help="nucleus mass, (0, 1] (default: the model's, else 1)")
     p.add_argument("--seed", type=usage.int_range(0, usage.UINT64_MAX), default=None,
@@ -106,8 +112,10 @@ def _check_mode(args) -> None:
         if any(given.values()):
             raise usage.UsageError(f"{', '.join(f for f, on in given.items() if on)}: through "
                                    "the gateway only (--in-process decodes plainly)")
-    elif args.model:
-        raise usage.UsageError("--model: with --in-process only (the gateway serves its own)")
+    elif given := [f for f, on in (("--model", args.model),
+                                   ("--generation-config", args.generation_config)) if on]:
+        raise usage.UsageError(f"{', '.join(given)}: with --in-process only (the gateway "
+                               "serves its own)")
 
 
 def _sampling_params(args):
@@ -117,12 +125,15 @@ def _sampling_params(args):
     from specserve.types import SamplingParams
 
     # remote: the server fills what is not given (the fields are cleared on the wire)
-    d = load_generation_defaults(args.model) if args.in_process else GenerationDefaults()
+    use = args.generation_config or os.environ.get("SPECSERVE_GENERATION_CONFIG", "auto")
     try:
+        d = load_generation_defaults(args.model, use) if args.in_process \
+            else GenerationDefaults()
         return SamplingParams(
             max_tokens=args.max_tokens,
             temperature=d.temperature if args.temperature is None else args.temperature,
-            top_k=d.top_k if args.top_k is None else args.top_k,
+            top_k=d.top_k if args.top_k is None else None if args.top_k in (0, -1)
+            else args.top_k,  # 0 / -1: no cut
             top_p=d.top_p if args.top_p is None else args.top_p, seed=args.seed,
             stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
             ignore_eos=args.ignore_eos, logprobs=args.logprobs)

@@ -119,6 +119,15 @@ def metrics_port_field(env: str, port: int) -> Any:
                       type=int, cli_default=port)
 
 
+def generation_config_field() -> Any:
+    """The gateway's and the verifier's: whether generation_config.json's sampling is used."""
+    return flag_field("--generation-config", "SPECSERVE_GENERATION_CONFIG",
+                      "auto: requests that leave sampling unset get generation_config.json's "
+                      "temperature / top_k / top_p (a setting of it specserve does not "
+                      "implement is an error at start); none: greedy, the file's sampling "
+                      "unused", default="auto")
+
+
 def check_port(name: str, port: int | None) -> None:
     if port is not None and not 0 <= port <= 65535:
         raise ValueError(f"{name} must be in [0, 65535], got {port}")

@@ -16,6 +16,7 @@ from services.common.settings import (
     VERIFIER_PORT,
     check_port,
     flag_field,
+    generation_config_field,
     grace_field,
     host_field,
     metrics_port_field,
@@ -23,6 +24,7 @@ from services.common.settings import (
     port_file_field,
 )
 from services.gateway.replicas import parse_addresses
+from specserve.models.config import GENERATION_CONFIG
 
 MIN_MESSAGE_BYTES = 1024
 
@@ -80,6 +82,7 @@ class GatewayConfig:
         "most UTF-8 bytes of a request's stop strings in all (more: INVALID_ARGUMENT)",
         default=MAX_STOP_BYTES, type=int)
     # TLS / token of this port; TLS to and token for the verifier
+    generation_config: str = generation_config_field()  # auto | none
     security: Security = security_field()
     http_port: int | None = flag_field(  # the OpenAI HTTP API (None: not served)
         "--http-port", "SPECSERVE_GATEWAY_HTTP_PORT",
@@ -101,6 +104,9 @@ class GatewayConfig:
         return parse_addresses(self.verifier)
 
     def __post_init__(self) -> None:
+        if self.generation_config not in GENERATION_CONFIG:
+            raise ValueError(f"generation_config must be one of {GENERATION_CONFIG}, got "
+                             f"{self.generation_config!r}")
         if not self.model:
             raise ValueError("model must name a directory with tokenizer.json "
                              "(--model or SPECSERVE_MODEL)")

@@ -71,7 +71,8 @@ def _pipeline(config: GatewayConfig, replicas: Replicas, metrics) -> Pipeline:
         tokenizer, replicas, config.request_timeout_s, metrics,
         stop_limits=StopLimits(config.max_stop_strings, config.max_stop_bytes),
         peer_metadata=config.security.peer_metadata(),
-        defaults=load_generation_defaults(config.model), prompts=prompts)
+        defaults=load_generation_defaults(config.model, config.generation_config),
+        prompts=prompts)
 
 
 async def _start_http(config: GatewayConfig, pipeline: Pipeline, serving) -> HttpListener | None:

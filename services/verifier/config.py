@@ -23,6 +23,7 @@ from services.common.settings import (
     VERIFIER_PORT,
     check_port,
     flag_field,
+    generation_config_field,
     grace_field,
     host_field,
     metrics_port_field,
@@ -30,6 +31,7 @@ from services.common.settings import (
     port_file_field,
 )
 from specserve.config import MIXED_CHUNKS, EngineConfig, check_choice, check_switch
+from specserve.models.config import GENERATION_CONFIG
 from specserve.spec.tree import MAX_BUDGET
 
 DEFAULT_KV_GB = {"cpu": 1.0, "cuda": 16.0}
@@ -93,6 +95,7 @@ class VerifierConfig:
                                   "queued requests past which new ones get RESOURCE_EXHAUSTED",
                                   default=256, type=int)
     # TLS / token of this port; TLS to and token for the drafter
+    generation_config: str = generation_config_field()  # auto | none
     security: Security = security_field()
     max_num_batched_tokens: int = flag_field(
         "--max-num-batched-tokens", "SPECSERVE_MAX_NUM_BATCHED_TOKENS", "tokens per forward",
@@ -159,6 +162,9 @@ class VerifierConfig:
     port_file: str | None = port_file_field()
 
     def __post_init__(self) -> None:
+        if self.generation_config not in GENERATION_CONFIG:
+            raise ValueError(f"generation_config must be one of {GENERATION_CONFIG}, got "
+                             f"{self.generation_config!r}")
         check_switch("cuda_graphs", self.cuda_graphs)
         check_switch("warmup", self.warmup)
         if not self.model:

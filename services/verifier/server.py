@@ -125,7 +125,7 @@ async def serve(config: VerifierConfig, threads: StepThreads | None = None
     """Start the verifier; returns the running server and its bound port (SERVING). `threads`
     (the process's, from `apply_threads`) sets torch's thread count step by step."""
     limits = SpecLimits(config.default_budget, config.max_draft_tokens, bool(config.drafter),
-                        load_generation_defaults(config.model))
+                        load_generation_defaults(config.model, config.generation_config))
     metrics = VerifierMetrics()
     servicer = VerifierServicer(limits, metrics)
     server, port, health = await start_server(

@@ -227,12 +227,51 @@ class GenerationDefaults:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
 
 
-def load_generation_defaults(model_dir: str | Path) -> GenerationDefaults:
+# generation_config.json settings transformers' `generate` applies that specserve does not
+# implement, with the value that does nothing (numbers compare by value; None, [] and {}
+# always do nothing)
+NOT_IMPLEMENTED = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
+                   "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "min_p": 0.0,
+                   "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
+                   "bad_words_ids": None, "suppress_tokens": None,
+                   "begin_suppress_tokens": None, "sequence_bias": None,
+                   "forced_bos_token_id": None, "forced_eos_token_id": None, "min_length": 0,
+                   "min_new_tokens": 0, "num_beams": 1, "num_beam_groups": 1,
+                   "diversity_penalty": 0.0, "penalty_alpha": 0.0,
+                   "exponential_decay_length_penalty": None, "guidance_scale": 1.0,
+                   "dola_layers": None, "watermarking_config": None}
+GENERATION_CONFIG = ("auto", "none")  # --generation-config: the file's sampling, or none
+
+
+def _not_implemented(raw: dict) -> list[str]:
+    """`raw`'s settings specserve does not implement that are not their neutral value."""
+    def neutral(value, none) -> bool:
+        if value is None or value in ([], {}):
+            return True
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        return numeric and none is not None and float(value) == float(none)
+
+    return [f"{k}={json.dumps(raw[k])[:40]}" for k, none in NOT_IMPLEMENTED.items()
+            if k in raw and not neutral(raw[k], none)]
+
+
+def load_generation_defaults(model_dir: str | Path, use: str = "auto") -> GenerationDefaults:
+    """What requests that leave sampling unset get: `generation_config.json`'s (`use` "auto")
+    or greedy ("none": the file's sampling settings are not used; its EOS ids still are).
+    ModelError when the file asks for a setting specserve does not implement — serving it
+    would silently differ from the model's configured generation."""
+    if use not in GENERATION_CONFIG:
+        raise ValueError(f"generation_config must be one of {GENERATION_CONFIG}, got {use!r}")
     path = Path(model_dir) / "generation_config.json"
-    if not path.exists():
+    if use == "none" or not path.exists():
         return GenerationDefaults()
     try:
         raw = json.loads(path.read_text())
+        if unsupported := _not_implemented(raw):
+            raise ModelError(
+                f"{path} sets {', '.join(unsupported)}: not implemented by specserve; serve "
+                "the model without the file's sampling settings with --generation-config none "
+                "(SPECSERVE_GENERATION_CONFIG=none), or remove them from the file")
         if not raw.get("do_sample", False):
             return GenerationDefaults()
         top_k = raw.get("top_k", 50)  # transformers' GenerationConfig default

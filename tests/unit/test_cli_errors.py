@@ -37,8 +37,8 @@ def _refused(argv, capsys) -> str:
 @pytest.mark.parametrize("flags, says", [
     (["--seed", "-1", "--temperature", "0.5"], "argument --seed: must be an integer in [0, "),
     (["--seed", str(2**64)], "argument --seed: must be an integer in [0, 18446744073709551615]"),
-    (["--top-k", "99999999999"], "argument --top-k: must be an integer in [1, 2147483647]"),
-    (["--top-k", "0"], "argument --top-k: must be an integer in [1, 2147483647], got 0"),
+    (["--top-k", "99999999999"], "argument --top-k: must be an integer in [-1, 2147483647]"),
+    (["--top-k", "-2"], "argument --top-k: must be an integer in [-1, 2147483647], got -2"),
     (["--max-tokens", "2147483648"], "argument --max-tokens: must be an integer in [1, "),
     (["--max-tokens", "0"], "argument --max-tokens: must be an integer in [1, 2147483647]"),
     (["--stop-token-id", str(2**63)], "argument --stop-token-id: must be an integer in [0, "),
@@ -106,7 +106,7 @@ def test_a_value_the_core_refuses_names_its_flag():
     """Past the flag checks (a caller filling args itself), InvalidRequest from SamplingParams
     is still a usage error naming the flag, never a traceback."""
     args = build_parser()[0].parse_args(["generate", "--prompt", "x"])
-    args.top_k = 0
+    args.top_k = -5
     with pytest.raises(usage.UsageError, match=r"^argument --top-k: top_k must be"):
         generate._sampling_params(args)
     args.top_k, args.seed = None, -1
@@ -158,3 +158,15 @@ def test_probe_text_file_that_is_not_utf8_is_a_usage_error(tmp_path, capsys):
     err = _refused(["probe", "--model", str(tmp_path), "--text-file", str(bad),
                     "--gateway", "127.0.0.1:1"], capsys)
     assert f"argument --text-file: {str(bad)!r} is not UTF-8 text" in err
+
+
+@pytest.mark.parametrize("given, sent", [("0", 0), ("-1", 0), ("7", 7)])
+def test_top_k_0_or_minus_1_asks_for_no_cut_over_the_model_s(given, sent):
+    """A checkpoint's top_k default is overridden by --top-k 0 / -1: the wire carries top_k 0
+    (no cut) explicitly; left out, the field is cleared (the model's default applies)."""
+    args = build_parser()[0].parse_args(["generate", "--prompt", "x", "--top-k", given])
+    req = generate._request(args, "x", generate._sampling_params(args))
+    assert req.sampling.HasField("top_k") and req.sampling.top_k == sent
+    args = build_parser()[0].parse_args(["generate", "--prompt", "x"])
+    assert not generate._request(args, "x", generate._sampling_params(args)) \
+        .sampling.HasField("top_k")

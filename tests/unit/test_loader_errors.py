@@ -188,3 +188,38 @@ def test_generation_config_out_of_range_is_refused(tmp_path, bad):
     key = next(iter(bad))
     with pytest.raises(ModelError, match=f"generation_config.json is not valid: {key}"):
         load_generation_defaults(tmp_path)
+
+
+@pytest.mark.parametrize("setting", [{"repetition_penalty": 1.05}, {"min_p": 0.05},
+                                     {"no_repeat_ngram_size": 3}, {"bad_words_ids": [[5]]},
+                                     {"num_beams": 4}, {"suppress_tokens": [1, 2]}])
+def test_a_generation_setting_specserve_does_not_implement_is_refused(tmp_path, setting):
+    """transformers' generate applies it (greedy or not), so serving the file's defaults without
+    it would silently differ: refused at load, naming it and the way out; --generation-config
+    none serves the model greedy by default without the file's sampling."""
+    from specserve.models.config import GenerationDefaults, load_generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, **setting}))
+    key = next(iter(setting))
+    with pytest.raises(ModelError, match=f"sets {key}=.*not implemented.*--generation-config "
+                                         "none"):
+        load_generation_defaults(tmp_path)
+    assert load_generation_defaults(tmp_path, "none") == GenerationDefaults()
+    with pytest.raises(ValueError, match="generation_config must be one of"):
+        load_generation_defaults(tmp_path, "off")
+
+
+def test_transformers_defaults_of_the_refused_settings_are_neutral(tmp_path):
+    """Every setting the check refuses, at transformers' own GenerationConfig default (what a
+    checkpoint's file often spells out), is taken as doing nothing."""
+    transformers = pytest.importorskip("transformers")
+    from specserve.models.config import NOT_IMPLEMENTED, load_generation_defaults
+
+    defaults = transformers.GenerationConfig()
+    written = {k: getattr(defaults, k) for k in NOT_IMPLEMENTED if hasattr(defaults, k)}
+    assert len(written) >= 15  # most of them are transformers' fields by these names
+    written.update({"repetition_penalty": 1, "min_p": 0, "num_beams": 1.0})  # ints / floats
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "top_k": 20, **written}))
+    assert load_generation_defaults(tmp_path).top_k == 20
