@@ -20,6 +20,7 @@ GREEDY_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's _SAMPLING_EPS)
 # the wire's ranges (proto/specserve/v1/common.proto: int32, float, uint64, int64 fields)
 INT32_MAX, INT64_MAX, UINT64_MAX = 2**31 - 1, 2**63 - 1, 2**64 - 1
 FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.401298464324817e-45  # the least positive float32: a top_p below it sent as it
 MAX_LOGPROBS = 20  # most alternatives a token's logprobs list (as vLLM's default cap)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from specserve.drafters.registry import DFLASH, NGRAM, NONE
 from specserve.spec.metrics import RequestSpecStats
-from specserve.types import FinishReason, SamplingParams, TokenLogprob
+from specserve.types import FLOAT32_TINY, FinishReason, SamplingParams, TokenLogprob
 from specserve.v1 import common_pb2 as pb
 from specserve.v1 import gateway_pb2
 
@@ -56,7 +56,8 @@ def generate_request(prompt: str | list[int], params: SamplingParams, drafter: s
     """Every sampling value explicit (top_k 0: no cut); clear temperature / top_k / top_p for the
     model's defaults. `drafter` None / `budget` None: the verifier's."""
     sampling = pb.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
-                                 top_k=params.top_k or 0, top_p=params.top_p,
+                                 top_k=params.top_k or 0,
+                                 top_p=max(params.top_p, FLOAT32_TINY),  # 0 in float32: none
                                  stop_token_ids=list(params.stop_token_ids),
                                  stop=list(params.stop), ignore_eos=params.ignore_eos)
     if params.seed is not None:

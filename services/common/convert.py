@@ -16,7 +16,7 @@ from specserve.drafters.registry import DFLASH, NGRAM, NONE
 from specserve.errors import InvalidRequest
 from specserve.models.loader import DTYPES as MODEL_DTYPES
 from specserve.spec.metrics import RequestSpecStats
-from specserve.types import FinishReason, SamplingParams
+from specserve.types import FLOAT32_TINY, FinishReason, SamplingParams
 from specserve.v1 import common_pb2 as pb
 
 _DTYPES = MODEL_DTYPES  # the wire's tensor dtypes are the models'
@@ -75,7 +75,7 @@ def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
     """Every sampling value explicit (top_k 0: no cut), so the receiver's defaults never
     apply; a client that wants the model's defaults clears temperature / top_k / top_p."""
     msg = pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
-                            top_k=p.top_k or 0, top_p=p.top_p,
+                            top_k=p.top_k or 0, top_p=max(p.top_p, FLOAT32_TINY),
                             stop_token_ids=list(p.stop_token_ids), stop=list(p.stop),
                             ignore_eos=p.ignore_eos)
     if p.seed is not None:

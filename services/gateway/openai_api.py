@@ -29,7 +29,7 @@ from services.gateway.openai_fields import (
 )
 from specserve.chat_template import ChatTemplate, normalize_messages
 from specserve.errors import InvalidRequest
-from specserve.types import UINT64_MAX, SamplingParams
+from specserve.types import INT32_MAX, UINT64_MAX, SamplingParams
 
 DRAFTERS = sorted(n for n in DRAFTER_NAMES.values() if n is not None)  # dflash, ngram, none
 
@@ -219,9 +219,9 @@ def _top_k(body: dict, defaults) -> int | None:
     top_k = typed(body, "top_k", int, None)
     if top_k is None:
         return defaults.top_k if defaults else None
-    if top_k < -1:
-        raise ApiError(400, f"top_k must be > 0, or 0 / -1 for no cut, got {str(top_k)[:40]}",
-                       param="top_k")
+    if not -1 <= top_k <= INT32_MAX:
+        raise ApiError(400, f"top_k must be in [1, {INT32_MAX}], or 0 / -1 for no cut, got "
+                       f"{str(top_k)[:40]}", param="top_k")
     return top_k if top_k > 0 else None
 
 

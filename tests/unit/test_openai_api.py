@@ -311,3 +311,21 @@ def test_several_choices():
         with pytest.raises(ApiError) as e:
             _completion(**bad)
         assert e.value.param in ("n", "best_of", "prompt")
+
+
+def test_a_top_p_below_float32_s_least_is_sent_as_it_and_top_k_s_range_is_in_http_words():
+    """top_p 1e-46 is a valid (tiny) nucleus: the wire's float32 would make it 0, which the
+    verifier refuses ("got 0.0", a value the client never sent); it travels as the least
+    positive float32 — still the top token alone. top_k past int32: a 400 in the API's words
+    (0 / -1 for no cut), not the core's "or None"."""
+    from services.cli.wire import generate_request
+    from services.common.convert import sampling_from_pb, sampling_to_pb
+
+    p = _completion(top_p=1e-46, temperature=1.0).request.params
+    assert p.top_p == 1e-46
+    assert sampling_from_pb(sampling_to_pb(p)).top_p > 0
+    assert generate_request("x", p).sampling.top_p > 0
+    with pytest.raises(ApiError) as e:
+        _completion(top_k=2**31)
+    assert e.value.param == "top_k" and "0 / -1 for no cut" in str(e.value)
+    assert "None" not in str(e.value)
