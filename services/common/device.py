@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,7 +92,7 @@ def apply_threads(threads: str, device: str, shared: bool, by_step: bool = False
 
 
 def check_device(device: str) -> None:
-    if device != "auto" and device.split(":")[0] not in ("cpu", "cuda"):
+    if device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", device):
         raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
 
 
@@ -101,11 +102,19 @@ def check_dtype(dtype: str) -> None:
 
 
 def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
+    """"auto": CUDA when there is one, else the CPU; a CUDA device this machine lacks is a
+    ValueError (a service's one-line error), not torch's assertion deep in a model load."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device.partition(":")[2] or 0)
+        if index >= count:
+            have = f"{count} CUDA device(s)" if count else "no CUDA device"
+            raise ValueError(f"--device {device} (SPECSERVE_DEVICE): this machine has {have}")
+    return device
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

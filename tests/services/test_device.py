@@ -98,3 +98,25 @@ def test_a_number_is_taken_as_given(where, six_cores):
     torch.set_num_threads(1)
     assert apply_threads("2", where, shared=True, by_step=True) is None
     assert torch.get_num_threads() == 2
+
+
+def test_a_cuda_device_this_machine_lacks_is_a_value_error(monkeypatch):
+    """SPECSERVE_DEVICE=cuda (docker-compose.yml's) on a host without a GPU: the service's
+    one-line error (a ValueError), not torch's 'not compiled with CUDA' traceback."""
+    import torch
+
+    from services.common.device import check_device, resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0", "cuda:3"):
+        with pytest.raises(ValueError, match=f"--device {device} .*no CUDA device"):
+            resolve_device(device)
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == "cuda:1"
+    with pytest.raises(ValueError, match="has 2 CUDA device"):
+        resolve_device("cuda:2")
+    for bad in ("cuda:x", "cuda:", "gpu", "cpu:0"):
+        with pytest.raises(ValueError, match="device must be auto, cpu or cuda"):
+            check_device(bad)
