@@ -108,9 +108,9 @@ def test_a_cuda_device_this_machine_lacks_is_a_value_error(monkeypatch):
     from services.common.device import check_device, resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for device in ("cuda", "cuda:0", "cuda:3"):
-        with pytest.raises(ValueError, match=f"--device {device} .*no CUDA device"):
-            resolve_device(device)
+    for name in ("cuda", "cuda:0", "cuda:3"):
+        with pytest.raises(ValueError, match=f"--device {name} .*no CUDA device"):
+            resolve_device(name)
     assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
