@@ -190,6 +190,10 @@ class VerifierConfig:
                              f"got {self.admission_window_ms}")
         if self.drafter_timeout_s <= 0 or self.grace_s < 0:
             raise ValueError("drafter_timeout_s must be positive and grace_s non-negative")
+        if self.drafter:  # a typo would mean every step decoded without it, silently
+            host, _, port = self.drafter.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ValueError(f"drafter must be HOST:PORT, got {self.drafter!r}")
         self._check_choices()
         if self.context_ring_rows is not None and self.context_ring_rows <= 0:
             raise ValueError(f"context_ring_rows must be positive, got {self.context_ring_rows}")

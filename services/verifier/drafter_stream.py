@@ -70,6 +70,7 @@ class DrafterStream:
         self.closed = False
         self._channel = self._stub = self._call = None
         self._connecting: asyncio.Future | None = None
+        self._said_down = False  # the drafter's being unreachable is logged once a time
         self._tasks: set[asyncio.Future] = set()
         self._last_attempt = -float("inf")
         self._pending: dict[int, asyncio.Future] = {}  # step id → its reply
@@ -162,9 +163,9 @@ class DrafterStream:
         channel = make_channel(self.address, self.security, options + RECONNECT_OPTIONS)
         try:
             await asyncio.wait_for(channel.channel_ready(), max(self.timeout_s, 1.0))
-        except (TimeoutError, grpc.aio.AioRpcError):
+        except (TimeoutError, grpc.aio.AioRpcError) as e:
             await channel.close()
-            return False
+            return self._down(f"not reachable ({type(e).__name__})")
         if self.closed:
             await channel.close()
             return False
@@ -173,7 +174,7 @@ class DrafterStream:
             attached = await self._attach(stub)
         except _NotReady:  # still loading its models: try again later
             await channel.close()
-            return False
+            return self._down("not serving yet")
         # The stream lives as long as the connection; each step has its own deadline (timeout_s).
         call = stub.Draft(metadata=self.security.peer_metadata())
         self.epoch += 1  # every request is resent in full on the new stream
@@ -181,7 +182,16 @@ class DrafterStream:
         self._channel, self._stub, self._call = channel, stub, call
         self.spawn(self._read(call))
         log.info("drafter stream to %s open", self.address)
+        self._said_down = False
         return True
+
+    def _down(self, why: str) -> bool:
+        """A failed connection attempt, logged once until the next success: False."""
+        if not self._said_down and not self.closed:
+            self._said_down = True
+            log.warning("drafter at %s %s: steps decode without drafts until it is; trying "
+                        "again every %g s", self.address, why, self.reconnect_s)
+        return False
 
     async def _attach(self, stub) -> tuple | None:
         """(ring attached, ring error, lane path, lane token, max message bytes), or None (a

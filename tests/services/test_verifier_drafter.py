@@ -5,6 +5,8 @@ speculation, never correctness."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
 
@@ -90,9 +92,11 @@ async def _start_fake(fake: FakeDrafter, port: int = 0):
 
 
 @aio
-async def test_unreachable_drafter_means_root_only_steps(target, expected):
-    server, port = await serve(_config(target, drafter=f"127.0.0.1:{_free_port()}",
-                                       drafter_timeout_s=0.5))
+async def test_unreachable_drafter_means_root_only_steps(target, expected, caplog):
+    """... and the operator is told, once (a wrong address decoded plainly in silence)."""
+    address = f"127.0.0.1:{_free_port()}"
+    caplog.set_level(logging.WARNING, "services.verifier.drafter_stream")
+    server, port = await serve(_config(target, drafter=address, drafter_timeout_s=0.5))
     try:
         async with channel(f"127.0.0.1:{port}") as ch:
             stub = verifier_pb2_grpc.VerifierStub(ch)
@@ -107,6 +111,10 @@ async def test_unreachable_drafter_means_root_only_steps(target, expected):
     final = events[-1].final.stats
     assert sum(final.fallbacks.values()) == final.steps == len(steps)
     assert not stats.drafter_connected and sum(stats.fallbacks.values()) == len(steps)
+    said = [r.getMessage() for r in caplog.records if "not reachable" in r.getMessage()]
+    assert len(said) == 1 and address in said[0], said
+    with pytest.raises(ValueError, match="drafter must be HOST:PORT"):
+        _config(target, drafter="127.0.0.1:abc")
 
 
 @aio
