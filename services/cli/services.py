@@ -201,16 +201,25 @@ async def _up_run(args, plan) -> int:
                                                   if p.returncode is None])
         await stop_all(procs)
         await asyncio.gather(*pumps, return_exceptions=True)
-        if args.http_port_file:
-            shutil.rmtree(os.path.dirname(args.http_port_file), ignore_errors=True)
+        _drop_port_dir(args)
 
 
 def _up(args) -> int:
     import asyncio
 
     plan = _up_plan(args)
-    _check_up(args, plan)
+    try:
+        _check_up(args, plan)
+    except BaseException:
+        _drop_port_dir(args)
+        raise
     return asyncio.run(_up_run(args, plan))
+
+
+def _drop_port_dir(args) -> None:
+    """Remove the directory `_up_plan` made for the gateway's HTTP port file."""
+    if args.http_port_file:
+        shutil.rmtree(os.path.dirname(args.http_port_file), ignore_errors=True)
 
 
 def _check_up(args, plan) -> None:

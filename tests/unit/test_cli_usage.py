@@ -6,6 +6,7 @@ SPECSERVE_HOST unless --host is given."""
 from __future__ import annotations
 
 import argparse
+import tempfile
 
 import pytest
 
@@ -15,9 +16,19 @@ from services.cli.services import _up_plan
 
 
 @pytest.fixture(autouse=True)
-def _no_metrics_env(monkeypatch):
+def _no_metrics_env(monkeypatch, tmp_path):
     for name in ("GATEWAY", "VERIFIER", "DRAFTER"):
         monkeypatch.delenv(f"SPECSERVE_{name}_METRICS_PORT", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # up's port-file directories
+
+
+def test_an_up_refused_before_it_starts_leaves_no_directory(tmp_path, capsys):
+    """`up` makes a directory for the gateway's HTTP port file; a usage error found before
+    anything starts (two listeners on one port) removes it again."""
+    with pytest.raises(SystemExit) as e:
+        main(["up", "--ports", "64260", "--gateway-port", "64261"])
+    assert e.value.code == 2 and "share port" in capsys.readouterr().err
+    assert list(tmp_path.glob("specserve-up-*")) == []
 
 
 def _parse(*argv: str) -> argparse.Namespace:
