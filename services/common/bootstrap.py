@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from services.cli.usage import Parser
 from services.common import telemetry
 from services.common.settings import (
     LOG_LEVEL,
@@ -101,7 +102,7 @@ def service_flags(config_cls: type) -> list[Flag]:
 
 def build_parser(name: str, description: str, config_cls: type) -> argparse.ArgumentParser:
     """`specserve serve NAME`'s parser: `service_flags(config_cls)`."""
-    parser = argparse.ArgumentParser(prog=f"specserve serve {name}", description=description)
+    parser = Parser(prog=f"specserve serve {name}", description=description)  # one-line errors
     add_flags(parser, service_flags(config_cls))
     return parser
 

@@ -104,6 +104,16 @@ def test_usage_errors_are_one_line_and_exit_2(argv, says, capsys):
     assert says in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("service", ["gateway", "verifier", "drafter"])
+def test_a_service_flag_of_the_wrong_type_is_one_line(service, capsys):
+    """argparse's own errors (a flag's type) too: one line naming the flag, not the usage."""
+    with pytest.raises(SystemExit) as e:
+        main(["serve", service, "--grace-s", "abc"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"specserve serve {service}: error: argument --grace-s: invalid ")
+
+
 def test_a_cuda_device_must_exist_here(monkeypatch, capsys):
     monkeypatch.setattr(usage, "cuda_devices", lambda: 0)
     with pytest.raises(SystemExit) as e:
