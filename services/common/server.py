@@ -11,6 +11,7 @@ shared: gRPC's SO_REUSEPORT is off; `check_bindable` tells before a service is s
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import socket
 from collections.abc import Callable, Sequence
@@ -158,6 +159,7 @@ async def start_server(
         names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, server)
     creds = security.server_credentials()
+    check_bindable(host, port)  # the reason in our words, before gRPC logs its own
     try:
         bound = server.add_secure_port(f"{host}:{port}", creds) if creds else \
             server.add_insecure_port(f"{host}:{port}")
@@ -171,14 +173,28 @@ async def start_server(
     return server, bound, health_servicer
 
 
-def check_bindable(host: str, port: int) -> None:
-    """Raise OSError "could not bind HOST:PORT (in use?)" when another socket holds the port."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+def bind_problem(host: str, port: int) -> str | None:
+    """Why HOST:PORT cannot be bound here — held by another socket, no address of this machine,
+    not an address at all — or None."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError) as e:
+        return f"the host is not an address: {e}"
+    with socket.socket(family) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is free
         try:
             s.bind((host, port))
         except OSError as e:
-            raise OSError(f"could not bind {host}:{port} (in use?)") from e
+            return "in use" if e.errno == errno.EADDRINUSE else \
+                "not an address of this machine" if e.errno == errno.EADDRNOTAVAIL else \
+                e.strerror or str(e)
+    return None
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Raise OSError "could not bind HOST:PORT (why)" when `bind_problem` finds one."""
+    if (why := bind_problem(host, port)) is not None:
+        raise OSError(f"could not bind {host}:{port} ({why})")
 
 
 async def mark_serving(health_servicer: health.aio.HealthServicer, names: Sequence[str]) -> None:

@@ -174,10 +174,16 @@ def start_metrics_server(registry, host: str, port: int):
         return None
     from prometheus_client import start_http_server
 
+    from services.common.server import bind_problem
+
+    why = bind_problem(host, port)  # the reason in our words
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        if why is None:
+            server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as e:
-        raise OSError(f"could not bind {host}:{port} for /metrics (in use?)") from e
+        why = e.strerror or str(e)
+    if why is not None:
+        raise OSError(f"could not bind {host}:{port} for /metrics ({why})")
     log.info("metrics on http://%s:%d/metrics", host, port)
     return server
 

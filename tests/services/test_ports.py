@@ -1,6 +1,6 @@
 """A port already in use: no service shares it (gRPC's SO_REUSEPORT is off).
 
-A second `start_server` on a bound port raises OSError "could not bind HOST:PORT (in use?)"; each
+A second `start_server` on a bound port raises OSError "could not bind HOST:PORT (in use)"; each
 `python -m services.NAME` on it exits non-zero with that message; `specserve up` refuses before
 starting anything; a metrics port in use is the same error (another process's /metrics there
 would be scraped as this one's), found before the models load.
@@ -39,7 +39,7 @@ def model_dir(tmp_path_factory) -> Path:
 async def test_a_second_server_on_a_used_port_raises():
     first, port, _ = await start_server([], ["specserve.v1.Gateway"])
     try:
-        with pytest.raises(OSError, match=rf"could not bind 127\.0\.0\.1:{port} \(in use\?\)"):
+        with pytest.raises(OSError, match=rf"could not bind 127\.0\.0\.1:{port} \(in use\)"):
             second, _, _ = await start_server([], ["specserve.v1.Gateway"], port=port)
             await second.stop(0)  # (it shared the port)
     finally:
@@ -71,7 +71,7 @@ async def test_a_service_on_a_used_port_exits_with_the_reason(model_dir, service
     finally:
         await holder.stop(0)
     assert out.returncode == 2, out.stdout + out.stderr
-    assert f"specserve {service}: error: could not bind 127.0.0.1:{port} (in use?)" \
+    assert f"specserve {service}: error: could not bind 127.0.0.1:{port} (in use)" \
         in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
 
@@ -94,7 +94,7 @@ async def test_up_refuses_a_used_port_before_starting_anything(model_dir):
     finally:
         await holder.stop(0)
     assert out.returncode == 2, out.stdout + out.stderr  # as each service: a usage error
-    assert f"specserve up: error: could not bind 127.0.0.1:{port} (in use?)" in out.stderr
+    assert f"specserve up: error: could not bind 127.0.0.1:{port} (in use)" in out.stderr
     assert "SERVING on" not in out.stdout and "(pid " not in out.stdout  # nothing started
 
 
@@ -107,7 +107,7 @@ def test_a_service_whose_metrics_port_is_in_use_exits_with_the_reason(model_dir,
         out = _serve(service, 0, model_dir, metrics_port=port)
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"specserve {service}: error: could not bind 127.0.0.1:{port} for /metrics " \
-        "(in use?)" in out.stderr, out.stderr
+        "(in use)" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -125,3 +125,17 @@ def test_a_metrics_port_in_use_raises_and_is_not_shared():
         assert server is not None
     finally:
         telemetry.stop_metrics_server(server)
+
+
+def test_a_bind_problem_is_told_in_words():
+    """A port held elsewhere, an address no interface of this machine has (TEST-NET-1), and a
+    host that is no address at all each say which; a free port none."""
+    from services.common.server import bind_problem
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        assert bind_problem("127.0.0.1", holder.getsockname()[1]) == "in use"
+    assert bind_problem("192.0.2.1", 0) == "not an address of this machine"
+    assert bind_problem("999.1.1.1", 0).startswith("the host is not an address")
+    assert bind_problem("127.0.0.1", 0) is None
