@@ -221,8 +221,13 @@ def _line(r: ProbeRow, adaptive: bool, several: bool) -> str:
     return (f"| {r.text} | {r.context:,} | {r.commit_len:.2f} | {r.depth:.2f} | "
             f"{r.drafts:.2f} | {_opt(r.followed)} | {_yes(r.lossless)} | "
             f"{r.fail_position or '-'} | {r.prefill_s:.2f} | {r.ttft_other_s:.2f} | "
-            f"{r.first_step_ms:.1f} | {r.steady_step_ms:.1f} | {r.fallbacks} | {r.verdict} |"
+            f"{ms(r.first_step_ms)} | {ms(r.steady_step_ms)} | {r.fallbacks} | {r.verdict} |"
             + (f" {_opt(r.plain)} |" if adaptive else "") + (f" {r.verifier} |" if several else ""))
+
+
+def ms(x: float | None) -> str:
+    """A step time in ms, '-' when there was no such step (None or NaN)."""
+    return "-" if x is None or x != x else f"{x:.1f}"
 
 
 def _opt(x: float | None) -> str:

@@ -3,8 +3,9 @@
 A context the server can never run (more KV pages than the verifier's pool: its refusal says so)
 is a row of its own, reported and not measured; the other rows still run. Exit codes: 0 when a
 row was measured and none changed tokens; 3 when speculation changed tokens; 4 when no row fit
-the server (nothing measured); 2 on a usage error or any other failed request (the rows so far
-are printed); 130 on Ctrl-C.
+the server (nothing measured); 5 when a row found the drafter unavailable (a broken system, not
+hard text); 2 on a usage error or any other failed request (the rows so far are printed); 130
+on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from specserve import probe
 from specserve.drafters import registry
 
 NOTHING_MEASURED = 4  # the exit code when no row fit the server
+DRAFTER_DOWN = 5  # ... when a row found the drafter unavailable
 
 
 def add(sub) -> None:
@@ -32,8 +34,8 @@ def add(sub) -> None:
                                    "verdict per row. A context that can never fit the server's KV "
                                    "pool is reported as such and the other rows still run. Exit "
                                    "0: rows measured; 3: speculation changed tokens; 4: no row "
-                                   "fit the server (nothing measured); 2: a usage error or a "
-                                   "failed request.")
+                                   "fit the server (nothing measured); 5: the drafter was "
+                                   "unavailable; 2: a usage error or a failed request.")
     add_gateway_flags(p)
     p.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL"),
                    help="target checkpoint dir (its tokenizer.json sizes the prompts) "
@@ -94,7 +96,9 @@ def _probe(args) -> int:
     if not measured:
         print("specserve probe: no context fit this server: nothing measured", file=sys.stderr)
         return NOTHING_MEASURED
-    return 3 if any(r.lossless is False for r in rows) else 0
+    if any(r.lossless is False for r in rows):
+        return 3
+    return DRAFTER_DOWN if any(r.verdict == probe.NO_DRAFTER for r in measured) else 0
 
 
 def _check(args) -> None:
@@ -166,7 +170,7 @@ def _print_row(row) -> None:
               file=sys.stderr)
         return
     print(f"  {row.text} @ {row.context:,}: commit_len {row.commit_len:.2f}, "
-          f"steps {row.first_step_ms:.1f} ms then {row.steady_step_ms:.1f} ms, "
+          f"steps {probe.ms(row.first_step_ms)} ms then {probe.ms(row.steady_step_ms)} ms, "
           f"wall {row.wall_s:.1f} s: {row.verdict}", file=sys.stderr)
     if row.lossless is False:
         print(f"specserve probe: {row.text} @ {row.context:,}: speculation changed the tokens "

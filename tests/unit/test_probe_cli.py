@@ -185,6 +185,25 @@ def test_a_context_past_the_kv_pool_is_reported_and_the_rest_still_run(monkeypat
     assert (tmp_path / "rows.png").stat().st_size > 0  # the measured rows are plotted
 
 
+def test_a_row_without_its_drafter_is_a_broken_system_exit_5(monkeypatch, tmp_path, capsys):
+    """A script can tell "broken system" from "hard text": the drafter down on a row is exit 5
+    (after the table); a row with one step shows '-' for the steady step, not nan."""
+    def row(stub, ids, expected, text, new_tokens, *args):
+        down = len(ids) > 300
+        return _row(text=text, context=len(ids), new_tokens=new_tokens, fallbacks=9 if down
+                    else 0, steps=9 if down else 1, steady_step_ms=5.0 if down else math.nan,
+                    verdict=probe.NO_DRAFTER if down else probe.FEW_STEPS)
+
+    monkeypatch.setattr(probe_client, "probe_row", row)
+    code = _probe(tmp_path, "256,512")
+    out, err = capsys.readouterr()
+    assert code == probe_cli.DRAFTER_DOWN == 5
+    assert probe.NO_DRAFTER in out and "nan" not in out + err
+    assert "then - ms" in err and " | - | 0 | too few decode steps to judge |" in out
+    monkeypatch.setattr(probe_client, "probe_row", lambda *a, **k: _row(verdict=probe.HARD))
+    assert _probe(tmp_path, "256") == 0  # hard text is no failure
+
+
 def test_nothing_measured_when_no_context_fits_exit_4(monkeypatch, tmp_path, capsys):
     _serve(monkeypatch, pages=8)
     code = _probe(tmp_path, "128,1k")
