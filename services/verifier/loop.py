@@ -106,7 +106,7 @@ class StepLoop:
     def abort(self, request_id: str, owner: asyncio.Queue | None = None) -> None:
         """Cancel a request and free its pages (and drafter state) at the next inbox drain.
         With `owner`, only if the request is still the one that `submit` returned it for."""
-        self._put(partial(self._abort, request_id, owner))
+        self._put(partial(self._abort, request_id, owner, time.time_ns()))
 
     def stats(self) -> LoopStats:
         blocks, sched = self.engine.blocks, self.engine.scheduler
@@ -177,14 +177,14 @@ class StepLoop:
         self._update_gauges()
         done.set_result(None)
 
-    def _abort(self, request_id: str, owner: asyncio.Queue | None) -> None:
+    def _abort(self, request_id: str, owner: asyncio.Queue | None, asked_ns: int) -> None:
         req = self._requests.get(request_id)
         if owner is not None and (req is None or req.queue is not owner):
             return
         self._requests.pop(request_id, None)
         self.engine.abort(request_id)
-        if self.tracer is not None:
-            self.tracer.remove(request_id)
+        if self.tracer is not None:  # its spans end when the abort was asked, inside the
+            self.tracer.remove(request_id, asked_ns)  # request's (the step may run on past it)
         self._update_gauges()
 
     def _step(self) -> None:

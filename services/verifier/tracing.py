@@ -51,6 +51,7 @@ class _Traced:
     ahead_ns: int = 0  # when `ahead` was opened: where this step's spans end
     decoding: bool = False  # its first token is out: a draft sent ahead is for step steps + 1
     tail: object = None  # its last prefill / step span: ends when the next step begins
+    request_id: str = ""
 
 
 class StepTracer:
@@ -68,19 +69,20 @@ class StepTracer:
         """Trace `request_id` under `parent` (its `verifier.request` span); None: not traced."""
         if parent is not None:
             with self._lock:
-                self._requests[request_id] = _Traced(parent)
+                self._requests[request_id] = _Traced(parent, request_id=request_id)
 
     def remove(self, request_id: str, end_ns: int | None = None) -> None:
-        """Stop tracing `request_id`; its last span ends at `end_ns` (default: now)."""
+        """Stop tracing `request_id`; its last and open spans end at `end_ns` (default: now)."""
         with self._lock:
             traced = self._requests.pop(request_id, None)
         if traced is None:
             return
+        end_ns = end_ns or time.time_ns()
         if traced.chunks and not traced.decoding:  # it ended during its prefill
             self._prefill_span(traced, "the request ended mid-prefill")
-        self._end_open(traced, "the request ended mid-step", request_id)
-        self._end_open(traced, "the request ended with a draft in flight", request_id, ahead=True)
-        self._end_tail(traced, end_ns or time.time_ns())
+        self._end_open(traced, "the request ended mid-step", end_ns)
+        self._end_open(traced, "the request ended with a draft in flight", end_ns, ahead=True)
+        self._end_tail(traced, end_ns)
 
     def __contains__(self, request_id: str) -> bool:
         with self._lock:
@@ -159,9 +161,9 @@ class StepTracer:
         """End the step: spans still open for it end with `why` (the engine raised, or the
         request had no output); the drafts sent ahead during it become the next step's."""
         with self._lock:
-            opened = [(rid, t) for rid, t in self._requests.items() if t.open is not None]
-        for request_id, traced in opened:
-            self._end_open(traced, why, request_id)
+            opened = [t for t in self._requests.values() if t.open is not None]
+        for traced in opened:
+            self._end_open(traced, why, time.time_ns())
         with self._lock:
             for traced in self._requests.values():
                 traced.open, traced.ahead = traced.ahead, None
@@ -171,6 +173,7 @@ class StepTracer:
         """The request's `prefill` span, its chunks as events (`error`: it ended mid-prefill)."""
         span = self._tracer.start_span("prefill", traced.parent,
                                        start_time=traced.prefill_start_ns or None)
+        span.set_attribute("request.id", traced.request_id)
         span.set_attribute("prefill.chunks", len(traced.chunks))
         span.set_attribute("prefill.tokens", sum(n for _, _, n in traced.chunks))
         for t, first, n in traced.chunks:
@@ -229,15 +232,15 @@ class StepTracer:
             traced.tail = None
 
     @staticmethod
-    def _end_open(traced: _Traced, why: str, request_id: str, ahead: bool = False) -> None:
-        """End the request's open `step` and `draft` spans as errors (`why`)."""
+    def _end_open(traced: _Traced, why: str, end_ns: int, ahead: bool = False) -> None:
+        """End the request's open `step` and `draft` spans as errors (`why`) at `end_ns`."""
         spans = traced.ahead if ahead else traced.open
         if spans is not None and spans[0].is_recording():
-            spans[0].set_attributes({"request.id": request_id,
+            spans[0].set_attributes({"request.id": traced.request_id,
                                      "step.index": traced.steps + int(ahead and traced.decoding)})
         for span in reversed(spans or ()):
             span.set_status(Status(StatusCode.ERROR, why))
-            span.end()
+            span.end(end_time=max(end_ns, getattr(span, "start_time", None) or 0))
         if ahead:
             traced.ahead = None
         else:

@@ -72,7 +72,7 @@ def traced(checkpoints, sink, tmp_path_factory):  # noqa: F811
         def complete(spans) -> bool:  # the drafter's spans arrive on their own schedule
             names = Counter((r.span.name, _attr(r.span, "request.id")) for r in spans)
             remote = {"trace-dflash": "ddtree.build", "trace-ngram": "ngram.draft"}
-            return all(names["generate", rid] == 1 and names["prefill", None] == len(finals)
+            return all(names["generate", rid] == 1 and names["prefill", rid] == 1
                        and names["step", rid] == names[remote[rid], rid] == f.stats.steps
                        for rid, f in finals.items())
 

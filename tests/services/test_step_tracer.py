@@ -153,6 +153,12 @@ def test_untraced_requests_and_abandoned_steps(spans):
     assert all(s.status.status_code is StatusCode.ERROR for s in bad)
     step = next(s for s in bad if s.name == "step")  # cut short, it still says whose it was
     assert (step.attributes["request.id"], step.attributes["step.index"]) == ("r", 0)
+    tracer.begin_step(T0 + 10 * MS)
+    tracer.open_draft("r")
+    tracer.remove("r", T0 + 12 * MS)  # an abort asked then: its open spans end there
+    cut = [s for s in exporter.get_finished_spans() if s not in bad]
+    assert sorted(s.name for s in cut) == ["draft", "step"]
+    assert {s.end_time for s in cut} == {T0 + 12 * MS}
     with pytest.raises(ValueError):
         StepTracer(-1, otel)
 
@@ -172,6 +178,7 @@ def test_a_request_that_ends_mid_prefill_keeps_its_prefill_span(spans):
     assert (prefill.start_time, prefill.end_time) == (T0, T0 + 35 * MS)
     assert (prefill.attributes["prefill.chunks"], prefill.attributes["prefill.tokens"]) == \
         (3, 192)
+    assert prefill.attributes["request.id"] == "r"  # cut short, it still says whose it was
     assert [e.attributes["start"] for e in prefill.events] == [0, 64, 128]
 
 
