@@ -183,6 +183,8 @@ class OpenAIFront:
             return _error(api, headers)
         spans = [span, *(self.pipeline.start_span(request.headers.items())
                          for _ in api.requests[1:])]
+        if trace_id and len(spans) > 1:  # a trace per choice: every one, in choice order
+            headers[TRACE_ID_KEY] = ",".join(telemetry.trace_id_of(s) for s in spans)
         choices = Choices([self.pipeline.run(lambda r=r: r, s, None, API)
                            for r, s in zip(api.requests, spans, strict=True)], api.n)
         try:  # every choice's first event, or the error that came instead: its status

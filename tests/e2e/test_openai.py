@@ -81,6 +81,10 @@ def test_completions_whole_and_streamed_equal_the_engine(api, prompts, expected,
         assert spec["steps"] > 0 and spec["mean_acceptance_length"] >= 1
         assert sum(spec["acceptance_length_histogram"].values()) == spec["steps"]
         assert len(raw.headers["x-specserve-trace-id"]) == 32
+        two = client.completions.with_raw_response.create(  # a trace per choice: both named
+            model=MODEL, prompt=prompts[i], max_tokens=2, n=2, **GREEDY).headers
+        ids = two["x-specserve-trace-id"].split(",")
+        assert len(ids) == len(set(ids)) == 2 and all(len(t) == 32 for t in ids)
         chunks = list(client.completions.create(
             model=MODEL, prompt=prompts[i], max_tokens=NEW, stream=True,
             stream_options={"include_usage": True}, **GREEDY))
