@@ -38,6 +38,15 @@ DEFAULT_KV_GB = {"cpu": 1.0, "cuda": 16.0}
 MAX_ADMISSION_WINDOW_MS = 1000.0  # a longer wait is a misconfiguration, not batching
 
 
+def _address_or_none(raw: str) -> str | None:
+    """--drafter's HOST:PORT ('' = none); a typo would decode every step without drafts."""
+    if raw:
+        host, _, port = raw.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(f"--drafter must be HOST:PORT, got {raw!r}")
+    return raw or None
+
+
 def _or_none(value: str | None) -> str | None:
     return value or None
 
@@ -77,7 +86,7 @@ class VerifierConfig:
         "B + 1 verify rows: B = 2^k - 1 fills the kernel's row blocks)", default=15, type=int)
     drafter: str | None = flag_field(  # None = no drafter
         "--drafter", "SPECSERVE_DRAFTER_ADDR", "drafter address host:port ('' = none)",
-        default=None, cli_default="", parse=_or_none)
+        default=None, cli_default="", parse=_address_or_none)
     drafter_timeout_s: float = flag_field("--drafter-timeout-s", "SPECSERVE_DRAFTER_TIMEOUT_S",
                                           "deadline of one draft round trip", default=2.0,
                                           type=float)
@@ -190,10 +199,6 @@ class VerifierConfig:
                              f"got {self.admission_window_ms}")
         if self.drafter_timeout_s <= 0 or self.grace_s < 0:
             raise ValueError("drafter_timeout_s must be positive and grace_s non-negative")
-        if self.drafter:  # a typo would mean every step decoded without it, silently
-            host, _, port = self.drafter.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
-                raise ValueError(f"drafter must be HOST:PORT, got {self.drafter!r}")
         self._check_choices()
         if self.context_ring_rows is not None and self.context_ring_rows <= 0:
             raise ValueError(f"context_ring_rows must be positive, got {self.context_ring_rows}")

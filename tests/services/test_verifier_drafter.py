@@ -113,8 +113,10 @@ async def test_unreachable_drafter_means_root_only_steps(target, expected, caplo
     assert not stats.drafter_connected and sum(stats.fallbacks.values()) == len(steps)
     said = [r.getMessage() for r in caplog.records if "not reachable" in r.getMessage()]
     assert len(said) == 1 and address in said[0], said
-    with pytest.raises(ValueError, match="drafter must be HOST:PORT"):
-        _config(target, drafter="127.0.0.1:abc")
+    from services.verifier.__main__ import build_parser, config_from_args
+
+    with pytest.raises(ValueError, match="--drafter must be HOST:PORT"):
+        config_from_args(build_parser().parse_args(["--model", str(target), "--drafter", "h:x"]))
 
 
 @aio
