@@ -243,10 +243,11 @@ class StopStringMatcher:
 
     A stop fires as soon as a stop string is complete: among matches, the one that ends first wins
     (the longest if several end together), so the result does not depend on how the text was split
-    into deltas. The stop string itself is never emitted.
+    into deltas. The stop string itself is emitted only with `include` (vLLM's
+    include_stop_str_in_output).
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include: bool = False) -> None:
         if isinstance(stop, str):
             raise InvalidRequest("stop must be a sequence of strings, not a single string")
         stops = tuple(stop)
@@ -256,6 +257,7 @@ class StopStringMatcher:
         self._stops = tuple(dict.fromkeys(stops))
         self._held = ""
         self._stopped = False
+        self._include = include
 
     @property
     def stopped(self) -> bool:
@@ -270,7 +272,7 @@ class StopStringMatcher:
         if match is not None:
             self._held = ""
             self._stopped = True
-            return buf[:match], True
+            return buf[:match[1] if self._include else match[0]], True
         keep = self._partial_suffix_len(buf)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False
@@ -280,15 +282,15 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _first_match(self, buf: str) -> int | None:
-        """Start index of the match that ends first (longest on ties), or None."""
+    def _first_match(self, buf: str) -> tuple[int, int] | None:
+        """(start, end) of the match that ends first (longest on ties), or None."""
         best: tuple[int, int] | None = None
         for s in self._stops:
             start = buf.find(s)
             if start >= 0:
                 key = (start + len(s), start)
                 best = key if best is None else min(best, key)
-        return None if best is None else best[1]
+        return None if best is None else (best[1], best[0])
 
     def _partial_suffix_len(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that is a proper prefix of some stop string."""

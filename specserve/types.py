@@ -34,8 +34,10 @@ class SamplingParams:
 
     temperature below GREEDY_TEMPERATURE (0 included) means greedy (argmax): softmax(z / T) at
     such T is argmax up to rounding. top_k None means no top-k cut; top_p 1.0 means no nucleus
-    cut. seed None means a fresh random seed. Stop token ids end the generation and are emitted;
-    stop strings end it and are not emitted. logprobs None: none; N in [0, MAX_LOGPROBS]: each
+    cut. seed None means a fresh random seed. A stop token id (or EOS) ends the generation as
+    a token (counted, with its logprob) whose text is left out; a stop string ends it and is left
+    out of the text — both kept with include_stop_str_in_output (vLLM's). logprobs None: none;
+    N in [0, MAX_LOGPROBS]: each
     generated token's log-probability under the target model, and the N most likely tokens';
     prompt_logprobs the same for each prompt token after the first.
     """
@@ -48,6 +50,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
@@ -57,9 +60,9 @@ class SamplingParams:
                                                                        int | float):
                 raise InvalidRequest(f"{name} must be a number, got {getattr(self, name)!r}",
                                      name)
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequest(f"ignore_eos must be a bool, got {self.ignore_eos!r}",
-                                 "ignore_eos")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"{name} must be a bool, got {getattr(self, name)!r}", name)
         if not _is_int(self.max_tokens) or not 0 < self.max_tokens <= INT32_MAX:
             raise InvalidRequest(f"max_tokens must be an integer in [1, {INT32_MAX}], got "
                                  f"{self.max_tokens!r}", "max_tokens")

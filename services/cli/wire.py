@@ -59,7 +59,8 @@ def generate_request(prompt: str | list[int], params: SamplingParams, drafter: s
                                  top_k=params.top_k or 0,
                                  top_p=max(params.top_p, FLOAT32_TINY),  # 0 in float32: none
                                  stop_token_ids=list(params.stop_token_ids),
-                                 stop=list(params.stop), ignore_eos=params.ignore_eos)
+                                 stop=list(params.stop), ignore_eos=params.ignore_eos,
+                                 include_stop_str_in_output=params.include_stop_str_in_output)
     if params.seed is not None:
         sampling.seed = params.seed
     if params.logprobs is not None:

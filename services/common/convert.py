@@ -48,7 +48,7 @@ def sampling_from_pb(msg: pb.SamplingParams, defaults=None) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None,
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
         stop=tuple(msg.stop),
-        ignore_eos=msg.ignore_eos,
+        ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
@@ -77,7 +77,8 @@ def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
                             top_k=p.top_k or 0, top_p=max(p.top_p, FLOAT32_TINY),
                             stop_token_ids=list(p.stop_token_ids), stop=list(p.stop),
-                            ignore_eos=p.ignore_eos)
+                            ignore_eos=p.ignore_eos,
+                            include_stop_str_in_output=p.include_stop_str_in_output)
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:

@@ -180,6 +180,7 @@ def _sampling_params(body: dict, chat: bool, defaults) -> SamplingParams:
         top_p=number(body, "top_p", defaults.top_p if defaults else 1.0),
         seed=typed(body, "seed", int, None), stop=tuple(stop or ()),
         stop_token_ids=_stop_token_ids(body), ignore_eos=typed(body, "ignore_eos", bool, False),
+        include_stop_str_in_output=typed(body, "include_stop_str_in_output", bool, False),
         logprobs=_logprobs(body, chat))
 
 

@@ -22,7 +22,7 @@ from specserve.json_values import one_of
 
 _BOTH = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
          "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "drafter",
-         "budget", "n", "add_special_tokens"}
+         "budget", "n", "add_special_tokens", "include_stop_str_in_output"}
 READ = {False: _BOTH | {"prompt", "logprobs", "best_of", "echo", "prompt_logprobs"},
         True: _BOTH | {"messages", "max_completion_tokens", "add_generation_prompt", "logprobs",
                        "top_logprobs"}}
@@ -41,7 +41,7 @@ NEUTRAL: dict[str, tuple] = {
     # vLLM's extensions
     "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
     "length_penalty": (None, 1, 1.0), "use_beam_search": (None, False),
-    "include_stop_str_in_output": (None, False), "spaces_between_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
     "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
     "return_tokens_as_token_ids": (None, False), "truncate_prompt_tokens": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),

@@ -23,7 +23,8 @@ class RequestState:
         self.req, self.prompt_ids = req, prompt_ids
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids,
                                             skip_special_tokens=not req.keep_special_tokens)
-        self.stopper = StopStringMatcher(req.params.stop) if req.params.stop else None
+        include = req.params.include_stop_str_in_output
+        self.stopper = StopStringMatcher(req.params.stop, include) if req.params.stop else None
         self.stats = RequestSpecStats()
         self.completion_tokens = 0
         self.t0 = time.perf_counter()
@@ -36,14 +37,15 @@ class RequestState:
         """Text for a step's tokens, the step and whether a stop string completed: then text
         and step end at the token that completed it (usage counts no token after it).
         `at_stop_id`: the step's last token is the stop id (EOS or a `stop_token_ids` id) that
-        ended the request — counted, its text left out (vLLM's, without
-        include_stop_str_in_output)."""
+        ended the request — counted, its text left out unless the request asks for it
+        (include_stop_str_in_output, as vLLM's)."""
         if not self.ttft_s:
             self.ttft_s = time.perf_counter() - self.t0
         if self.completion_tokens:  # the first event is prefill's sampled token, not a step
             self.stats.record(step)  # the verifier's own stats replace these when it finishes
         elif self.req.params.prompt_logprobs is not None:  # for whoever shows their logprobs
             step = replace(step, prompt_ids=tuple(self.prompt_ids))
+        at_stop_id = at_stop_id and not self.req.params.include_stop_str_in_output
         shown = len(step.token_ids) - at_stop_id  # tokens whose text is shown
         if self.stopper is None:
             self.completion_tokens += len(step.token_ids)

@@ -101,7 +101,8 @@ class Engine:
 
             seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids,
                                                skip_special_tokens=True)
-            seq.stopper = StopStringMatcher(params.stop) if params.stop else None
+            seq.stopper = StopStringMatcher(params.stop, params.include_stop_str_in_output) \
+                if params.stop else None
         elif params.stop:
             raise InvalidRequest("stop strings need a tokenizer; this engine has none")
         self.scheduler.add(seq)

@@ -115,7 +115,8 @@ class Sequence:
         id that ends the request (EOS, `stop_token_ids`) is left out of the text, as vLLM's."""
         if self.detok is None:
             return "", reason
-        if reason == FinishReason.STOP and taken and taken[-1] in self.stop_ids:
+        if reason == FinishReason.STOP and taken and taken[-1] in self.stop_ids \
+                and not self.params.include_stop_str_in_output:
             taken = taken[:-1]
         delta = self.detok.push(taken)
         if reason is not None:

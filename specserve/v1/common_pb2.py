@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/common.proto\x12\x0cspecserve.v1\"\xb6\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\x05H\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"Y\n\x0bSpecOptions\x12*\n\x07\x64rafter\x18\x01 \x01(\x0e\x32\x19.specserve.v1.DrafterKind\x12\x13\n\x06\x62udget\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\t\n\x07_budget\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x8f\x05\n\tSpecStats\x12\r\n\x05steps\x18\x01 \x01(\x03\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x03\x12\x18\n\x10\x63ommitted_tokens\x18\x04 \x01(\x03\x12\x17\n\x0fmean_commit_len\x18\x05 \x01(\x01\x12\x43\n\x0f\x63ommit_len_hist\x18\x06 \x03(\x0b\x32*.specserve.v1.SpecStats.CommitLenHistEntry\x12O\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\x0b\x32\x30.specserve.v1.SpecStats.AcceptedPerPositionEntry\x12\x39\n\tfallbacks\x18\x08 \x03(\x0b\x32&.specserve.v1.SpecStats.FallbacksEntry\x12(\n\x06phases\x18\t \x01(\x0b\x32\x18.specserve.v1.PhaseTimes\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x33\n\x06shapes\x18\x0b \x03(\x0b\x32#.specserve.v1.SpecStats.ShapesEntry\x1a\x34\n\x12\x43ommitLenHistEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a:\n\x18\x41\x63\x63\x65ptedPerPositionEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x30\n\x0e\x46\x61llbacksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a-\n\x0bShapesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"e\n\nPhaseTimes\x12\x11\n\tprefill_s\x18\x01 \x01(\x01\x12\x0f\n\x07\x64raft_s\x18\x02 \x01(\x01\x12\x10\n\x08verify_s\x18\x03 \x01(\x01\x12\x10\n\x08\x63ommit_s\x18\x04 \x01(\x01\x12\x0f\n\x07other_s\x18\x05 \x01(\x01\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05*s\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44RAFTER_KIND_DFLASH\x10\x01\x12\x16\n\x12\x44RAFTER_KIND_NGRAM\x10\x02\x12\x15\n\x11\x44RAFTER_KIND_NONE\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/common.proto\x12\x0cspecserve.v1\"\xda\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\x05H\x05\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"Y\n\x0bSpecOptions\x12*\n\x07\x64rafter\x18\x01 \x01(\x0e\x32\x19.specserve.v1.DrafterKind\x12\x13\n\x06\x62udget\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\t\n\x07_budget\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x8f\x05\n\tSpecStats\x12\r\n\x05steps\x18\x01 \x01(\x03\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x03\x12\x18\n\x10\x63ommitted_tokens\x18\x04 \x01(\x03\x12\x17\n\x0fmean_commit_len\x18\x05 \x01(\x01\x12\x43\n\x0f\x63ommit_len_hist\x18\x06 \x03(\x0b\x32*.specserve.v1.SpecStats.CommitLenHistEntry\x12O\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\x0b\x32\x30.specserve.v1.SpecStats.AcceptedPerPositionEntry\x12\x39\n\tfallbacks\x18\x08 \x03(\x0b\x32&.specserve.v1.SpecStats.FallbacksEntry\x12(\n\x06phases\x18\t \x01(\x0b\x32\x18.specserve.v1.PhaseTimes\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x33\n\x06shapes\x18\x0b \x03(\x0b\x32#.specserve.v1.SpecStats.ShapesEntry\x1a\x34\n\x12\x43ommitLenHistEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a:\n\x18\x41\x63\x63\x65ptedPerPositionEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x30\n\x0e\x46\x61llbacksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a-\n\x0bShapesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"e\n\nPhaseTimes\x12\x11\n\tprefill_s\x18\x01 \x01(\x01\x12\x0f\n\x07\x64raft_s\x18\x02 \x01(\x01\x12\x10\n\x08verify_s\x18\x03 \x01(\x01\x12\x10\n\x08\x63ommit_s\x18\x04 \x01(\x01\x12\x0f\n\x07other_s\x18\x05 \x01(\x01\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05*s\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44RAFTER_KIND_DFLASH\x10\x01\x12\x16\n\x12\x44RAFTER_KIND_NGRAM\x10\x02\x12\x15\n\x11\x44RAFTER_KIND_NONE\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,30 +39,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECSTATS_FALLBACKSENTRY']._serialized_options = b'8\001'
   _globals['_SPECSTATS_SHAPESENTRY']._loaded_options = None
   _globals['_SPECSTATS_SHAPESENTRY']._serialized_options = b'8\001'
-  _globals['_DRAFTERKIND']._serialized_start=1393
-  _globals['_DRAFTERKIND']._serialized_end=1508
-  _globals['_FINISHREASON']._serialized_start=1510
-  _globals['_FINISHREASON']._serialized_end=1630
+  _globals['_DRAFTERKIND']._serialized_start=1429
+  _globals['_DRAFTERKIND']._serialized_end=1544
+  _globals['_FINISHREASON']._serialized_start=1546
+  _globals['_FINISHREASON']._serialized_end=1666
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=354
-  _globals['_TOKENLOGPROB']._serialized_start=356
-  _globals['_TOKENLOGPROB']._serialized_end=426
-  _globals['_SPECOPTIONS']._serialized_start=428
-  _globals['_SPECOPTIONS']._serialized_end=517
-  _globals['_TENSOR']._serialized_start=519
-  _globals['_TENSOR']._serialized_end=571
-  _globals['_SPECSTATS']._serialized_start=574
-  _globals['_SPECSTATS']._serialized_end=1229
-  _globals['_SPECSTATS_COMMITLENHISTENTRY']._serialized_start=1020
-  _globals['_SPECSTATS_COMMITLENHISTENTRY']._serialized_end=1072
-  _globals['_SPECSTATS_ACCEPTEDPERPOSITIONENTRY']._serialized_start=1074
-  _globals['_SPECSTATS_ACCEPTEDPERPOSITIONENTRY']._serialized_end=1132
-  _globals['_SPECSTATS_FALLBACKSENTRY']._serialized_start=1134
-  _globals['_SPECSTATS_FALLBACKSENTRY']._serialized_end=1182
-  _globals['_SPECSTATS_SHAPESENTRY']._serialized_start=1184
-  _globals['_SPECSTATS_SHAPESENTRY']._serialized_end=1229
-  _globals['_PHASETIMES']._serialized_start=1231
-  _globals['_PHASETIMES']._serialized_end=1332
-  _globals['_USAGE']._serialized_start=1334
-  _globals['_USAGE']._serialized_end=1391
+  _globals['_SAMPLINGPARAMS']._serialized_end=390
+  _globals['_TOKENLOGPROB']._serialized_start=392
+  _globals['_TOKENLOGPROB']._serialized_end=462
+  _globals['_SPECOPTIONS']._serialized_start=464
+  _globals['_SPECOPTIONS']._serialized_end=553
+  _globals['_TENSOR']._serialized_start=555
+  _globals['_TENSOR']._serialized_end=607
+  _globals['_SPECSTATS']._serialized_start=610
+  _globals['_SPECSTATS']._serialized_end=1265
+  _globals['_SPECSTATS_COMMITLENHISTENTRY']._serialized_start=1056
+  _globals['_SPECSTATS_COMMITLENHISTENTRY']._serialized_end=1108
+  _globals['_SPECSTATS_ACCEPTEDPERPOSITIONENTRY']._serialized_start=1110
+  _globals['_SPECSTATS_ACCEPTEDPERPOSITIONENTRY']._serialized_end=1168
+  _globals['_SPECSTATS_FALLBACKSENTRY']._serialized_start=1170
+  _globals['_SPECSTATS_FALLBACKSENTRY']._serialized_end=1218
+  _globals['_SPECSTATS_SHAPESENTRY']._serialized_start=1220
+  _globals['_SPECSTATS_SHAPESENTRY']._serialized_end=1265
+  _globals['_PHASETIMES']._serialized_start=1267
+  _globals['_PHASETIMES']._serialized_end=1368
+  _globals['_USAGE']._serialized_start=1370
+  _globals['_USAGE']._serialized_end=1427
 # @@protoc_insertion_point(module_scope)

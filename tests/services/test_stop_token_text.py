@@ -54,14 +54,18 @@ def _text(raw: bytes, stream: bool) -> tuple[str, str, int]:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("stop", [None, ["never in it"]])
-async def test_the_stop_id_s_text_is_left_out(model_dir, tmp_path, stream, stop):  # noqa: F811
+@pytest.mark.parametrize("include", [False, True])
+async def test_the_stop_id_s_text_is_left_out(model_dir, tmp_path, stream, stop,  # noqa: F811
+                                              include):
+    """... unless the request says include_stop_str_in_output (then every token's text)."""
     tok = Tokenizer.from_dir(model_dir)
     ids = [t for step in TOKENS for t in step]
     body = {"prompt": "hi", "max_tokens": 9, "stop_token_ids": [ids[-1]],
             "stream_options": {"include_usage": True} if stream else None,
-            **({"stop": stop} if stop else {})}
+            "include_stop_str_in_output": include, **({"stop": stop} if stop else {})}
     body = {k: v for k, v in body.items() if v is not None}
-    for reason, shown, finish in ((common_pb2.FINISH_REASON_STOP, ids[:-1], "stop"),
+    at_stop = ids if include else ids[:-1]
+    for reason, shown, finish in ((common_pb2.FINISH_REASON_STOP, at_stop, "stop"),
                                   (common_pb2.FINISH_REASON_LENGTH, ids, "length")):
         status, _, raw = await _run(tmp_path, model_dir, EndsAt(reason), body, stream)
         assert status == 200, raw

@@ -88,3 +88,29 @@ def test_a_stop_token_id_is_counted_and_left_out_of_the_text(oracle, kind, budge
     assert ids == greedy[:k + 1] and outs[-1].num_output_tokens == k + 1
     assert outs[-1].finish_reason is FinishReason.STOP
     assert text == tok.decode(greedy[:k]) != tok.decode(greedy[:k + 1])
+
+
+@pytest.mark.parametrize("kind, budget", [("none", 0), ("ngram", 15)])
+def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_id(oracle, kind,
+                                                                          budget):
+    """vLLM's include_stop_str_in_output: the text runs to the end of the stop string (not a
+    character past it), or keeps the ending stop id's text; the tokens are the same as
+    without it."""
+    greedy, tok = oracle
+    stop = "log. The c"
+    want = _cut(greedy, tok, stop)
+    text = tok.decode(want)
+    for params, ids_want, text_want in (
+            (SamplingParams(max_tokens=40, stop=(stop,), include_stop_str_in_output=True),
+             want, text[: text.index(stop) + len(stop)]),
+            (SamplingParams(max_tokens=40, stop_token_ids=(greedy[5],),
+                            include_stop_str_in_output=True),
+             greedy[:greedy.index(greedy[5]) + 1],
+             tok.decode(greedy[:greedy.index(greedy[5]) + 1]))):
+        engine = _engine(kind)
+        engine.add_request("r", PROMPT, params, budget=budget)
+        ids, got = [], ""
+        while engine.has_unfinished:
+            for out in engine.step():
+                ids, got = ids + out.new_token_ids, got + out.text_delta
+        assert ids == ids_want and got == text_want

@@ -338,6 +338,19 @@ def test_stop_string_spanning_deltas() -> None:
     assert m.stopped and m.feed("more") == ("", True) and m.flush() == ""
 
 
+@pytest.mark.parametrize("cut", [1, 3, 5, 8, 13])
+def test_include_keeps_the_stop_string_and_nothing_after_it(cut) -> None:
+    """With `include` (include_stop_str_in_output) the text ends with the stop string that
+    ended it — the one ending first, longest on ties — however the deltas split it."""
+    text = "one ab two abcd three"
+    deltas = [text[i:i + cut] for i in range(0, len(text), cut)]
+    assert _feed_all(StopStringMatcher(["abcd", "two a"], include=True), deltas) == \
+        ("one ab two a", True)
+    assert _feed_all(StopStringMatcher(["abcd", "two a"]), deltas) == ("one ab ", True)
+    assert _feed_all(StopStringMatcher(["abc", "abcd", "d th"], include=True), deltas) == \
+        ("one ab two abc", True)
+
+
 def test_partial_match_is_released() -> None:
     m = StopStringMatcher(["STOP"])
     assert m.feed("go ST") == ("go ", False)
