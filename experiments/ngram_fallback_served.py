@@ -20,7 +20,11 @@ import threading
 import time
 from pathlib import Path
 
-from served_audit import drafter_pid, wait_health  # a sibling: this directory is on the path
+from served_audit import (  # a sibling: this directory is on the path
+    drafter_pid,
+    running_up,
+    write_out,
+)
 
 
 def generate(repo: str, port: int, prompt: str, max_tokens: int, box: dict) -> None:
@@ -58,14 +62,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     http_port, log = args.ports + 30, Path(tempfile.mkdtemp()) / "up.log"
-    env = {**os.environ, "GRPC_VERBOSITY": "ERROR"}
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--ports", str(args.ports),
-                           "--http-port", str(http_port), "--metrics-ports", "0"],
-                          cwd=args.repo, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                          start_new_session=True)
     out: dict = {"repo": os.path.abspath(args.repo), "max_tokens": args.max_tokens}
-    try:
-        assert wait_health(http_port), log.read_text()[-2000:]
+    with running_up(args.repo, args.ports, http_port, log):
         box: dict = {}
         prompt = "The cat sat on the mat. " * 40
         worker = threading.Thread(target=generate, args=(args.repo, args.ports, prompt,
@@ -84,13 +82,7 @@ def main() -> None:
             out["completion_tokens"] = result["usage"]["completion_tokens"]
             out["wall_s"] = round(result["wall_s"], 2)
             out["phases"] = phases(result["steps"])
-    finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGINT)
-            up.wait(60)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out, indent=1))
-
+    write_out(args.out, out)
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,7 @@ demo pair (run it from the checkout to measure; `--repo` another checkout for a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -112,6 +113,28 @@ def crashes(base: int, http_port: int, log: Path, kills: int = 6) -> dict:
             "request_after": status}
 
 
+@contextlib.contextmanager
+def running_up(repo: str, ports: int, http_port: int, log: Path, **env: str):
+    """`specserve up` of the checkout `repo` (its output to `log`) until the block ends."""
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--ports", str(ports),
+                           "--http-port", str(http_port), "--metrics-ports", "0"],
+                          cwd=repo, env={**os.environ, "GRPC_VERBOSITY": "ERROR", **env},
+                          stdout=log.open("w"), stderr=subprocess.STDOUT,
+                          start_new_session=True)
+    try:
+        assert wait_health(http_port), log.read_text()[-2000:]
+        yield up
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGINT)
+            up.wait(60)
+
+
+def write_out(path: str, out: dict) -> None:
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repo", default=".", help="the checkout whose `specserve up` to run")
@@ -119,27 +142,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     http_port, log = args.ports + 30, Path(tempfile.mkdtemp()) / "up.log"
-    env = {**os.environ, "SPECSERVE_KV_MEMORY_GB": "0.0078125", "GRPC_VERBOSITY": "ERROR",
-           "SPECSERVE_REQUEST_TIMEOUT_S": "5"}
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--ports", str(args.ports),
-                           "--http-port", str(http_port), "--metrics-ports", "0"],
-                          cwd=args.repo, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                          start_new_session=True)
     out = {"repo": os.path.abspath(args.repo)}
-    try:
-        assert wait_health(http_port), log.read_text()[-2000:]
+    with running_up(args.repo, args.ports, http_port, log, SPECSERVE_KV_MEMORY_GB="0.0078125",
+                    SPECSERVE_REQUEST_TIMEOUT_S="5"):
         out["scratch"] = scratch(http_port)
         out["slow_bodies"] = slow_bodies(http_port)
         out["crashes"] = crashes(args.ports, http_port, log)
         left = Path(tempfile.gettempdir()).glob(f"specserve-drafter-{args.ports + 2}-*.sock")
         out["sockets_left"] = len([p for p in left if not str(p).endswith(
             f"-{drafter_pid(args.ports + 2)}.sock")])
-    finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGINT)
-            up.wait(60)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out, indent=1))
+    write_out(args.out, out)
 
 
 if __name__ == "__main__":
