@@ -15,7 +15,7 @@ import time
 from services.cli import usage
 from services.cli.client import add_gateway_flags, gateway_channel, rpc_error_text
 from specserve.drafters import registry
-from specserve.models.config import GENERATION_CONFIG
+from specserve.models.generation_config import GENERATION_CONFIG
 from specserve.spec.metrics import reason_kind
 
 # SamplingParams field (InvalidRequest.param) → the flag that sets it
@@ -121,7 +121,7 @@ def _check_mode(args) -> None:
 def _sampling_params(args):
     """The request's SamplingParams; a value the core refuses (InvalidRequest, a ValueError) is
     a usage error that names its flag."""
-    from specserve.models.config import GenerationDefaults, load_generation_defaults
+    from specserve.models.generation_config import GenerationDefaults, load_generation_defaults
     from specserve.types import SamplingParams
 
     # remote: the server fills what is not given (the fields are cleared on the wire)

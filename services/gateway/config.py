@@ -24,7 +24,7 @@ from services.common.settings import (
     port_file_field,
 )
 from services.gateway.replicas import parse_addresses
-from specserve.models.config import GENERATION_CONFIG
+from specserve.models.generation_config import GENERATION_CONFIG
 
 MIN_MESSAGE_BYTES = 1024
 

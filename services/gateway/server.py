@@ -35,7 +35,7 @@ from services.gateway.prompt_encoder import PromptEncoder
 from services.gateway.replicas import Replicas
 from services.gateway.servicer import GatewayServicer
 from specserve.chat_template import ChatTemplate
-from specserve.models.config import load_generation_defaults
+from specserve.models.generation_config import load_generation_defaults
 from specserve.tokenizer import Tokenizer
 from specserve.v1 import gateway_pb2_grpc
 

@@ -31,7 +31,7 @@ from services.common.settings import (
     port_file_field,
 )
 from specserve.config import MIXED_CHUNKS, EngineConfig, check_choice, check_switch
-from specserve.models.config import GENERATION_CONFIG
+from specserve.models.generation_config import GENERATION_CONFIG
 from specserve.spec.tree import MAX_BUDGET
 
 DEFAULT_KV_GB = {"cpu": 1.0, "cuda": 16.0}

@@ -32,8 +32,8 @@ from specserve.config import switched_on
 from specserve.engine.engine import Engine
 from specserve.engine.warmup import warm_up_engine
 from specserve.errors import ModelError
-from specserve.models.config import load_generation_defaults
 from specserve.models.dflash import load_context_projection
+from specserve.models.generation_config import load_generation_defaults
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)

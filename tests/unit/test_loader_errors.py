@@ -154,7 +154,7 @@ def test_generation_config_sampling_defaults(tmp_path):
     """As transformers' generate reads generation_config.json: its sampling values only with
     do_sample (top_k 50 when unset, 0 = none); a request's own values win, top_k 0 = no cut."""
     from services.common.convert import sampling_from_pb
-    from specserve.models.config import GenerationDefaults, load_generation_defaults
+    from specserve.models.generation_config import GenerationDefaults, load_generation_defaults
     from specserve.v1 import common_pb2
 
     assert load_generation_defaults(tmp_path) == GenerationDefaults()
@@ -182,7 +182,7 @@ def test_generation_config_sampling_defaults(tmp_path):
 def test_generation_config_out_of_range_is_refused(tmp_path, bad):
     """A generation_config.json whose sampling values no request could take is refused at
     load, naming the file and the value, not carried into every request that leaves them unset."""
-    from specserve.models.config import load_generation_defaults
+    from specserve.models.generation_config import load_generation_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, **bad}))
     key = next(iter(bad))
@@ -197,7 +197,7 @@ def test_a_generation_setting_specserve_does_not_implement_is_refused(tmp_path, 
     """transformers' generate applies it (greedy or not), so serving the file's defaults without
     it would silently differ: refused at load, naming it and the way out; --generation-config
     none serves the model greedy by default without the file's sampling."""
-    from specserve.models.config import GenerationDefaults, load_generation_defaults
+    from specserve.models.generation_config import GenerationDefaults, load_generation_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.7, **setting}))
@@ -214,7 +214,7 @@ def test_transformers_defaults_of_the_refused_settings_are_neutral(tmp_path):
     """Every setting the check refuses, at transformers' own GenerationConfig default (what a
     checkpoint's file often spells out), is taken as doing nothing."""
     transformers = pytest.importorskip("transformers")
-    from specserve.models.config import NOT_IMPLEMENTED, load_generation_defaults
+    from specserve.models.generation_config import NOT_IMPLEMENTED, load_generation_defaults
 
     defaults = transformers.GenerationConfig()
     written = {k: getattr(defaults, k) for k in NOT_IMPLEMENTED if hasattr(defaults, k)}

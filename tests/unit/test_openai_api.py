@@ -13,7 +13,7 @@ from services.gateway.convert import GatewayFinal
 from services.gateway.openai_api import ApiError, parse
 from specserve.chat_template import ChatTemplate
 from specserve.demo import default_pair
-from specserve.models.config import GenerationDefaults
+from specserve.models.generation_config import GenerationDefaults
 from specserve.spec.metrics import RequestSpecStats
 from specserve.types import FinishReason, SamplingParams
 
