@@ -165,3 +165,17 @@ def check_model(body: dict, model: str) -> None:
     if typed(body, "model", str, model) != model:
         raise ApiError(404, f"model {body['model'][:100]!r} is not served here; this gateway "
                        f"serves {model!r}", "not_found_error", "model", "model_not_found")
+
+
+async def read_body(request, limit: int) -> bytes:
+    """A Starlette request's body bytes; ApiError 413 past `limit` bytes."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise ApiError(413, f"request body of {int(size)} bytes is over the limit of {limit}")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise ApiError(413, f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

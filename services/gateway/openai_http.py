@@ -22,7 +22,6 @@ response carries the trace id in the `x-specserve-trace-id` header.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from opentelemetry.trace import Status, StatusCode
@@ -42,7 +41,7 @@ from services.gateway.choices import Choices
 from services.gateway.convert import TRACE_ID_KEY, GatewayFinal
 from services.gateway.openai_api import ApiRequest, parse
 from services.gateway.openai_errors import ApiError
-from services.gateway.openai_fields import OFF_LOOP_BYTES, loads
+from services.gateway.openai_fields import OFF_LOOP_BYTES, loads, read_body
 from services.gateway.pipeline import GenerationFailed, Pipeline
 
 API = "openai"  # the `api` label of specserve_gateway_requests_total
@@ -150,7 +149,7 @@ class OpenAIFront:
         not hold its connection (and a file descriptor) for ever. ApiError 408 / 413."""
         try:
             async with asyncio.timeout(self.body_timeout_s):
-                return await _read_body(request, self.max_body_bytes)
+                return await read_body(request, self.max_body_bytes)
         except TimeoutError:
             raise ApiError(408, f"the request body was not received whole within "
                                 f"{self.body_timeout_s:g} s (--request-timeout-s)",
@@ -222,22 +221,22 @@ class OpenAIFront:
         try:
             if api.chat:
                 for k in range(len(api.requests)):
-                    yield _data(out.chunk(api, self.model, "", first=True, index=k))
+                    yield out.sse(out.chunk(api, self.model, "", first=True, index=k))
             deltas, finals = out.Deltas(api, self.pipeline.tokenizer), [None] * len(api.requests)
             try:
                 async for k, event in choices.events():
                     if isinstance(event, GatewayFinal):
                         finals[k] = event
-                        yield _data(out.chunk(api, self.model, "", event, index=k))
+                        yield out.sse(out.chunk(api, self.model, "", event, index=k))
                         continue
                     text, lps, extra = deltas(k, event)
                     if text or lps or extra:
-                        yield _data(out.chunk(api, self.model, text, lps=lps, index=k,
+                        yield out.sse(out.chunk(api, self.model, text, lps=lps, index=k,
                                               extra=extra))
                 if api.include_usage:
-                    yield _data(out.usage_chunk(api, self.model, finals))
+                    yield out.sse(out.usage_chunk(api, self.model, finals))
             except GenerationFailed as e:
-                yield _data(ApiError.of_grpc(e.code, e.message, api.names).body())
+                yield out.sse(ApiError.of_grpc(e.code, e.message, api.names).body())
             await choices.aclose()  # before [DONE], at which clients hang up
             yield "data: [DONE]\n\n"
         finally:
@@ -246,14 +245,6 @@ class OpenAIFront:
     def _count(self, code: str) -> None:
         if self.pipeline.metrics is not None:
             self.pipeline.metrics.requests.labels(code=code, api=API).inc()
-
-
-# line separators a line-based SSE reader would split a JSON event at (legal JSON unescaped)
-_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
-
-
-def _data(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_SEPARATORS)}\n\n"
 
 
 def _error(e: ApiError, headers: dict | None = None) -> JSONResponse:
@@ -282,20 +273,6 @@ async def _off_loop(raw: bytes, fn, *args):
     if len(raw) <= OFF_LOOP_BYTES:
         return fn(loads(raw), *args)
     return await asyncio.to_thread(lambda: fn(loads(raw), *args))
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body's bytes; ApiError 413 past `limit` bytes."""
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > limit:
-        raise ApiError(413, f"request body of {int(size)} bytes is over the limit of {limit}")
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise ApiError(413, f"request body is over the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def _unless_disconnect(request: Request, awaitable):

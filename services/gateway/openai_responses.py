@@ -11,13 +11,15 @@ the phase times.
 `logprobs` (when asked) is OpenAI's object for a run of tokens: completions' `tokens`,
 `token_logprobs`, `top_logprobs` (the N best and the chosen token, by text) and `text_offset`;
 chat's `content` list of {token, logprob, bytes, top_logprobs}. A token's text is its own
-decode (U+FFFD for part of a character; `bytes` has its real bytes).
+decode (U+FFFD for part of a character; `bytes` has its real bytes). A streamed body is
+server-sent events (`sse`), JSON with the line separators escaped.
 """
 
 from __future__ import annotations
 
 import codecs
 import functools
+import json
 
 from services.gateway.convert import GatewayFinal
 from services.gateway.openai_api import ApiRequest
@@ -232,3 +234,12 @@ def usage_chunk(api: ApiRequest, model: str, finals: list[GatewayFinal]) -> dict
 def models(model: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
                                         "owned_by": "specserve"}]}
+
+
+# line separators a line-based SSE reader would split a JSON event at (legal JSON unescaped)
+_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def sse(obj: dict) -> str:
+    """One server-sent event carrying `obj` as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_SEPARATORS)}\n\n"
