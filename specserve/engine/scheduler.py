@@ -196,9 +196,15 @@ class Scheduler:
 
     @property
     def has_prompt_work(self) -> bool:
-        """Whether the next step carries prompt tokens: a request waits, or one running is
-        still prefilling its prompt."""
-        return bool(self.waiting) or any(s.in_prefill for s in self.running)
+        """Whether the next step carries prompt tokens: a running request is still prefilling
+        its prompt, or the first waiting one is admitted by it (one that waits for a slot or
+        for pages is not: the running requests' steps stay decode steps meanwhile)."""
+        if any(s.in_prefill for s in self.running):
+            return True
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        seq = self.waiting[0]
+        return self.blocks.can_reserve(seq.num_tokens + self.scratch_of(seq))
 
     @property
     def has_work(self) -> bool:

@@ -249,3 +249,33 @@ def test_has_prompt_work_until_the_last_chunk_is_computed(checkpoint_cache, make
         seen.append(sched.has_prompt_work)
     # waiting; 24 of 53 prompt tokens, 48 of 53 (running, in prefill); then decode only
     assert seen[:3] == [True, True, True] and not any(seen[3:]) and len(seen) > 4, seen
+
+
+def test_a_request_waiting_for_a_slot_or_pages_is_no_prompt_work(checkpoint_cache,
+                                                                 make_engine):
+    """A request that cannot be admitted does not make the running requests' decode steps
+    prompt steps (under --threads auto those take every core: beside a drafter and any other
+    load on the host they ran 12-15 x slower while a request waited)."""
+    path, hf = checkpoint_cache("qwen3-gqa1-tied")
+    prompts = random_prompts(3, hf.config.vocab_size, [9, 11, 13], seed=12)
+    engine = make_engine(path, page_size=4, max_num_seqs=1)
+    sched = engine.scheduler
+    engine.add_request("a", prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # a's prompt: it decodes from here
+    engine.add_request("b", prompts[1], SamplingParams(max_tokens=4, ignore_eos=True))
+    waited = []
+    while "a" in {s.request_id for s in sched.running}:
+        waited.append(sched.has_prompt_work)  # b waits for the one slot
+        engine.step()
+    assert waited and not any(waited), waited
+    assert sched.has_prompt_work  # a is gone: b is admitted by the next step
+    while engine.has_unfinished:
+        engine.step()
+    small = make_engine(path, page_size=4, max_num_seqs=2, num_pages=6)  # 24 slots
+    small.add_request("c", prompts[2], SamplingParams(max_tokens=3, ignore_eos=True))
+    small.step()  # c holds 4 pages: 2 are left
+    small.add_request("d", prompts[2], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert not small.scheduler.blocks.can_reserve(len(prompts[2]))  # d waits for pages
+    assert not small.scheduler.has_prompt_work
+    while small.has_unfinished:
+        small.step()
