@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.common import telemetry
@@ -198,24 +198,25 @@ class OpenAIFront:
             return StreamingResponse(self._sse(api, choices), headers=headers,
                                      media_type="text/event-stream")
         try:
-            return JSONResponse(await _unless_disconnect(
-                request, self._whole(api, choices)), headers=headers)
+            return await _unless_disconnect(request, self._whole(api, choices, headers))
         except (GenerationFailed, Disconnected) as e:
             return _failed(e, headers, api)
         finally:
             await choices.aclose()
 
-    async def _whole(self, api: ApiRequest, choices: Choices) -> dict:
+    async def _whole(self, api: ApiRequest, choices: Choices, headers: dict) -> Response:
         n, deltas = len(api.requests), out.Deltas(api, self.pipeline.tokenizer)
         text, lps, extras, finals = [""] * n, [None] * n, [{} for _ in range(n)], [None] * n
         async for k, event in choices.events():
             if isinstance(event, GatewayFinal):
                 finals[k] = event
                 continue
-            delta, lp, extra = deltas(k, event)
+            delta, lp, extra = await _built(api, deltas, k, event)
             text[k], lps[k] = text[k] + delta, out.joined(lps[k], lp)
             extras[k].update(extra)
-        return out.whole(api, self.model, text, finals, lps, extras)
+        return await _built(api, lambda: Response(  # rendered here, piece by piece
+            out.render(out.whole(api, self.model, text, finals, lps, extras)).encode(),
+            headers=headers, media_type="application/json"))
 
     async def _sse(self, api: ApiRequest, choices: Choices):
         try:
@@ -229,10 +230,8 @@ class OpenAIFront:
                         finals[k] = event
                         yield out.sse(out.chunk(api, self.model, "", event, index=k))
                         continue
-                    text, lps, extra = deltas(k, event)
-                    if text or lps or extra:
-                        yield out.sse(out.chunk(api, self.model, text, lps=lps, index=k,
-                                              extra=extra))
+                    if piece := await _built(api, self._piece, api, deltas, k, event):
+                        yield piece
                 if api.include_usage:
                     yield out.sse(out.usage_chunk(api, self.model, finals))
             except GenerationFailed as e:
@@ -241,6 +240,13 @@ class OpenAIFront:
             yield "data: [DONE]\n\n"
         finally:
             await choices.aclose()
+
+    def _piece(self, api: ApiRequest, deltas: out.Deltas, k: int, event) -> str | None:
+        """Choice `k`'s event as a server-sent event (None: nothing to send)."""
+        text, lps, extra = deltas(k, event)
+        if text or lps or extra:
+            return out.sse(out.chunk(api, self.model, text, lps=lps, index=k, extra=extra))
+        return None
 
     def _count(self, code: str) -> None:
         if self.pipeline.metrics is not None:
@@ -265,6 +271,16 @@ def _failed(e: Exception, headers: dict, api: ApiRequest) -> JSONResponse:
         return _error(ApiError.of_grpc(e.code, e.message, api.names), headers)
     # Disconnected: nobody reads it; the status is for the access log
     return _error(ApiError(499, "client disconnected", "cancelled"), headers)
+
+
+async def _built(api: ApiRequest, fn, *args):
+    """`fn(*args)`: a part of the response; in a thread when the request asked for logprobs
+    (thousands of entries a choice to build and render: on the event loop they held every other
+    stream and /health for seconds)."""
+    p = api.requests[0].params
+    if p.logprobs is None and p.prompt_logprobs is None:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 async def _off_loop(raw: bytes, fn, *args):

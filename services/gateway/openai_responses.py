@@ -242,4 +242,27 @@ _SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "
 
 def sse(obj: dict) -> str:
     """One server-sent event carrying `obj` as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_SEPARATORS)}\n\n"
+    return f"data: {render(obj).translate(_SEPARATORS)}\n\n"
+
+
+SLICE = 256  # list items a single json.dumps call renders (it holds the GIL throughout)
+
+
+def render(obj, depth: int = 0) -> str:
+    """`obj` as compact JSON, rendered piece by piece: the containers near the top one value at
+    a time, long lists SLICE items at a time — between the pieces other threads, the event
+    loop among them, get the GIL (a response with a million logprob entries is one C call of a
+    second or more otherwise)."""
+    if isinstance(obj, dict) and depth < 4:
+        return "{" + ",".join(f"{_dumps(str(k))}:{render(v, depth + 1)}"
+                              for k, v in obj.items()) + "}"
+    if isinstance(obj, list) and (depth < 2 or len(obj) > SLICE):
+        if depth < 2:
+            return "[" + ",".join(render(v, depth + 1) for v in obj) + "]"
+        return "[" + ",".join(_dumps(obj[i:i + SLICE])[1:-1]
+                              for i in range(0, len(obj), SLICE)) + "]"
+    return _dumps(obj)
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))

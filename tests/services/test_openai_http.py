@@ -320,3 +320,22 @@ async def test_cors_answers_the_allowed_origins_only(model_dir, tmp_path):  # no
                     assert "x-specserve-trace-id" in head["access-control-expose-headers"]
         finally:
             await server.stop(0)
+
+
+@pytest.mark.asyncio
+async def test_a_logprobs_response_is_built_off_the_event_loop():
+    """Thousands of logprob entries a choice: built and rendered in a thread, so that every
+    other stream and /health go on meanwhile; a request without logprobs stays on the loop."""
+    import threading
+    from types import SimpleNamespace
+
+    from services.gateway.openai_http import _built
+    from specserve.types import SamplingParams
+
+    def api(**params):
+        return SimpleNamespace(requests=[SimpleNamespace(params=SamplingParams(**params))])
+
+    loop_thread = threading.get_ident()
+    for params, off in (({"logprobs": 5}, True), ({"prompt_logprobs": 0}, True), ({}, False)):
+        ident = await _built(api(**params), threading.get_ident)
+        assert (ident != loop_thread) is off, params

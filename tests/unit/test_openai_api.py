@@ -329,3 +329,15 @@ def test_a_top_p_below_float32_s_least_is_sent_as_it_and_top_k_s_range_is_in_htt
         _completion(top_k=2**31)
     assert e.value.param == "top_k" and "0 / -1 for no cut" in str(e.value)
     assert "None" not in str(e.value)
+
+
+def test_a_response_rendered_piece_by_piece_is_the_same_json():
+    """out.render (long lists a slice at a time, so that other threads get the GIL between
+    the pieces) gives what json.loads reads back as the object, int keys as strings."""
+    import json
+
+    body = {"id": "x", "choices": [{"index": k, "text": "é\u2028", "prompt_logprobs": [None] + [
+        {7 + i: {"logprob": -0.5 * i, "decoded_token": "a"}} for i in range(700)]}
+        for k in range(3)], "usage": {"prompt_tokens": 701}, "flags": [True, None, 1.5]}
+    assert json.loads(out.render(body)) == json.loads(json.dumps(body))
+    assert out.render([]) == "[]" and out.render({}) == "{}"
