@@ -89,13 +89,18 @@ class Scheduler:
                 f"the queue is full: {queued} requests are waiting (max_waiting); retry later")
         self.waiting.append(seq)
 
+    def _admits_next(self) -> bool:
+        """Whether the first waiting request can be admitted now: a free slot, and pages for
+        its tokens and scratch (FIFO: nobody jumps the queue)."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        seq = self.waiting[0]
+        return self.blocks.can_reserve(seq.num_tokens + self.scratch_of(seq))
+
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self._admits_next():
             seq = self.waiting[0]
-            need = seq.num_tokens + self.scratch_of(seq)
-            if not self.blocks.can_reserve(need):
-                return  # FIFO: nobody jumps the queue
-            self.blocks.reserve(seq.request_id, need)
+            self.blocks.reserve(seq.request_id, seq.num_tokens + self.scratch_of(seq))
             seq.status = Status.RUNNING
             self.running.append(self.waiting.popleft())
 
@@ -199,12 +204,7 @@ class Scheduler:
         """Whether the next step carries prompt tokens: a running request is still prefilling
         its prompt, or the first waiting one is admitted by it (one that waits for a slot or
         for pages is not: the running requests' steps stay decode steps meanwhile)."""
-        if any(s.in_prefill for s in self.running):
-            return True
-        if not self.waiting or len(self.running) >= self.max_num_seqs:
-            return False
-        seq = self.waiting[0]
-        return self.blocks.can_reserve(seq.num_tokens + self.scratch_of(seq))
+        return any(s.in_prefill for s in self.running) or self._admits_next()
 
     @property
     def has_work(self) -> bool:
