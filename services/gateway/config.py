@@ -24,6 +24,7 @@ from services.common.settings import (
     port_file_field,
 )
 from services.gateway.replicas import parse_addresses
+from specserve.config import check_choice
 from specserve.models.generation_config import GENERATION_CONFIG
 
 MIN_MESSAGE_BYTES = 1024
@@ -104,9 +105,7 @@ class GatewayConfig:
         return parse_addresses(self.verifier)
 
     def __post_init__(self) -> None:
-        if self.generation_config not in GENERATION_CONFIG:
-            raise ValueError(f"generation_config must be one of {GENERATION_CONFIG}, got "
-                             f"{self.generation_config!r}")
+        check_choice("generation_config", self.generation_config, GENERATION_CONFIG)
         if not self.model:
             raise ValueError("model must name a directory with tokenizer.json "
                              "(--model or SPECSERVE_MODEL)")

@@ -171,9 +171,7 @@ class VerifierConfig:
     port_file: str | None = port_file_field()
 
     def __post_init__(self) -> None:
-        if self.generation_config not in GENERATION_CONFIG:
-            raise ValueError(f"generation_config must be one of {GENERATION_CONFIG}, got "
-                             f"{self.generation_config!r}")
+        check_choice("generation_config", self.generation_config, GENERATION_CONFIG)
         check_switch("cuda_graphs", self.cuda_graphs)
         check_switch("warmup", self.warmup)
         if not self.model:

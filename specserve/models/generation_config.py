@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.config import check_choice
 from specserve.errors import ModelError
 
 
@@ -67,8 +68,7 @@ def load_generation_defaults(model_dir: str | Path, use: str = "auto") -> Genera
     or greedy ("none": the file's sampling settings are not used; its EOS ids still are).
     ModelError when the file asks for a setting specserve does not implement — serving it
     would silently differ from the model's configured generation."""
-    if use not in GENERATION_CONFIG:
-        raise ValueError(f"generation_config must be one of {GENERATION_CONFIG}, got {use!r}")
+    check_choice("generation_config", use, GENERATION_CONFIG)
     path = Path(model_dir) / "generation_config.json"
     if use == "none" or not path.exists():
         return GenerationDefaults()
