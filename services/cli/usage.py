@@ -187,14 +187,20 @@ def device(allowed: tuple[str, ...] = ("cpu", "cuda")):
         if value not in allowed and not (m and "cuda" in allowed):
             raise argparse.ArgumentTypeError(f"must be {' | '.join(allowed)} or cuda:N, "
                                              f"got {value!r}")
-        if m:
-            count, index = cuda_devices(), int(m.group(1) or 0)
-            if index >= count:
-                have = f"{count} CUDA device(s)" if count else "no CUDA device"
-                raise argparse.ArgumentTypeError(f"{value!r}: this machine has {have}")
+        if m and (missing := cuda_missing(value)):
+            raise argparse.ArgumentTypeError(f"{value!r}: {missing}")
         return value
 
     return parse
+
+
+def cuda_missing(device: str) -> str | None:
+    """"this machine has …" when `device` (cuda or cuda:N) names a CUDA device not here."""
+    count, index = cuda_devices(), int(device.partition(":")[2] or 0)
+    if index < count:
+        return None
+    return f"this machine has {count} CUDA device(s)" if count else \
+        "this machine has no CUDA device"
 
 
 def cuda_devices() -> int:

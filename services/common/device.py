@@ -106,14 +106,12 @@ def resolve_device(device: str) -> str:
     ValueError (a service's one-line error), not torch's assertion deep in a model load."""
     import torch
 
+    from services.cli.usage import cuda_missing
+
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = int(device.partition(":")[2] or 0)
-        if index >= count:
-            have = f"{count} CUDA device(s)" if count else "no CUDA device"
-            raise ValueError(f"--device {device} (SPECSERVE_DEVICE): this machine has {have}")
+    if device.startswith("cuda") and (missing := cuda_missing(device)):
+        raise ValueError(f"--device {device} (SPECSERVE_DEVICE): {missing}")
     return device
 
 
