@@ -37,9 +37,8 @@ class SamplingParams:
     cut. seed None means a fresh random seed. A stop token id (or EOS) ends the generation as
     a token (counted, with its logprob) whose text is left out; a stop string ends it and is left
     out of the text — both kept with include_stop_str_in_output (vLLM's). logprobs None: none;
-    N in [0, MAX_LOGPROBS]: each
-    generated token's log-probability under the target model, and the N most likely tokens';
-    prompt_logprobs the same for each prompt token after the first.
+    N in [0, MAX_LOGPROBS]: each generated token's log-probability under the target model, and
+    the N most likely tokens'; prompt_logprobs the same for each prompt token after the first.
     """
 
     max_tokens: int = 64
