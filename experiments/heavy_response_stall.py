@@ -8,14 +8,18 @@ up` on the CPU demo pair: /health polled every 20 ms during the request, its slo
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from served_audit import http, running_up, write_out  # a sibling: this directory is on the path
+from served_audit import (  # a sibling: this directory is on the path
+    audit_parser,
+    http,
+    running_up,
+    write_out,
+)
 
 
 def poll_health(port: int, stop: threading.Event, worst: list[float]) -> None:
@@ -27,11 +31,7 @@ def poll_health(port: int, stop: threading.Event, worst: list[float]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repo", default=".", help="the checkout whose `specserve up` to run")
-    ap.add_argument("--ports", type=int, default=64611)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = audit_parser(__doc__, 64611).parse_args()
     http_port, log = args.ports + 30, Path(tempfile.mkdtemp()) / "up.log"
     ids = [5 + (i * 37) % 3900 for i in range(2000)]
     out: dict = {"repo": os.path.abspath(args.repo)}

@@ -9,7 +9,6 @@ the restart; since, it goes on with n-gram trees.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 from served_audit import (  # a sibling: this directory is on the path
+    audit_parser,
     drafter_pid,
     running_up,
     write_out,
@@ -54,12 +54,9 @@ def phases(steps: list[dict]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repo", default=".", help="the checkout whose `specserve up` to run")
-    ap.add_argument("--ports", type=int, default=64551)
+    ap = audit_parser(__doc__, 64551)
     ap.add_argument("--max-tokens", type=int, default=3000)
     ap.add_argument("--kill-after-s", type=float, default=3.0)
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
     http_port, log = args.ports + 30, Path(tempfile.mkdtemp()) / "up.log"
     out: dict = {"repo": os.path.abspath(args.repo), "max_tokens": args.max_tokens}

@@ -9,7 +9,6 @@ before a3d4e3a; `--repo` another checkout for a before/after.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -21,7 +20,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from served_audit import running_up, write_out  # a sibling: this directory is on the path
+from served_audit import (  # a sibling: this directory is on the path
+    audit_parser,
+    running_up,
+    write_out,
+)
 
 
 def stream(port: int, prompt: list[int], max_tokens: int, box: dict) -> None:
@@ -56,11 +59,7 @@ def run(port: int, queued: bool) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repo", default=".", help="the checkout whose `specserve up` to run")
-    ap.add_argument("--ports", type=int, default=64711)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = audit_parser(__doc__, 64711).parse_args()
     http_port, log = args.ports + 30, Path(tempfile.mkdtemp()) / "up.log"
     out: dict = {"repo": os.path.abspath(args.repo)}
     with running_up(args.repo, args.ports, http_port, log, SPECSERVE_MAX_NUM_SEQS="2",

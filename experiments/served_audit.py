@@ -135,12 +135,17 @@ def write_out(path: str, out: dict) -> None:
     print(json.dumps(out, indent=1))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def audit_parser(doc: str, ports: int) -> argparse.ArgumentParser:
+    """The flags every served audit takes: --repo (whose `specserve up`), --ports, --out."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--repo", default=".", help="the checkout whose `specserve up` to run")
-    ap.add_argument("--ports", type=int, default=64451)
+    ap.add_argument("--ports", type=int, default=ports)
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = audit_parser(__doc__, 64451).parse_args()
     http_port, log = args.ports + 30, Path(tempfile.mkdtemp()) / "up.log"
     out = {"repo": os.path.abspath(args.repo)}
     with running_up(args.repo, args.ports, http_port, log, SPECSERVE_KV_MEMORY_GB="0.0078125",
